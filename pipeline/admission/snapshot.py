@@ -1,0 +1,161 @@
+"""Immutable, content-addressed training-batch snapshots: the file format.
+
+A snapshot is a directory of its own files under the lake root::
+
+    <lake>/snapshots/<snapshot_id>/members.parquet   schemas/snapshot_payload.yaml
+    <lake>/snapshots/<snapshot_id>/manifest.json     written last
+
+``manifest.json`` lists the sha256 of every data file, the member count, the
+admission config and estimator. The ``snapshots`` table row (committed after
+the files) is what publishes it; ``manifest_sha256`` there pins the manifest.
+Because the payload lives in the snapshot's own files, appends, compaction,
+checkpointing, log cleanup or vacuum of the source tables, or copying the lake
+elsewhere, cannot change what an id means. ``verify_snapshot`` rehashes.
+
+snapshot_id = sha256 over the members sorted by trajectory_id, one line each
+``trajectory_id \\t content_hash``, then ``config_hash`` and the estimator name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.errors import IntegrityError, NotFoundError
+from pipeline.schema import table_spec
+
+FORMAT_VERSION = 1
+DATA_FILE = "members.parquet"
+MANIFEST = "manifest.json"
+
+
+def compute_snapshot_id(members: Iterable[tuple[str, str]], config_hash: str, estimator: str) -> str:
+    """sha256 over sorted (trajectory_id, content_hash), the config hash and the estimator."""
+    h = hashlib.sha256(f"snapshot-v{FORMAT_VERSION}\n".encode())
+    for tid, chash in sorted(members):
+        h.update(f"{tid}\t{chash}\n".encode())
+    h.update(f"config\t{config_hash}\nestimator\t{estimator}\n".encode())
+    return h.hexdigest()
+
+
+def snapshot_dir(snapshot_id: str) -> str:
+    """Directory of a snapshot relative to the lake root."""
+    return f"snapshots/{snapshot_id}"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    snapshot_id: str
+    path: str            # relative to the lake root
+    manifest: dict[str, Any]
+    manifest_sha256: str
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_snapshot_files(lake, payload: pa.Table, *, snapshot_id: str,
+                         manifest_extra: dict[str, Any] | None = None) -> Snapshot:
+    """Write ``payload`` (schemas/snapshot_payload.yaml; sorted here) and the manifest.
+
+    Idempotent: if a complete snapshot with this id exists (manifest present and
+    verifying), it is returned untouched: immutable means never rewritten.
+    """
+    rel = snapshot_dir(snapshot_id)
+    existing = _try_open(lake, snapshot_id)
+    if existing is not None:
+        verify_snapshot(lake, snapshot_id)
+        return existing
+    spec = table_spec("snapshot_payload")
+    payload = payload.select(spec.names).cast(spec.arrow_schema())
+    payload = payload.sort_by([("group_id", "ascending"), ("trajectory_id", "ascending")])
+    fs, root = lake.filesystem()
+    base = f"{root}/{rel}"
+    fs.create_dir(base, recursive=True)
+    buf = io.BytesIO()
+    pq.write_table(payload, buf, compression="zstd", use_dictionary=False, write_statistics=True)
+    data = buf.getvalue()
+    with fs.open_output_stream(f"{base}/{DATA_FILE}") as f:
+        f.write(data)
+    manifest = {
+        "format": FORMAT_VERSION,
+        "snapshot_id": snapshot_id,
+        "files": {DATA_FILE: {"sha256": _sha(data), "bytes": len(data), "rows": payload.num_rows}},
+        "num_members": payload.num_rows,
+        **(manifest_extra or {}),
+    }
+    mbytes = json.dumps(manifest, sort_keys=True, indent=1, default=str).encode()
+    with fs.open_output_stream(f"{base}/{MANIFEST}") as f:  # last: its presence marks completeness
+        f.write(mbytes)
+    return Snapshot(snapshot_id, rel, manifest, _sha(mbytes))
+
+
+def _try_open(lake, snapshot_id: str) -> Snapshot | None:
+    fs, root = lake.filesystem()
+    rel = snapshot_dir(snapshot_id)
+    try:
+        with fs.open_input_stream(f"{root}/{rel}/{MANIFEST}") as f:
+            mbytes = f.read()
+    except (FileNotFoundError, OSError):
+        return None
+    return Snapshot(snapshot_id, rel, json.loads(mbytes), _sha(mbytes))
+
+
+def open_snapshot(lake, snapshot_id: str) -> Snapshot:
+    snap = _try_open(lake, snapshot_id)
+    if snap is None:
+        raise NotFoundError(f"snapshot {snapshot_id} not found under {lake.uri}/snapshots",
+                            hint="pipeline snapshots list shows the snapshots of this lake")
+    return snap
+
+
+def verify_snapshot(lake, snapshot_id: str) -> dict[str, Any]:
+    """Rehash every file against the manifest, check the manifest against the
+    snapshots table (when it has the row), and recompute the id from the members.
+    Raises IntegrityError on any mismatch."""
+    snap = open_snapshot(lake, snapshot_id)
+    fs, root = lake.filesystem()
+    for name, info in snap.manifest["files"].items():
+        with fs.open_input_stream(f"{root}/{snap.path}/{name}") as f:
+            data = f.read()
+        if _sha(data) != info["sha256"]:
+            raise IntegrityError(f"snapshot {snapshot_id}: {name} has sha256 {_sha(data)}, manifest says {info['sha256']}",
+                                 hint="the snapshot's files were modified; restore them from a copy")
+    table = read_snapshot_table(lake, snap, verify=False)
+    recomputed = compute_snapshot_id(
+        zip(table.column("trajectory_id").to_pylist(), table.column("content_hash").to_pylist()),
+        snap.manifest["config_hash"], snap.manifest["advantage_estimator"])
+    if recomputed != snapshot_id:
+        raise IntegrityError(f"snapshot {snapshot_id}: members hash to {recomputed}")
+    row_sha = None
+    if lake.exists("snapshots"):
+        import pyarrow.dataset as ds
+
+        rows = lake.read("snapshots", columns=["snapshot_id", "manifest_sha256"],
+                         filter=ds.field("snapshot_id") == snapshot_id)
+        if rows.num_rows:
+            row_sha = rows.column("manifest_sha256")[0].as_py()
+            if row_sha != snap.manifest_sha256:
+                raise IntegrityError(f"snapshot {snapshot_id}: manifest sha256 {snap.manifest_sha256} differs from "
+                                     f"the snapshots table ({row_sha})")
+    return {"snapshot_id": snapshot_id, "ok": True, "files": len(snap.manifest["files"]),
+            "members": table.num_rows, "manifest_sha256": snap.manifest_sha256, "registered": row_sha is not None}
+
+
+def read_snapshot_table(lake, snap: Snapshot | str, *, verify: bool = True, columns: list[str] | None = None) -> pa.Table:
+    """The snapshot's members with payload. ``verify`` rehashes the files first."""
+    if isinstance(snap, str):
+        snap = open_snapshot(lake, snap)
+    fs, root = lake.filesystem()
+    with fs.open_input_stream(f"{root}/{snap.path}/{DATA_FILE}") as f:
+        data = f.read()
+    if verify and _sha(data) != snap.manifest["files"][DATA_FILE]["sha256"]:
+        raise IntegrityError(f"snapshot {snap.snapshot_id}: {DATA_FILE} does not match its manifest")
+    return pq.read_table(pa.BufferReader(data), columns=columns)

@@ -1,0 +1,128 @@
+"""Strict JSON-lines parsing into the trajectories contract's Arrow types.
+
+JSON has one number type and no timestamps, so parsing is where a value's
+type is decided: an integer field accepts only JSON integers (not 1.0, not
+true), a float field accepts integers and floats, a timestamp field accepts
+only ISO-8601 strings with a UTC offset. A value that does not fit makes its
+row a reject with the field named; nothing is coerced.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.lake.validate import Reject
+from pipeline.schema import ColumnSpec, table_spec
+
+
+class _Bad(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        self.code, self.message = code, message
+
+
+def _int(v: Any, bits: int, name: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _Bad("wrong_type", f"{name}={v!r} is not an integer")
+    lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    if not lo <= v <= hi:
+        raise _Bad("out_of_range", f"{name}={v} does not fit int{bits}")
+    return v
+
+
+def _float(v: Any, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _Bad("wrong_type", f"{name}={v!r} is not a number")
+    return float(v)
+
+
+def _ts(v: Any, name: str) -> datetime:
+    if not isinstance(v, str):
+        raise _Bad("wrong_type", f"{name}={v!r} is not an ISO-8601 timestamp string")
+    try:
+        t = datetime.fromisoformat(v.replace("Z", "+00:00"))
+    except ValueError:
+        raise _Bad("wrong_type", f"{name}={v!r} is not an ISO-8601 timestamp") from None
+    if t.tzinfo is None:
+        raise _Bad("naive_timestamp", f"{name}={v!r} has no UTC offset; write e.g. 2026-01-01T00:00:00Z")
+    return t.astimezone(timezone.utc)
+
+
+def _convert(v: Any, t: pa.DataType, name: str) -> Any:
+    if v is None:
+        return None
+    if pa.types.is_string(t):
+        if not isinstance(v, str):
+            raise _Bad("wrong_type", f"{name}={v!r} is not a string")
+        return v
+    if pa.types.is_integer(t):
+        return _int(v, t.bit_width, name)
+    if pa.types.is_floating(t):
+        return _float(v, name)
+    if pa.types.is_timestamp(t):
+        return _ts(v, name)
+    if pa.types.is_list(t):
+        if not isinstance(v, list):
+            raise _Bad("wrong_type", f"{name} is {type(v).__name__}, expected a list")
+        return [_convert(x, t.value_type, f"{name}[{i}]") for i, x in enumerate(v)]
+    if pa.types.is_map(t):
+        if not isinstance(v, dict):
+            raise _Bad("wrong_type", f"{name} is {type(v).__name__}, expected an object of name: number")
+        return [(k, _convert(x, t.item_type, f"{name}[{k!r}]")) for k, x in v.items()]
+    raise _Bad("wrong_type", f"{name}: unsupported type {t}")
+
+
+def parse_jsonl(data: bytes, path: Path | str, table: str = "trajectories") -> tuple[pa.Table, list[str], list[Reject]]:
+    spec = table_spec(table)
+    cols: list[ColumnSpec] = spec.ingest_columns
+    derived = {c.name for c in spec.derived_columns}
+    names = {c.name for c in cols}
+    lines = [ln for ln in data.decode("utf-8", errors="replace").splitlines() if ln.strip()]
+    values: dict[str, list[Any]] = {c.name: [] for c in cols}
+    present: dict[str, np.ndarray] = {c.name: np.zeros(len(lines), bool) for c in cols}
+    rejects: list[Reject] = []
+    for i, line in enumerate(lines):
+        row_bad: Reject | None = None
+        try:
+            obj = json.loads(line)
+            if not isinstance(obj, dict):
+                raise _Bad("bad_json", f"line {i + 1} is a JSON {type(obj).__name__}, expected an object")
+        except json.JSONDecodeError as exc:
+            obj, row_bad = {}, Reject(i, "bad_json", f"line {i + 1} is not valid JSON: {exc.msg} at column {exc.colno}")
+        except _Bad as b:
+            obj, row_bad = {}, Reject(i, b.code, b.message)
+        extra = sorted(set(obj) - names)
+        if row_bad is None and extra:
+            code = "derived_column" if set(extra) <= derived else "unknown_column"
+            row_bad = Reject(i, code, f"unknown column(s) {extra}; the {table} contract has no such column "
+                                      f"(see README, Ingest contract): drop or rename them"
+                             if code == "unknown_column" else f"column(s) {extra} are computed by the lake; drop them")
+        for c in cols:
+            v = obj.get(c.name)
+            present[c.name][i] = c.name in obj
+            try:
+                values[c.name].append(_convert(v, c.arrow_type, c.name))
+            except _Bad as b:
+                values[c.name].append(None)
+                if row_bad is None:
+                    row_bad = Reject(i, b.code, b.message)
+        if row_bad is None:
+            missing = [c.name for c in cols if c.required and c.ingest != "optional" and c.name not in obj]
+            if missing:
+                row_bad = Reject(i, "missing_column", f"required field(s) {missing} are missing")
+        if row_bad is not None:
+            rejects.append(row_bad)
+    arrays = {}
+    for c in cols:
+        vals = values[c.name]
+        if pa.types.is_floating(c.arrow_type):
+            vals = [float("nan") if isinstance(v, float) and math.isnan(v) else v for v in vals]
+        arrays[c.name] = pa.array(vals, type=c.arrow_type)
+    t = pa.table(arrays, schema=pa.schema([c.arrow_field().with_nullable(True) for c in cols]))
+    return t, lines, rejects

