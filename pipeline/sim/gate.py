@@ -1,0 +1,107 @@
+"""The in-simulator admission gate: DESIGN.md "Admission semantics", per group.
+
+Pure and small on purpose: it decides one group from its members' policy
+versions, terminal statuses, rewards and queue waits, in the order DESIGN.md
+gives (failures, comparability, freshness, group checks). The simulated
+trajectories differ only in policy_version (tokenizer, template, env, verifier
+and temperature are constant in a simulation), so comparability reduces to the
+policy-version reference. ``--land`` replaces this gate with the real
+admission job over Delta tables (lake_mode.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+# terminal statuses of simulated trajectories (the trajectories.status enum)
+ACCEPTED, INFRA_FAILED, EXPIRED = "ACCEPTED", "INFRA_FAILED", "EXPIRED"
+
+VALID = ""  # member reason for a member that passed every member check
+
+
+@dataclass(frozen=True)
+class GateRules:
+    max_policy_lag: int = 1
+    max_queue_wait_ms: int | None = None
+    min_valid_members: int = 2
+    min_reward_std: float = 1e-6
+
+
+@dataclass(frozen=True)
+class Decision:
+    decision: str               # admit, zero_variance, insufficient_valid, ...
+    reasons: tuple[str, ...]    # per member: VALID or the exclusion reason
+
+
+class Gate(Protocol):
+    """Decides the groups that are complete at simulated time ``now``.
+
+    ``members[k]`` lists the trajectory indices of ``groups[k]``; the engine's
+    records (``sim.version``, ``sim.status``, ``sim.reward``, ``sim.end``) hold
+    their data. Returns one Decision per group, in order."""
+
+    def decide(self, sim, groups: Sequence[int], members: Sequence[Sequence[int]], now: float,
+               current_version: int) -> list[Decision]: ...
+
+
+def decide_group(versions: Sequence[int], statuses: Sequence[str], rewards: Sequence[float | None],
+                 waits_ms: Sequence[float], current_version: int, rules: GateRules) -> Decision:
+    """One group, DESIGN.md steps 1-5. ``rewards`` use None for "no valid evaluation"."""
+    n = len(versions)
+    reasons = [VALID] * n
+    # 1. failures never count as policy failures and never enter a baseline
+    for i in range(n):
+        if statuses[i] == INFRA_FAILED:
+            reasons[i] = "infra_failed"
+        elif statuses[i] == EXPIRED:
+            reasons[i] = "expired"
+        elif rewards[i] is None or (isinstance(rewards[i], float) and math.isnan(rewards[i])):
+            reasons[i] = "no_reward"
+    # 2. reference configuration: the most common policy_version, ties to the higher one
+    counts = Counter(versions[i] for i in range(n) if reasons[i] == VALID)
+    if counts:
+        ref = max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
+        for i in range(n):
+            if reasons[i] == VALID and versions[i] != ref:
+                reasons[i] = "policy_mismatch"
+    # 3. freshness
+    for i in range(n):
+        if reasons[i] != VALID:
+            continue
+        if current_version - versions[i] > rules.max_policy_lag:
+            reasons[i] = "stale_policy"
+        elif rules.max_queue_wait_ms is not None and waits_ms[i] > rules.max_queue_wait_ms:
+            reasons[i] = "stale_wait"
+    # 4. group checks over the valid members
+    valid = [float(rewards[i]) for i in range(n) if reasons[i] == VALID]  # type: ignore[arg-type]
+    if len(valid) < rules.min_valid_members:
+        return Decision("insufficient_valid", tuple(reasons))
+    # exact spread test first: variance functions return 1e-9..1e-8 for equal rewards (VERIFIED.md)
+    if not max(valid) > min(valid):
+        return Decision("zero_variance", tuple(reasons))
+    mean = sum(valid) / len(valid)
+    std = math.sqrt(sum((r - mean) ** 2 for r in valid) / len(valid))
+    if std < rules.min_reward_std:
+        return Decision("zero_variance", tuple(reasons))
+    return Decision("admit", tuple(reasons))
+
+
+class FreshnessGate:
+    """The simulator's own gate (pure mode)."""
+
+    def __init__(self, rules: GateRules) -> None:
+        self.rules = rules
+
+    def decide(self, sim, groups, members, now, current_version):
+        out = []
+        for idx in members:
+            out.append(decide_group(
+                [sim.version[i] for i in idx],
+                [sim.status[i] for i in idx],
+                [sim.reward[i] for i in idx],
+                [(now - sim.end[i]) * 1000.0 for i in idx],
+                current_version, self.rules))
+        return out
