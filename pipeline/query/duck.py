@@ -77,11 +77,12 @@ def query(lake, sql: str, *, params: dict[str, Any] | None = None,
     con = connect(lake, as_of=as_of)
     try:
         used = set(re.findall(r"\$([A-Za-z_][A-Za-z0-9_]*)", _strip_comments(sql)))
-        missing = sorted(used - set(params or {}))
+        params = {**declared_params(sql), **(params or {})}
+        missing = sorted(used - set(params))
         if missing:
             raise SQLError(f"the query needs parameter(s) {missing}",
                            hint=" ".join(f"--param {m}=VALUE" for m in missing))
-        p = {k: v for k, v in (params or {}).items() if k in used}
+        p = {k: v for k, v in params.items() if k in used}
         rel = con.sql(sql, params=p) if p else con.sql(sql)
         if rel is None:  # a statement without a result (e.g. SET)
             return pa.table({})
@@ -90,6 +91,33 @@ def query(lake, sql: str, *, params: dict[str, Any] | None = None,
         raise SQLError(f"SQL failed: {exc}") from None
     finally:
         con.close()
+
+
+_PARAM_LINE = re.compile(r"^\s*--\s*@param\s+([A-Za-z_][A-Za-z0-9_]*)\s*(?:=\s*('(?:[^']|'')*'|\S+))?", re.M)
+
+
+def declared_params(sql: str) -> dict[str, Any]:
+    """Defaults a named query declares in its header: ``-- @param NAME = DEFAULT``.
+
+    DEFAULT is NULL, a number, or a 'quoted string'; a parameter declared
+    without ``= DEFAULT`` is required (absent from the result).
+    """
+    out: dict[str, Any] = {}
+    for name, raw in _PARAM_LINE.findall(sql):
+        if not raw:
+            continue
+        if raw.upper() == "NULL":
+            out[name] = None
+        elif raw.startswith("'"):
+            out[name] = raw[1:-1].replace("''", "'")
+        else:
+            for cast in (int, float, str):
+                try:
+                    out[name] = cast(raw)
+                    break
+                except ValueError:
+                    pass
+    return out
 
 
 def _strip_comments(sql: str) -> str:
