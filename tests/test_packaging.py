@@ -1,0 +1,63 @@
+"""The package is light to import, ships its declarative resources, and the
+README's generated schema section is current."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_import_pipeline_and_cli_stays_light():
+    code = ("import sys, pipeline, pipeline.cli; pipeline.cli.build_parser(); "
+            "heavy = [m for m in ('torch', 'deltalake', 'duckdb', 'deepspeed', 'vllm', 'great_expectations', "
+            "'dask', 'transformers') if m in sys.modules]; print(','.join(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"importing the CLI pulled in heavy modules: {out.stdout}"
+
+
+def test_readme_schema_section_is_generated_from_schemas(tmp_path):
+    from pipeline.schema import update_readme
+
+    copy = tmp_path / "README.md"
+    copy.write_text((ROOT / "README.md").read_text())
+    assert not update_readme(copy), "README.md schema section is stale: run python -m pipeline.schema --update-readme"
+
+
+def test_every_schema_file_parses_and_has_descriptions():
+    from pipeline.resources import resource_dir
+    from pipeline.schema import table_spec
+
+    for f in sorted(resource_dir("schemas").glob("*.yaml")):
+        spec = table_spec(f.stem)
+        assert spec.description
+        assert all(c.description for c in spec.columns), f.stem
+        spec.arrow_schema()
+
+
+@pytest.mark.slow
+def test_wheel_ships_schemas_sql_and_jobs(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True)
+    if out.returncode != 0 and "hatchling" in out.stderr:
+        out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path),
+                              str(ROOT)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    wheel = next(tmp_path.glob("*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "pipeline/_resources/schemas/trajectories.yaml" in names
+    assert any(n.startswith("pipeline/_resources/sql/") for n in names)
+    assert any(n.startswith("pipeline/_resources/jobs/") for n in names)
+    # the installed layout resolves resources from inside the package
+    target = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(target)
+    code = "from pipeline.resources import resource_dir; print(resource_dir('schemas'))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == str(target / "pipeline" / "_resources" / "schemas")
