@@ -68,32 +68,100 @@ def write_snapshot_files(lake, payload: pa.Table, *, snapshot_id: str,
     Idempotent: if a complete snapshot with this id exists (manifest present and
     verifying), it is returned untouched: immutable means never rewritten.
     """
+    spec = table_spec("snapshot_payload")
+    payload = payload.select(spec.names).cast(spec.arrow_schema())
+    payload = payload.sort_by([("group_id", "ascending"), ("trajectory_id", "ascending")])
+    return write_snapshot_stream(lake, [payload], snapshot_id=snapshot_id, manifest_extra=manifest_extra)
+
+
+class _HashingWriter:
+    """File-like sink that sha256-hashes and counts what passes through."""
+
+    def __init__(self, sink) -> None:
+        self.sink, self.h, self.n, self.closed = sink, hashlib.sha256(), 0, False
+
+    def write(self, data) -> int:
+        mv = memoryview(data)
+        self.h.update(mv)
+        self.sink.write(mv)
+        self.n += mv.nbytes
+        return mv.nbytes
+
+    def tell(self) -> int:
+        return self.n
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def writable(self) -> bool:
+        return True
+
+
+def write_snapshot_stream(lake, parts: Iterable[pa.Table | pa.RecordBatch], *, snapshot_id: str,
+                          manifest_extra: dict[str, Any] | None = None) -> Snapshot:
+    """The streaming form of ``write_snapshot_files`` (same format): ``parts``
+    must already be in (group_id, trajectory_id) order; memory stays at one part.
+
+    Files go to a temporary directory renamed into place at the end, so a
+    reader (or a concurrent writer of the same id) never sees a partial
+    snapshot; if the id already exists it is verified and returned untouched.
+    """
+    import uuid
+
     rel = snapshot_dir(snapshot_id)
     existing = _try_open(lake, snapshot_id)
     if existing is not None:
         verify_snapshot(lake, snapshot_id)
         return existing
-    spec = table_spec("snapshot_payload")
-    payload = payload.select(spec.names).cast(spec.arrow_schema())
-    payload = payload.sort_by([("group_id", "ascending"), ("trajectory_id", "ascending")])
+    schema = table_spec("snapshot_payload").arrow_schema()
     fs, root = lake.filesystem()
-    base = f"{root}/{rel}"
-    fs.create_dir(base, recursive=True)
-    buf = io.BytesIO()
-    pq.write_table(payload, buf, compression="zstd", use_dictionary=False, write_statistics=True)
-    data = buf.getvalue()
-    with fs.open_output_stream(f"{base}/{DATA_FILE}") as f:
-        f.write(data)
-    manifest = {
-        "format": FORMAT_VERSION,
-        "snapshot_id": snapshot_id,
-        "files": {DATA_FILE: {"sha256": _sha(data), "bytes": len(data), "rows": payload.num_rows}},
-        "num_members": payload.num_rows,
-        **(manifest_extra or {}),
-    }
-    mbytes = json.dumps(manifest, sort_keys=True, indent=1, default=str).encode()
-    with fs.open_output_stream(f"{base}/{MANIFEST}") as f:  # last: its presence marks completeness
-        f.write(mbytes)
+    tmp = f"{root}/snapshots/.tmp-{snapshot_id[:16]}-{uuid.uuid4().hex[:8]}"
+    fs.create_dir(tmp, recursive=True)
+    rows = 0
+    last_key: tuple[str, str] | None = None
+    try:
+        with fs.open_output_stream(f"{tmp}/{DATA_FILE}") as raw:
+            sink = _HashingWriter(raw)
+            with pq.ParquetWriter(sink, schema, compression="zstd", use_dictionary=False,
+                                  write_statistics=True) as writer:
+                for part in parts:
+                    t = pa.Table.from_batches([part]) if isinstance(part, pa.RecordBatch) else part
+                    t = t.select(schema.names).cast(schema)
+                    if t.num_rows == 0:
+                        continue
+                    first = (t.column("group_id")[0].as_py(), t.column("trajectory_id")[0].as_py())
+                    if last_key is not None and first <= last_key:
+                        raise ValueError("snapshot parts must be sorted by (group_id, trajectory_id)")
+                    last_key = (t.column("group_id")[-1].as_py(), t.column("trajectory_id")[-1].as_py())
+                    writer.write_table(t)
+                    rows += t.num_rows
+            data_sha, data_bytes = sink.h.hexdigest(), sink.n
+        manifest = {
+            "format": FORMAT_VERSION,
+            "snapshot_id": snapshot_id,
+            "files": {DATA_FILE: {"sha256": data_sha, "bytes": data_bytes, "rows": rows}},
+            "num_members": rows,
+            **(manifest_extra or {}),
+        }
+        mbytes = json.dumps(manifest, sort_keys=True, indent=1, default=str).encode()
+        with fs.open_output_stream(f"{tmp}/{MANIFEST}") as f:
+            f.write(mbytes)
+        try:
+            fs.move(tmp, f"{root}/{rel}")
+        except OSError:
+            # another writer published this id first: its files are the snapshot
+            if _try_open(lake, snapshot_id) is None:
+                raise
+            verify_snapshot(lake, snapshot_id)
+            return _try_open(lake, snapshot_id)  # type: ignore[return-value]
+    finally:
+        try:
+            fs.delete_dir(tmp)
+        except (FileNotFoundError, OSError):
+            pass
     return Snapshot(snapshot_id, rel, manifest, _sha(mbytes))
 
 

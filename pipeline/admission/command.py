@@ -1,0 +1,137 @@
+"""CLI: `pipeline admit …` and `pipeline snapshots list|show ID|verify ID`.
+
+    pipeline admit --lake ./lake                       # decide, write receipts, print the snapshot id
+    pipeline admit --dry-run --json                    # the receipts it would write
+    pipeline admit --set max_policy_lag=2 --set "update_if=['max(task_success) >= 0.5']"
+    pipeline admit --engine dask --dask-scheduler tcp://host:8786
+    pipeline snapshots verify SNAPSHOT_ID              # rehash the snapshot's files
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from pipeline.cli import add_config_options, common
+
+    p = common(sub.add_parser(
+        "admit", help="run admission: receipts per group, one immutable snapshot of the admitted members",
+        description="Decide every complete (or timed-out) undecided group with the checks in sql/admission_*.sql; "
+                    "write one receipt per group and materialize one content-addressed snapshot."))
+    add_config_options(p)
+    p.add_argument("--current-policy-version", type=int, default=None, metavar="V",
+                   help="measure freshness against V (default: newest published policy, else newest in trajectories)")
+    p.add_argument("--dry-run", action="store_true", help="print the receipts it would write; write nothing")
+    p.add_argument("--engine", choices=("duckdb", "dask"), default="duckdb",
+                   help="duckdb (one machine, default) or dask (a distributed cluster)")
+    p.add_argument("--dask-scheduler", default=None, metavar="ADDRESS",
+                   help="dask scheduler address (default: a LocalCluster)")
+    p.add_argument("--target-groups", type=int, default=None, metavar="N",
+                   help="report how many admitted groups are missing to reach N and the observed admit rate")
+    p.set_defaults(handler=_admit)
+
+    s = sub.add_parser("snapshots", help="list, show and verify batch snapshots")
+    ssub = s.add_subparsers(dest="snapshots_command", metavar="ACTION")
+    ls = common(ssub.add_parser("list", help="every snapshot of the lake, newest first"))
+    ls.set_defaults(handler=_list)
+    sh = common(ssub.add_parser("show", help="a snapshot's row, manifest and decision counts"))
+    sh.add_argument("snapshot_id")
+    sh.set_defaults(handler=_show)
+    vf = common(ssub.add_parser("verify", help="rehash a snapshot's files against its manifest and the table"))
+    vf.add_argument("snapshot_id")
+    vf.set_defaults(handler=_verify)
+    s.set_defaults(handler=lambda args: s.print_help() or 0)
+
+
+def _admit(args: argparse.Namespace) -> int | None:
+    from pipeline.admission.config import AdmissionConfig
+    from pipeline.admission.run import admit
+    from pipeline.cli import emit
+    from pipeline.config import load_config, parse_set
+    from pipeline.lake.delta import Lake
+
+    cfg = load_config(AdmissionConfig, args.config, parse_set(args.set))
+    res = admit(Lake(args.lake), cfg, current_policy_version=args.current_policy_version, dry_run=args.dry_run,
+                engine=args.engine, dask_scheduler=args.dask_scheduler, target_groups=args.target_groups)
+    out = res.as_dict(with_receipts=args.dry_run)
+    emit(out, args, _admit_text)
+    return None
+
+
+def _admit_text(d: dict[str, Any]) -> str:
+    lines = []
+    if d.get("dry_run"):
+        for r in d.get("receipts", []):
+            excl = ", ".join(f"{k}={v}" for k, v in r["excluded_members"]) or "-"
+            lines.append(f"{r['group_id']}: {r['decision']}  valid={len(r['valid_members'])}/{r['arrived_members']}"
+                         f"  excluded: {excl}")
+        lines.append(f"dry run: {d['decided_groups']} group(s) would be decided: {d['counts']}")
+    else:
+        lines.append(f"decided {d['decided_groups']} group(s): {d['counts']}")
+    if d.get("target"):
+        t = d["target"]
+        lines.append(f"target {t['target_groups']} groups: {t['missing_groups']} missing, admit rate "
+                     f"{t['observed_admit_rate']}, sample ~{t['groups_to_sample']} more groups")
+    if d.get("snapshot_id"):
+        lines.append(f"snapshot {d['snapshot_id']}: {d['admitted_groups']} groups, {d['admitted_members']} members"
+                     + ("" if d.get("dry_run") else f", {d['num_tokens']} tokens"))
+        lines.append(d["snapshot_id"])
+    else:
+        lines.append("no snapshot (nothing admitted)")
+    return "\n".join(lines)
+
+
+def _list(args: argparse.Namespace) -> None:
+    from pipeline.cli import emit
+    from pipeline.lake.delta import Lake
+
+    lake = Lake(args.lake)
+    cols = ["snapshot_id", "created_at", "advantage_estimator", "num_groups", "num_members", "num_tokens",
+            "current_policy_version"]
+    rows = sorted(lake.read("snapshots", columns=cols).to_pylist(), key=lambda r: r["created_at"], reverse=True)
+    if args.json:
+        emit({"snapshots": rows}, args)
+        return
+    for r in rows:
+        print(f"{r['snapshot_id']}  {r['created_at']:%Y-%m-%d %H:%M:%S}  {r['advantage_estimator']:<20} "
+              f"groups={r['num_groups']} members={r['num_members']} tokens={r['num_tokens']} "
+              f"policy={r['current_policy_version']}")
+    print(f"({len(rows)} snapshot{'s' if len(rows) != 1 else ''})")
+
+
+def _show(args: argparse.Namespace) -> None:
+    import json
+
+    import pyarrow.dataset as ds
+
+    from pipeline.admission.snapshot import open_snapshot
+    from pipeline.cli import emit
+    from pipeline.lake.delta import Lake
+
+    lake = Lake(args.lake)
+    snap = open_snapshot(lake, args.snapshot_id)
+    rows = lake.read("snapshots", filter=ds.field("snapshot_id") == args.snapshot_id).to_pylist()
+    rec = lake.read("receipts", columns=["decision", "snapshot_id"],
+                    filter=ds.field("snapshot_id") == args.snapshot_id)
+    out = {"snapshot_id": snap.snapshot_id, "path": snap.path, "manifest_sha256": snap.manifest_sha256,
+           "manifest": snap.manifest, "registered": bool(rows), "receipted_groups": rec.num_rows}
+    if rows:
+        row = rows[0]
+        row["source_versions"] = dict(row["source_versions"])
+        row["quality"] = json.loads(row.pop("quality_json") or "null")
+        row.pop("config_json", None)
+        out["row"] = row
+    emit(out, args, lambda d: json.dumps(d, indent=1, default=str, sort_keys=True))
+
+
+def _verify(args: argparse.Namespace) -> dict[str, Any]:
+    from pipeline.admission.snapshot import verify_snapshot
+    from pipeline.cli import emit
+    from pipeline.lake.delta import Lake
+
+    out = verify_snapshot(Lake(args.lake), args.snapshot_id)
+    emit(out, args, lambda d: f"ok: snapshot {d['snapshot_id']} verifies ({d['members']} members, "
+                              f"{d['files']} file(s), registered={d['registered']})\n{d['snapshot_id']}")
+    return None

@@ -1,0 +1,147 @@
+"""The admission config: one frozen dataclass, every field documented.
+
+Defaults follow shared/DESIGN.md "Admission semantics". Load with
+``pipeline.config.load_config(AdmissionConfig, file, parse_set(["k=v"]))``;
+``validate()`` holds the cross-field checks with fix-it messages.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pipeline.errors import ConfigError
+
+# "AGG(component) OP number", e.g. "max(task_success) >= 0.5"
+GATE_RE = re.compile(r"^\s*(min|max|mean)\s*\(\s*([A-Za-z_][A-Za-z0-9_]*)\s*\)\s*(>=|<=|>|<|==)\s*"
+                     r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
+BUCKET_FIELDS = ("difficulty", "length_bucket", "tool_call_bucket", "reward_std_bucket")
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One parsed ``update_if`` expression over the valid members' reward components."""
+
+    agg: str
+    component: str
+    op: str
+    value: float
+    text: str
+
+
+def parse_gate(text: str) -> Gate:
+    m = GATE_RE.match(text)
+    if not m:
+        raise ConfigError(f"update_if {text!r}: expected AGG(component) OP number",
+                          hint="e.g. update_if=['max(task_success) >= 0.5']; AGG is min, max or mean")
+    return Gate(m.group(1), m.group(2), m.group(3), float(m.group(4)), text.strip())
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    max_policy_lag: int = field(default=1, metadata={
+        "help": "Exclude members whose oldest sampled token is more than this many versions behind "
+                "the current policy (stale_policy)."})
+    max_queue_wait_ms: int | None = field(default=None, metadata={
+        "help": "Exclude members that waited longer than this in the queue (stale_wait); null = no limit."})
+    min_valid_members: int = field(default=2, metadata={
+        "help": "Groups with fewer valid members are decided insufficient_valid."})
+    min_reward_std: float = field(default=1e-6, metadata={
+        "help": "After max(reward) > min(reward), the population std of valid rewards must reach this "
+                "(else zero_variance)."})
+    group_timeout_s: float = field(default=600.0, metadata={
+        "help": "An incomplete group whose oldest member finished this long ago is decided with what arrived."})
+    admit_incomplete: bool = field(default=True, metadata={
+        "help": "Whether a timed-out incomplete group may be admitted (false: decision incomplete)."})
+    advantage: str = field(default="grpo", metadata={
+        "help": "Advantage estimator: grpo, dr_grpo, rloo, reinforce_batch_norm (registry in advantages.py)."})
+    advantage_scaling: Literal["group", "batch", "none"] = field(default="group", metadata={
+        "help": "grpo only: divide centred rewards by the group std (group), by the std of all centred "
+                "rewards in the snapshot (batch), or not at all (none)."})
+    eps: float = field(default=1e-6, metadata={"help": "Added to the std before dividing."})
+    baseline_momentum: float | None = field(default=None, metadata={
+        "help": "reinforce_batch_norm only: running-mean baseline carried between snapshots, "
+                "b = m*b_prev + (1-m)*mean(batch); null = the batch mean."})
+    current_policy_version: int | None = field(default=None, metadata={
+        "help": "Version freshness is measured against; null = newest published policy, else the newest "
+                "policy_version seen in trajectories."})
+    update_if: tuple[str, ...] = field(default=(), metadata={
+        "help": "Reward-decomposition gates over valid members, each 'AGG(component) OP number' "
+                "(AGG: min, max, mean), e.g. 'max(task_success) >= 0.5'; a failing group is decided gated."})
+    component_caps: dict[str, float] = field(default_factory=dict, metadata={
+        "help": "Caps on heuristic reward components: reward used = reward - sum(max(0, c - cap)) "
+                "(e.g. {format: 0.1})."})
+    length_edges: tuple[int, ...] = field(default=(256, 1024, 4096), metadata={
+        "help": "Response-length bucket edges (tokens); the group's bucket uses its longest member."})
+    tool_call_edges: tuple[int, ...] = field(default=(1, 4, 16), metadata={
+        "help": "Tool-call bucket edges; the group's bucket uses its largest count."})
+    reward_std_edges: tuple[float, ...] = field(default=(1e-6, 0.25), metadata={
+        "help": "Reward-std bucket edges over the valid members' population std."})
+    bucket_caps: dict[str, int] = field(default_factory=dict, metadata={
+        "help": "Max admitted groups per run for a bucket label, keyed 'FIELD:LABEL' "
+                "(e.g. {'difficulty:easy': 100}); groups past a cap are decided capped (by group_id order)."})
+    quality: bool = field(default=True, metadata={
+        "help": "Run the great-expectations suites (from schemas/) on candidates and on the snapshot."})
+    batch_rows: int = field(default=65536, metadata={
+        "help": "Rows per batch when scanning token columns and materializing payload."})
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        from pipeline.admission.advantages import ESTIMATORS
+
+        if self.advantage not in ESTIMATORS:
+            raise ConfigError(f"advantage {self.advantage!r} is not registered",
+                              hint=f"choose one of {sorted(ESTIMATORS)}")
+        if self.min_valid_members < 1:
+            raise ConfigError("min_valid_members must be >= 1")
+        if self.advantage in ("grpo", "dr_grpo", "rloo") and self.min_valid_members < 2:
+            raise ConfigError(f"{self.advantage} needs a group baseline: min_valid_members must be >= 2",
+                              hint="use advantage=reinforce_batch_norm for one sample per prompt")
+        if self.max_policy_lag < 0:
+            raise ConfigError("max_policy_lag must be >= 0")
+        if self.eps < 0 or self.min_reward_std < 0:
+            raise ConfigError("eps and min_reward_std must be >= 0")
+        if self.baseline_momentum is not None and not (0 <= self.baseline_momentum < 1):
+            raise ConfigError("baseline_momentum must be in [0, 1)")
+        for g in self.update_if:
+            parse_gate(g)
+        for key in self.bucket_caps:
+            fld = key.split(":", 1)[0]
+            if ":" not in key or fld not in BUCKET_FIELDS:
+                raise ConfigError(f"bucket_caps key {key!r}: expected FIELD:LABEL",
+                                  hint=f"FIELD is one of {', '.join(BUCKET_FIELDS)}")
+        for name, edges in (("length_edges", self.length_edges), ("tool_call_edges", self.tool_call_edges),
+                            ("reward_std_edges", self.reward_std_edges)):
+            if list(edges) != sorted(set(edges)):
+                raise ConfigError(f"{name} must be strictly increasing")
+        if self.batch_rows < 1:
+            raise ConfigError("batch_rows must be >= 1")
+
+    @property
+    def gates(self) -> tuple[Gate, ...]:
+        return tuple(parse_gate(g) for g in self.update_if)
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        """Reward components the config reads (gates and caps), sorted."""
+        return tuple(sorted({g.component for g in self.gates} | set(self.component_caps)))
+
+    def decision_dict(self) -> dict:
+        """The fields that change decisions or advantages (what config_hash covers);
+        hash a config whose ``current_policy_version`` is resolved (run.admit does)."""
+        from pipeline.config import config_dict
+
+        d = config_dict(self)
+        d.pop("batch_rows")
+        return d
+
+
+def admission_config_hash(cfg: AdmissionConfig) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(cfg.decision_dict(), sort_keys=True, separators=(",", ":"),
+                                     default=str).encode()).hexdigest()

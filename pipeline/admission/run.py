@@ -1,0 +1,288 @@
+"""``admit``: the admission job as a short list of named steps.
+
+    read versions -> candidates (scalars only) -> quality -> checks (engine)
+    -> finalize (decisions, advantages) -> snapshot files -> snapshots row
+    -> snapshot_members rows -> receipts (the commit that decides the groups)
+
+Idempotence and concurrency. A group is decided by its receipt, and the
+receipts commit is guarded by an application transaction ``admission`` whose
+version is (receipts version read) + 1: of two runs that read the same
+receipts version, exactly one commit carries that version. The other sees the
+transaction already taken (before writing, or as a delta-rs concurrent-
+transaction conflict), rereads and decides only what is still undecided. After
+committing, every group is checked to have exactly one receipt.
+
+Crash safety. The snapshot id is content-addressed and its files, its
+snapshots row and its snapshot_members rows are each written exactly once per
+id (directory rename; app transaction ``snapshot:<id>``). They are written
+before the receipts, so a run that dies anywhere before the receipts commit
+left its groups undecided: the rerun decides the same groups into the same id
+and finds every earlier step already done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+
+from pipeline.admission import candidates as cand
+from pipeline.admission.config import AdmissionConfig, admission_config_hash
+from pipeline.admission.decide import conform, finalize, group_schema, member_schema
+from pipeline.admission.snapshot import compute_snapshot_id, snapshot_dir
+from pipeline.errors import IntegrityError, PipelineError
+from pipeline.schema import table_spec
+
+LOCK_APP = "admission"
+MAX_ATTEMPTS = 5
+CRASH_ENV = "PIPELINE_ADMIT_CRASH_AFTER"  # test hook: snapshot_files | snapshots | snapshot_members
+
+
+@dataclass
+class AdmissionResult:
+    admission_run_id: str
+    snapshot_id: str | None                 # None when nothing was admitted
+    current_policy_version: int | None
+    config_hash: str | None
+    engine: str
+    dry_run: bool
+    receipts: pa.Table                      # the receipts written (or that would be, with dry_run)
+    counts: dict[str, int] = field(default_factory=dict)   # decision -> groups
+    admitted_groups: int = 0
+    admitted_members: int = 0
+    num_tokens: int = 0
+    source_versions: dict[str, int] = field(default_factory=dict)
+    quality: dict[str, Any] = field(default_factory=dict)
+    target: dict[str, Any] | None = None
+    attempts: int = 1
+    timings: dict[str, float] = field(default_factory=dict)
+    members: pa.Table | None = None         # admitted members (snapshot_members rows)
+
+    def as_dict(self, *, with_receipts: bool = False) -> dict[str, Any]:
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("receipts", "members")}
+        d["decided_groups"] = self.receipts.num_rows
+        if with_receipts:
+            d["receipts"] = self.receipts.to_pylist()
+        return d
+
+
+def resolve_current_policy_version(lake, cfg: AdmissionConfig, explicit: int | None) -> int | None:
+    """explicit > config > newest published policy > newest policy_version in trajectories."""
+    if explicit is not None:
+        return int(explicit)
+    if cfg.current_policy_version is not None:
+        return int(cfg.current_policy_version)
+    from pipeline.policy_store import latest_policy_version
+
+    v = latest_policy_version(lake)
+    if v is not None:
+        return int(v)
+    if not lake.exists("trajectories"):
+        return None
+    m = pc.max(lake.read("trajectories", columns=["policy_version"]).column("policy_version")).as_py()
+    return None if m is None else int(m)
+
+
+def _crash_point(step: str) -> None:
+    if os.environ.get(CRASH_ENV) == step:
+        os._exit(70)  # simulate a killed process: no cleanup, no exception handlers
+
+
+def _previous_baseline(lake, cfg: AdmissionConfig) -> float | None:
+    if cfg.advantage != "reinforce_batch_norm" or cfg.baseline_momentum is None or not lake.exists("snapshots"):
+        return None
+    from pipeline.admission.snapshot import open_snapshot
+
+    rows = lake.read("snapshots", columns=["snapshot_id", "advantage_estimator", "created_at"]).to_pylist()
+    rows = [r for r in rows if r["advantage_estimator"] == "reinforce_batch_norm"]
+    if not rows:
+        return None
+    last = max(rows, key=lambda r: r["created_at"])
+    return open_snapshot(lake, last["snapshot_id"]).manifest.get("running_baseline")
+
+
+def _quality(cands: pa.Table, cfg: AdmissionConfig) -> tuple[pa.Table, dict[str, Any]]:
+    empty = pa.table({"trajectory_id": pa.array([], pa.string()), "reason": pa.array([], pa.string())})
+    if not cfg.quality or cands.num_rows == 0:
+        return empty, {"skipped": not cfg.quality}
+    from pipeline.quality.gx import validate
+
+    cols = [c for c in cand.SCALARS if c != "reward"]  # reward here is the capped reward
+    res = validate(cands.select(cols), "trajectories", key="trajectory_id")
+    if not res.failing:
+        return empty, res.summary
+    ids = sorted(res.failing)
+    return pa.table({"trajectory_id": ids, "reason": [res.failing[i] for i in ids]}), res.summary
+
+
+def _decisions_from_engine(lake, tv: int, cfg: AdmissionConfig, engine: str, decided: pa.Array,
+                           current: int, now: datetime, dask_scheduler: str | None,
+                           timings: dict[str, float]) -> tuple[pa.Table, pa.Table, dict[str, Any], int]:
+    t0 = time.perf_counter()
+    if engine == "duckdb":
+        cands = cand.scan(lake.dataset("trajectories", tv), cfg, decided)
+        timings["scan_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        rejects, qsummary = _quality(cands, cfg)
+        timings["quality_s"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        from pipeline.admission import engine_duckdb
+
+        members, groups = engine_duckdb.run(lake, cands, rejects, cfg, current_policy_version=current, now=now)
+        timings["checks_s"] = time.perf_counter() - t1
+        n = cands.num_rows
+    elif engine == "dask":
+        from pipeline.admission import engine_dask
+
+        members, groups, qsummary, n = engine_dask.run_with_quality(
+            lake, tv, cfg, decided=decided, quality_fn=lambda t: _quality(t, cfg),
+            current_policy_version=current, now=now, dask_scheduler=dask_scheduler)
+        timings["dask_s"] = time.perf_counter() - t0
+    else:
+        raise PipelineError(f"unknown engine {engine!r}", hint="--engine duckdb or --engine dask")
+    return conform(members, member_schema(cfg)), conform(groups, group_schema(cfg)), qsummary, n
+
+
+def admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: int | None = None,
+          dry_run: bool = False, engine: Literal["duckdb", "dask"] = "duckdb", dask_scheduler: str | None = None,
+          target_groups: int | None = None, now: datetime | None = None,
+          command: str = "pipeline admit") -> AdmissionResult:
+    """Decide every ready, undecided group; write receipts and one snapshot of the admitted members."""
+    cfg = cfg or AdmissionConfig()
+    run_id = f"admit-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    receipts_schema = table_spec("receipts").arrow_schema()
+    current = resolve_current_policy_version(lake, cfg, current_policy_version)
+    if current is None or not lake.exists("trajectories"):
+        return AdmissionResult(run_id, None, current, None, engine, dry_run, receipts_schema.empty_table())
+    cfg = dataclasses.replace(cfg, current_policy_version=current)
+    chash = admission_config_hash(cfg)
+    now = now or datetime.now(timezone.utc)
+    if now.tzinfo is None:
+        now = now.replace(tzinfo=timezone.utc)
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        rv = lake.version("receipts")
+        rv = -1 if rv is None else rv
+        tv = lake.version("trajectories")
+        decided = (lake.read("receipts", columns=["group_id"], version=rv).column("group_id").combine_chunks()
+                   if rv >= 0 else pa.array([], pa.string()))
+        members, groups, qsummary, n_cands = _decisions_from_engine(
+            lake, tv, cfg, engine, decided, current, now, dask_scheduler, timings)
+        dec = finalize(members, groups, cfg, config_hash=chash, current_policy_version=current,
+                       previous_baseline=_previous_baseline(lake, cfg))
+        timings["decide_s"] = time.perf_counter() - t0
+        admitted = dec.admitted
+        n_admit_groups = dec.counts.get("admit", 0)
+        snapshot_id = (compute_snapshot_id(zip(admitted.column("trajectory_id").to_pylist(),
+                                               admitted.column("content_hash").to_pylist()), chash, cfg.advantage)
+                       if admitted.num_rows else None)
+        source_versions = {"trajectories": int(tv), "receipts": int(rv)}
+        target = _target_report(target_groups, n_admit_groups, len(dec.receipts))
+        decided_at = datetime.now(timezone.utc)
+        rows = [dict(r, admission_run_id=run_id, snapshot_id=snapshot_id if r["decision"] == "admit" else None,
+                     decided_at=decided_at) for r in dec.receipts]
+        receipts = pa.Table.from_pylist(rows, schema=receipts_schema) if rows else receipts_schema.empty_table()
+        result = AdmissionResult(run_id, snapshot_id, current, chash, engine, dry_run, receipts, dict(dec.counts),
+                                 n_admit_groups, admitted.num_rows, 0, source_versions,
+                                 {"candidates": qsummary, "candidate_rows": n_cands}, target, attempt, timings,
+                                 admitted)
+        if dry_run or not rows:
+            return result
+        taken = lake.transaction_version("receipts", LOCK_APP)
+        if taken is not None and taken >= rv + 1:
+            continue  # another run decided groups since we read: start over
+        if snapshot_id is not None:
+            t1 = time.perf_counter()
+            result.num_tokens, result.quality["snapshot"] = _publish_snapshot(
+                lake, cfg, chash, admitted, snapshot_id, run_id, tv, source_versions, current,
+                n_admit_groups, dec.baseline, command)
+            timings["materialize_s"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        res = lake.append("receipts", receipts, command=command, config_hash=chash, app_id=LOCK_APP,
+                          txn_version=rv + 1, extra_metadata={"pipeline.admission_run_id": run_id})
+        timings["receipts_s"] = time.perf_counter() - t1
+        if not res.landed or not _landed(lake, run_id):
+            continue  # lost the race: reread, decide what is left
+        _check_decided_once(lake, receipts.column("group_id"))
+        return result
+    raise PipelineError(f"admission could not commit after {MAX_ATTEMPTS} attempts (other admission runs kept "
+                        "winning the receipts commit)", hint="rerun pipeline admit")
+
+
+def _publish_snapshot(lake, cfg, chash, admitted, snapshot_id, run_id, tv, source_versions, current,
+                      n_groups, baseline, command) -> tuple[int, dict[str, Any]]:
+    from pipeline.admission.materialize import materialize
+    from pipeline.config import config_dict
+
+    quality: dict[str, Any] = {"skipped": True}
+    if cfg.quality:
+        from pipeline.quality.gx import validate
+
+        q = validate(admitted, "snapshot_members", key="trajectory_id")
+        quality = q.summary
+        if q.failing:
+            raise IntegrityError(f"snapshot {snapshot_id}: {len(q.failing)} admitted rows fail the "
+                                 f"snapshot_members suite: {sorted(set(q.failing.values()))}",
+                                 hint="this is a bug in admission; report it with the receipts")
+    extra = {"config_hash": chash, "advantage_estimator": cfg.advantage, "config": config_dict(cfg),
+             "current_policy_version": current, "source_versions": source_versions, "num_groups": n_groups,
+             "running_baseline": baseline}
+    snap, tokens = materialize(lake, source_versions["trajectories"], admitted, snapshot_id=snapshot_id,
+                               batch_rows=cfg.batch_rows, manifest_extra=extra)
+    tokens = int(snap.manifest.get("num_tokens", tokens))
+    _crash_point("snapshot_files")
+    row = {
+        "snapshot_id": snapshot_id, "admission_run_id": run_id, "config_hash": chash,
+        "config_json": json.dumps(config_dict(cfg), sort_keys=True, default=str),
+        "advantage_estimator": cfg.advantage, "current_policy_version": current, "num_groups": n_groups,
+        "num_members": admitted.num_rows, "num_tokens": tokens, "path": snapshot_dir(snapshot_id),
+        "manifest_sha256": snap.manifest_sha256, "source_versions": list(source_versions.items()),
+        "quality_json": json.dumps(quality, sort_keys=True, default=str),
+        "created_at": datetime.now(timezone.utc),
+    }
+    lake.append("snapshots", pa.Table.from_pylist([row], schema=table_spec("snapshots").arrow_schema()),
+                command=command, config_hash=chash, app_id=f"snapshot:{snapshot_id}", txn_version=0)
+    _crash_point("snapshots")
+    members = admitted.add_column(0, "snapshot_id", pa.array([snapshot_id] * admitted.num_rows, pa.string()))
+    lake.append("snapshot_members", members, command=command, config_hash=chash,
+                app_id=f"snapshot:{snapshot_id}", txn_version=0)
+    _crash_point("snapshot_members")
+    return tokens, quality
+
+
+def _landed(lake, run_id: str) -> bool:
+    t = lake.read("receipts", columns=["admission_run_id"], filter=ds.field("admission_run_id") == run_id)
+    return t.num_rows > 0
+
+
+def _check_decided_once(lake, group_ids: pa.ChunkedArray) -> None:
+    """After our commit: every group we decided has exactly one receipt."""
+    ids = group_ids.combine_chunks()
+    t = lake.read("receipts", columns=["group_id"], filter=ds.field("group_id").isin(ids))
+    if t.num_rows != len(ids):
+        counts = t.group_by("group_id").aggregate([("group_id", "count")])
+        dup = counts.filter(pc.greater(counts.column("group_id_count"), 1)).column("group_id").to_pylist()
+        raise IntegrityError(f"groups decided more than once: {dup[:5]} ({len(dup)} in all)",
+                             hint="two admission runs raced past the receipts guard; report this")
+
+
+def _target_report(target: int | None, admitted: int, decided: int) -> dict[str, Any] | None:
+    """DAPO-style dynamic sampling: how many more groups a scheduler should sample."""
+    if target is None:
+        return None
+    missing = max(0, int(target) - admitted)
+    rate = admitted / decided if decided else None
+    return {"target_groups": int(target), "admitted_groups": admitted, "missing_groups": missing,
+            "observed_admit_rate": rate,
+            "groups_to_sample": (math.ceil(missing / rate) if rate else None) if missing else 0}

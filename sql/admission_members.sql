@@ -1,0 +1,74 @@
+-- Admission, member checks: exclusions, reference configuration, freshness (one row per member of a ready group).
+--
+-- Input views (registered by pipeline/admission/engine_duckdb.py):
+--   candidates       scalar member rows of undecided groups (pipeline/admission/candidates.py)
+--   quality_rejects  trajectory_id -> reason for rows failing the great-expectations suite
+-- A group is ready when all group_size members arrived or its oldest member
+-- finished more than $group_timeout_s before $now.
+-- Rules (shared/DESIGN.md, Admission semantics), first matching reason wins:
+--   quality:*  > infra_failed > expired > no_reward (UNKNOWN/ENV_ERROR verdict or null reward)
+--   > policy_/tokenizer_/template_/env_/verifier_/temperature_mismatch (first field that
+--     differs from the group's reference configuration: the most common tuple among
+--     members left after the exclusions; ties -> higher policy_version, then the
+--     lexicographically smaller tuple)
+--   > stale_policy (current - oldest sampled token version > $max_policy_lag)
+--   > stale_wait (queue_wait_ms > $max_queue_wait_ms, when set)
+-- @param current_policy_version
+-- @param max_policy_lag = 1
+-- @param max_queue_wait_ms = NULL
+-- @param group_timeout_s = 600
+-- @param now
+WITH arrived AS (
+    SELECT group_id, count(*) AS arrived, max(group_size) AS group_size, min(finished_at) AS oldest_finish
+    FROM candidates GROUP BY group_id
+),
+ready AS (
+    SELECT group_id, arrived, group_size FROM arrived
+    WHERE arrived >= group_size
+       OR oldest_finish <= CAST($now AS TIMESTAMPTZ) - to_microseconds(CAST(round($group_timeout_s * 1e6) AS BIGINT))
+),
+m AS (
+    SELECT c.*,
+           CASE WHEN q.reason IS NOT NULL THEN q.reason
+                WHEN c.status = 'INFRA_FAILED' THEN 'infra_failed'
+                WHEN c.status = 'EXPIRED' THEN 'expired'
+                WHEN c.verdict IN ('UNKNOWN', 'ENV_ERROR') OR c.reward IS NULL THEN 'no_reward'
+           END AS member_reason
+    FROM candidates c
+    JOIN ready rd USING (group_id)
+    LEFT JOIN quality_rejects q USING (trajectory_id)
+),
+cfg AS (
+    SELECT group_id, policy_version, tokenizer_rev, prompt_template_rev, env_version,
+           verifier_version, temperature, count(*) AS n
+    FROM m WHERE member_reason IS NULL
+    GROUP BY ALL
+),
+ref AS (
+    SELECT * FROM (
+        SELECT *, row_number() OVER (
+            PARTITION BY group_id
+            ORDER BY n DESC, policy_version DESC, tokenizer_rev, prompt_template_rev, env_version,
+                     verifier_version, temperature) AS rk
+        FROM cfg)
+    WHERE rk = 1
+)
+SELECT m.trajectory_id, m.group_id, m.group_size, m.content_hash, m.reward, m.queue_wait_ms, m.response_len,
+       m.num_tool_calls, m.difficulty, m.run_id, m.task_id,
+       CAST($current_policy_version AS BIGINT) - m.oldest_version AS policy_lag,
+       COALESCE(m.member_reason,
+           CASE WHEN m.policy_version <> r.policy_version THEN 'policy_mismatch'
+                WHEN m.tokenizer_rev <> r.tokenizer_rev THEN 'tokenizer_mismatch'
+                WHEN m.prompt_template_rev <> r.prompt_template_rev THEN 'template_mismatch'
+                WHEN m.env_version <> r.env_version THEN 'env_mismatch'
+                WHEN m.verifier_version <> r.verifier_version THEN 'verifier_mismatch'
+                WHEN m.temperature <> r.temperature THEN 'temperature_mismatch'
+                WHEN CAST($current_policy_version AS BIGINT) - m.oldest_version > $max_policy_lag THEN 'stale_policy'
+                WHEN $max_queue_wait_ms IS NOT NULL AND m.queue_wait_ms > $max_queue_wait_ms THEN 'stale_wait'
+           END) AS reason,
+       r.policy_version AS ref_policy_version, r.tokenizer_rev AS ref_tokenizer_rev,
+       r.prompt_template_rev AS ref_prompt_template_rev, r.env_version AS ref_env_version,
+       r.verifier_version AS ref_verifier_version, r.temperature AS ref_temperature
+       /*COMPONENTS*/
+FROM m LEFT JOIN ref r USING (group_id)
+ORDER BY m.group_id, m.trajectory_id
