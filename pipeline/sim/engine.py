@@ -27,6 +27,7 @@ group g are ``g*G .. g*G+G-1``); metrics.py turns them into the summary.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import time
@@ -44,6 +45,36 @@ DONE, CRASH, RESTART, STEP_END, PUBLISH, ADMIT_TICK = range(6)
 NAN = float("nan")
 
 
+class Draws:
+    """Uniform and standard-normal numbers drawn from the generator in blocks
+    (one numpy call per 64k numbers instead of several per group)."""
+
+    BLOCK = 1 << 16
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.rng = rng
+        self._u: list[float] = []
+        self._ui = 0
+        self._z: list[float] = []
+        self._zi = 0
+
+    def uniform(self, k: int) -> list[float]:
+        if self._ui + k > len(self._u):
+            self._u = self._u[self._ui:] + self.rng.random(max(self.BLOCK, k)).tolist()
+            self._ui = 0
+        out = self._u[self._ui:self._ui + k]
+        self._ui += k
+        return out
+
+    def normal(self, k: int) -> list[float]:
+        if self._zi + k > len(self._z):
+            self._z = self._z[self._zi:] + self.rng.standard_normal(max(self.BLOCK, k)).tolist()
+            self._zi = 0
+        out = self._z[self._zi:self._zi + k]
+        self._zi += k
+        return out
+
+
 def rules_of(cfg: SimConfig) -> GateRules:
     return GateRules(max_policy_lag=cfg.max_policy_lag, max_queue_wait_ms=cfg.max_queue_wait_ms,
                      min_valid_members=cfg.min_valid_members, min_reward_std=cfg.min_reward_std)
@@ -56,8 +87,12 @@ class Simulation:
         self.rng = np.random.default_rng(cfg.seed)
         self.classes = cfg.classes()
         w = np.array([c.weight for c in self.classes], float)
-        self._cum = np.cumsum(w / w.sum())
-        self._cum[-1] = 1.0
+        cum = np.cumsum(w / w.sum())
+        cum[-1] = 1.0
+        self._cum_list = cum.tolist()
+        self._draws = Draws(self.rng)
+        # crashes draw from their own stream: sweeping the crash rate keeps the task draws identical
+        self.crash_rng = np.random.default_rng([cfg.seed, 1])
         self._mu = [math.log(c.median_s) for c in self.classes]
         self.G = cfg.group_size
         self.end_time = cfg.duration_s
@@ -122,25 +157,26 @@ class Simulation:
 
     # -- groups and workers -----------------------------------------------------------
     def _new_group(self) -> int:
-        rng, G = self.rng, self.G
+        G, draws = self.G, self._draws
         g = len(self.g_class)
-        c = int(np.searchsorted(self._cum, rng.random(), side="right"))
+        u = draws.uniform(2 + 3 * G)      # class, task, then per member: fault?, fault point, reward
+        z = draws.normal(G)               # per member: duration
+        c = bisect.bisect_right(self._cum_list, u[0])
         c = min(c, len(self.classes) - 1)
         tc = self.classes[c]
+        mu, sigma, rate, p = self._mu[c], tc.sigma, self.cfg.infra_failure_rate, tc.pass_rate
         self.g_class.append(c)
-        self.g_task.append(int(rng.integers(tc.n_tasks)))
+        self.g_task.append(int(u[1] * tc.n_tasks))
         self.g_created.append(self.now)
         self.g_complete.append(NAN)
         self.g_left.append(G)
         self.g_decision.append(None)
         self.g_decided_at.append(NAN)
         self.g_trained_version.append(-1)
-        self.duration.extend((rng.lognormal(self._mu[c], tc.sigma, G) if tc.sigma > 0
-                              else np.full(G, tc.median_s)).tolist())
-        fail = rng.random(G) < self.cfg.infra_failure_rate
-        frac = rng.random(G)
-        self.fail_at.extend(np.where(fail, frac, np.nan).tolist())
-        self.reward.extend((rng.random(G) < tc.pass_rate).astype(float).tolist())
+        exp = math.exp
+        self.duration.extend([exp(mu + sigma * zk) for zk in z] if sigma > 0 else [tc.median_s] * G)
+        self.fail_at.extend([u[3 + 3 * k] if u[2 + 3 * k] < rate else NAN for k in range(G)])
+        self.reward.extend([1.0 if u[4 + 3 * k] < p else 0.0 for k in range(G)])
         self.version.extend([-1] * G)
         self.worker.extend([-1] * G)
         self.start.extend([NAN] * G)
@@ -214,7 +250,7 @@ class Simulation:
         self._assign()
 
     def _on_crash(self, w: int) -> None:
-        self._push(self.now + self.rng.exponential(3600.0 / self.cfg.worker_crash_per_h), CRASH, w)
+        self._push(self.now + self.crash_rng.exponential(3600.0 / self.cfg.worker_crash_per_h), CRASH, w)
         if self.w_down[w]:
             return
         self.w_epoch[w] += 1
@@ -326,7 +362,7 @@ class Simulation:
         cfg = self.cfg
         if cfg.worker_crash_per_h > 0:
             for w in range(cfg.workers):
-                self._push(self.rng.exponential(3600.0 / cfg.worker_crash_per_h), CRASH, w)
+                self._push(self.crash_rng.exponential(3600.0 / cfg.worker_crash_per_h), CRASH, w)
         if cfg.mode == "sync":
             self._dispatch_sync()
         else:
