@@ -1,0 +1,5 @@
+"""Rollout workers: verifiable environments, policy engines (transformers, vLLM),
+the harness state machine and the writer that lands trajectories and events.
+
+Light at import: torch/transformers live in ``hf.py``, vLLM in ``vllm_engine.py``.
+"""

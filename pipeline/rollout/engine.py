@@ -1,0 +1,93 @@
+"""The engine interface both generation backends implement (no heavy imports).
+
+An engine takes requests (a token context + how many samples + a seed) and
+returns, for every sample, the sampled token ids and the log-prob of every
+sampled token. A multi-turn harness "continues a context" by sending the whole
+context so far (prompt + earlier turns + observations) as the next request.
+
+Log-probs are those of the *model* distribution, ``log_softmax(raw logits)``,
+before temperature/top-p (vLLM's default ``raw_logprobs``; for transformers the
+``output_logits`` of generate, not its processed ``scores``: shared/VERIFIED.md).
+At temperature 1, top_p 1 this is exactly the behaviour distribution; a trainer
+recomputing log-probs with a teacher-forced forward pass gets the same numbers
+(tests/rollout/test_engines.py checks 1e-4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol
+
+from pipeline.rollout import vocab
+
+EngineName = Literal["hf", "vllm"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0           # 0 = greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 16           # per turn
+    stop_ids: tuple[int, ...] = (vocab.EOS_ID, vocab.END_CALL_ID)  # included in the output when hit
+
+
+@dataclass(frozen=True)
+class Request:
+    context: tuple[int, ...]           # token ids so far
+    n: int = 1                         # samples of this context
+    seed: int = 0                      # sample i uses derive_seed(seed, i)
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]              # one per token_ids entry
+    finish: Literal["stop", "length"]  # stop: last token is a stop id
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    name: str
+    hf_dir: Path
+
+    def generate(self, requests: list[Request], sampling: Sampling) -> list[list[Completion]]:
+        """One list of ``request.n`` completions per request, in order."""
+        ...
+
+    def close(self) -> None: ...
+
+
+_MASK = (1 << 63) - 1
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed from parts (stable across processes and Python versions)."""
+    import hashlib
+
+    h = hashlib.sha256("\x1f".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(h[:8], "big") & _MASK
+
+
+def truncate_at_stop(ids: list[int], logprobs: list[float], stop_ids: tuple[int, ...],
+                     max_new_tokens: int) -> Completion:
+    for k, t in enumerate(ids[:max_new_tokens]):
+        if t in stop_ids:
+            return Completion(list(ids[:k + 1]), list(logprobs[:k + 1]), "stop")
+    return Completion(list(ids[:max_new_tokens]), list(logprobs[:max_new_tokens]), "length")
+
+
+def make_engine(name: str, hf_dir: str | Path, *, threads: int | None = None, **kwargs) -> Engine:
+    """``hf`` (transformers) or ``vllm`` (vLLM offline engine)."""
+    if name == "hf":
+        from pipeline.rollout.hf import HFEngine
+
+        return HFEngine(Path(hf_dir), threads=threads, **kwargs)
+    if name == "vllm":
+        from pipeline.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(Path(hf_dir), threads=threads, **kwargs)
+    from pipeline.errors import ConfigError
+
+    raise ConfigError(f"unknown engine {name!r}", hint="use --engine hf or --engine vllm")

@@ -1,0 +1,100 @@
+"""``arithmetic-tool``: multi-turn arithmetic with a calculator tool.
+
+The prompt is a small expression (``37*45=``). The policy may call the
+calculator (``<call>37*45</call>``); the harness appends the tool's output as
+observation tokens (``<obs>1665</obs>``, loss_mask 0) and the policy answers
+(``<ans>1665<eos>``). Answering directly is allowed; multiplying two-digit
+numbers in one's head is hard for a tiny model, so a policy that learns to use
+the tool gets more reward: the warm start mixes both kinds of demonstration and
+RL has to discover which one pays.
+
+Reward (PASS iff the answer equals the true value)::
+
+    format      1 if the final turn is <ans>INTEGER<eos>, else 0 (a gate)
+    task_success 1 if the answer is right
+    tool_cost   -0.05 per tool call
+    reward      = 0                                   if format == 0
+                  max(0, task_success + tool_cost)    otherwise
+
+so a format failure scores 0 whatever else happened, and a right answer via
+one tool call (0.95) beats a wrong one (0) but not a right answer without it (1).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+from pipeline.rollout.envs.base import Task, ToolError, Verification, register_env, split_of
+
+_EXPR = re.compile(r"^\d{1,6}([+\-*]\d{1,6}){0,4}$")
+_INT = re.compile(r"^-?\d{1,9}$")
+TOOL_COST = 0.05
+
+
+def calculate(expr: str) -> int:
+    """Evaluate digits with + - * (usual precedence); no eval()."""
+    terms: list[int] = []
+    sign = 1
+    for part in re.split(r"([+\-])", expr):
+        if part == "+":
+            sign = 1
+        elif part == "-":
+            sign = -1
+        else:
+            value = 1
+            for f in part.split("*"):
+                value *= int(f)
+            terms.append(sign * value)
+    return sum(terms)
+
+
+@register_env
+class ArithmeticTool:
+    name = "arithmetic-tool"
+    version = "1"
+    env_version = "arithmetic-tool/1"
+    verifier_version = "arithmetic-verifier/1"
+    prompt_template_rev = "expr=/1"
+    multi_turn = True
+    idempotent = True          # the calculator is a pure function of its input
+
+    def __init__(self, low: int = 10, high: int = 99, ops: str = "+-*", tool_log: str | None = None) -> None:
+        self.low, self.high, self.ops = low, high, ops
+        self.tool_log = tool_log   # append one line per real execution (audit; tests count them)
+
+    def reset(self, seed: int, split: str = "train") -> Task:
+        rng = random.Random(seed)
+        while True:
+            a, b = rng.randint(self.low, self.high), rng.randint(self.low, self.high)
+            op = rng.choice(self.ops)
+            expr = f"{a}{op}{b}"
+            if split_of(expr) == split:
+                return Task(task_id=f"arith-{expr}", prompt=f"{expr}=", answer=calculate(expr),
+                            difficulty="hard" if op == "*" else "easy", meta={"expr": expr})
+
+    def step(self, task: Task, action: str, *, key: str) -> str:
+        if self.tool_log:
+            with open(Path(self.tool_log), "a") as f:
+                f.write(f"{key}\n")
+        if not _EXPR.match(action):
+            return "err"           # the policy's malformed call: an observation, not an infra failure
+        return str(calculate(action))
+
+    def verify(self, task: Task, answer: str | None, num_tool_calls: int) -> Verification:
+        cost = -TOOL_COST * num_tool_calls
+        if answer is None or not _INT.match(answer):
+            return Verification("FAIL", 0.0, {"task_success": 0.0, "format": 0.0, "tool_cost": cost},
+                                format_ok=False)
+        ok = int(answer) == task.answer
+        comps = {"task_success": float(ok), "format": 1.0, "tool_cost": cost}
+        return Verification("PASS" if ok else "FAIL", max(0.0, float(ok) + cost), comps)
+
+    # the warm start's demonstrations: (text, sampled-by-policy) segments
+    def demonstration(self, task: Task, rng: random.Random, tool_fraction: float = 0.5) -> list[tuple[str, bool]]:
+        ans = f"<ans>{task.answer}<eos>"
+        if rng.random() < tool_fraction:
+            expr = task.meta["expr"]
+            return [(f"<call>{expr}</call>", True), (f"<obs>{calculate(expr)}</obs>", False), (ans, True)]
+        return [(ans, True)]

@@ -1,0 +1,155 @@
+"""The environment protocol and the registry (pure Python).
+
+An environment is three methods and a few version strings:
+
+- ``reset(seed, split)`` -> ``Task``: a deterministic prompt for a seed.
+  ``split="eval"`` draws from a held-out part of the task space that
+  ``split="train"`` never returns (the split is a property of the task itself,
+  not of the seed, so training prompts and evaluation prompts are disjoint).
+- ``step(task, action, key=...)`` -> observation text: run one tool call (the
+  text the policy wrote between ``<call>`` and ``</call>``). Raise ``ToolError``
+  for a failed call (the harness records INFRA_FAILED / ENV_ERROR, null
+  reward). ``key`` is the action's idempotency key: a tool with side effects
+  must return the recorded result when called again with a key it has seen,
+  and declare ``idempotent = False`` if it cannot (the harness then never
+  re-runs an action whose outcome is unknown after a crash).
+- ``verify(task, answer, num_tool_calls)`` -> ``Verification``: the verdict
+  (PASS / FAIL / UNKNOWN) and the reward, with named components.
+
+A single-turn environment simply has no tools (``step`` raises). Example,
+a complete environment in 25 lines::
+
+    from pipeline.rollout.envs import Task, Verification, ToolError, register_env, split_of
+
+    @register_env
+    class EchoDigits:
+        name = "echo-digits"
+        version = env_version = "1"
+        verifier_version = "1"
+        prompt_template_rev = "e:{digits}=/1"
+        multi_turn = False
+        idempotent = True
+
+        def reset(self, seed: int, split: str = "train") -> Task:
+            import random
+            rng = random.Random(seed)
+            while True:
+                digits = "".join(rng.choice("0123456789") for _ in range(4))
+                if split_of(digits) == split:
+                    return Task(f"echo-{digits}", f"e:{digits}=", answer=digits, difficulty="easy")
+
+        def step(self, task: Task, action: str, *, key: str) -> str:
+            raise ToolError("echo-digits has no tools")
+
+        def verify(self, task: Task, answer: str | None, num_tool_calls: int) -> Verification:
+            if answer is None:                       # the policy broke the answer format: a gate
+                return Verification("FAIL", 0.0, {"task_success": 0.0, "format": 0.0}, format_ok=False)
+            ok = answer == task.answer
+            return Verification("PASS" if ok else "FAIL", float(ok), {"task_success": float(ok), "format": 1.0})
+
+The answer the harness hands to ``verify`` is the text between ``<ans>`` and
+``<eos>`` of the final turn, or None when the final turn is not
+``<ans>…<eos>`` (a hard format failure; ``answer_format`` below).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from pipeline.errors import ConfigError, PipelineError
+
+Split = Literal["train", "eval"]
+VerdictName = Literal["PASS", "FAIL", "UNKNOWN"]
+
+
+@dataclass(frozen=True)
+class Task:
+    task_id: str                    # stable id of this prompt
+    prompt: str                     # text after <bos> (vocab characters and markers)
+    answer: Any = None              # hidden from the policy; for the verifier
+    difficulty: str | None = None   # bucket label
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class Verification:
+    verdict: VerdictName
+    reward: float | None            # None only with UNKNOWN
+    components: dict[str, float] = field(default_factory=dict)
+    format_ok: bool = True
+
+
+class ToolError(PipelineError):
+    """A tool call failed for infrastructure reasons (not the policy's fault)."""
+
+    transient = True
+
+
+class ToolTimeout(ToolError):
+    """A tool call did not answer in time."""
+
+
+@runtime_checkable
+class Environment(Protocol):
+    name: str
+    version: str                    # task_version
+    env_version: str
+    verifier_version: str
+    prompt_template_rev: str
+    multi_turn: bool
+    idempotent: bool                # step may be re-run safely for the same key
+
+    def reset(self, seed: int, split: Split = "train") -> Task: ...
+
+    def step(self, task: Task, action: str, *, key: str) -> str: ...
+
+    def verify(self, task: Task, answer: str | None, num_tool_calls: int) -> Verification: ...
+
+
+def split_of(text: str, eval_fraction: int = 10) -> Split:
+    """Deterministic train/eval split of a task by its content: 1 in ``eval_fraction``
+    tasks is held out for evaluation."""
+    h = int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
+    return "eval" if h % eval_fraction == 0 else "train"
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register_env(cls: type) -> type:
+    """Class decorator: make ``cls`` available by ``cls.name`` (registering a name twice is an error)."""
+    name = getattr(cls, "name", None)
+    if not name:
+        raise ConfigError(f"{cls.__name__} has no name attribute")
+    if name in _REGISTRY and _REGISTRY[name] is not cls:
+        raise ConfigError(f"environment {name!r} is already registered by {_REGISTRY[name].__name__}")
+    _REGISTRY[name] = cls
+    return cls
+
+
+def get_env(name: str, **kwargs: Any) -> Environment:
+    """An instance of the environment registered as ``name``; ``module:Class`` also works
+    (imports a user's environment without registering it first)."""
+    from pipeline.rollout import envs as _builtins  # noqa: F401  (registers the built-ins)
+
+    if name not in _REGISTRY and ":" in name:
+        import importlib
+
+        mod, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"cannot import environment {name!r}: {exc}") from None
+        return cls(**kwargs)
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown environment {name!r}", hint=f"built-in: {', '.join(sorted(_REGISTRY))}; "
+                          "or pass module:Class of your own")
+    return _REGISTRY[name](**kwargs)
+
+
+def list_envs() -> list[str]:
+    from pipeline.rollout import envs as _builtins  # noqa: F401
+
+    return sorted(_REGISTRY)

@@ -1,0 +1,426 @@
+"""The rollout harness: one state machine per episode, advanced in waves.
+
+States: CREATED -> GENERATING -> (TOOL_WAITING -> GENERATING)* -> VERIFYING
+-> ACCEPTED | REJECTED | INFRA_FAILED | EXPIRED.
+
+Every state change and side effect is an event (``events`` table, key
+``(episode_id, step_id, action_id, event_type)``), written to the worker's
+spool and fsynced *before* the harness acts on it:
+
+    GENERATING(step k)                      a model turn starts
+    ACTION_COMMITTED(step k, action a<k>)   the turn's tokens + the tool call (before the tool runs)
+    TOOL_WAITING                            handed to the tool
+    ACTION_EXECUTED                         the tool ran; its output is in the payload
+    OBSERVATION_PERSISTED                   the observation tokens joined the context (last)
+    VERIFYING                               final turn's tokens, verifier called
+    TERMINAL                                status, verdict, reward
+
+A restarted worker rebuilds its episodes from these records (``resume``): an
+action with ACTION_EXECUTED but no OBSERVATION_PERSISTED gets its observation
+from the recorded output and the tool is *not* called again; an action that
+was committed but never confirmed is re-run only when the environment declares
+its tools idempotent, otherwise the episode ends INFRA_FAILED.
+
+Terminal outcomes (status / verdict / stop_reason / reward):
+
+- final ``<ans>…<eos>``, verifier PASS/FAIL     ACCEPTED / PASS|FAIL / eos / reward
+- hard format failure (no ``<ans>N<eos>``)      REJECTED / FAIL / eos|stop_sequence / 0.0
+- per-turn or total token limit                 REJECTED / FAIL / max_length / 0.0
+- turn limit (a tool call on the last turn)     REJECTED / FAIL / max_steps / 0.0
+- wall-clock limit                              EXPIRED / UNKNOWN / wall_clock / null
+- tool timeout (injected or real)               INFRA_FAILED / ENV_ERROR / env_timeout / null
+- environment crash                             INFRA_FAILED / ENV_ERROR / stop_sequence / null
+- verifier error or UNKNOWN                     INFRA_FAILED / UNKNOWN / eos / null
+
+A null reward is "no valid evaluation" and never 0.0: admission drops those
+members from group baselines instead of counting them as policy failures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from pipeline.rollout import vocab
+from pipeline.rollout.engine import Engine, Request, Sampling, derive_seed
+from pipeline.rollout.envs import Environment, Task, ToolError, ToolTimeout, Verification
+
+HARNESS_VERSION = "harness/1"
+TERMINAL_STATES = ("ACCEPTED", "REJECTED", "INFRA_FAILED", "EXPIRED")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_turns: int = 4
+    max_tokens_per_turn: int = 16
+    max_total_tokens: int = 64       # response tokens, policy + observation
+    wall_clock_s: float = 120.0      # per trajectory
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Fault injection (probabilities per tool call / verification)."""
+
+    tool_timeout: float = 0.0
+    env_crash: float = 0.0
+    verifier_error: float = 0.0
+    kill_after_executed: int = 0     # SIGKILL this process right after the Nth ACTION_EXECUTED is durable
+    seed: int = 0
+
+
+@dataclass
+class Episode:
+    episode_id: str
+    group_id: str
+    group_size: int
+    task: Task
+    seed: int
+    prompt_ids: list[int]
+    policy_version: int = 0          # behaviour version that started it
+    state: str = "CREATED"
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    created_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    started: float = field(default_factory=time.monotonic)
+    # set when terminal
+    status: str | None = None
+    verdict: str | None = None
+    stop_reason: str | None = None
+    reward: float | None = None
+    components: dict[str, float] | None = None
+    # a committed action awaiting its observation: {"action_id", "text", "output"?}
+    pending: dict[str, Any] | None = None
+    final_turn: list[int] | None = None
+    written: set = field(default_factory=set)   # event keys (step, action, type) already recorded
+
+    @property
+    def done(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def parse_answer(turn: list[int]) -> str | None:
+    """The answer text of a final turn ``<ans>…<eos>``, None when the format is broken."""
+    if len(turn) >= 2 and turn[0] == vocab.ANS_ID and turn[-1] == vocab.EOS_ID:
+        body = turn[1:-1]
+        if all(t >= len(vocab.SPECIAL) for t in body):
+            return vocab.decode(body)
+    return None
+
+
+def parse_call(turn: list[int]) -> str | None:
+    """The tool call text of a turn ``<call>…</call>``, None otherwise."""
+    if len(turn) >= 2 and turn[0] == vocab.CALL_ID and turn[-1] == vocab.END_CALL_ID:
+        body = turn[1:-1]
+        if all(t >= len(vocab.SPECIAL) for t in body):
+            return vocab.decode(body)
+    return None
+
+
+class Harness:
+    """Runs episodes of one environment with one engine, writing events and
+    trajectory rows to a spool (``spool.Spool``)."""
+
+    def __init__(self, env: Environment, engine_fn: Callable[[], tuple[Engine, int]], spool, *, run_id: str,
+                 worker_id: str, sampling: Sampling, limits: Limits = Limits(), faults: Faults = Faults(),
+                 follow_every_turn: bool = False) -> None:
+        self.env = env
+        self.engine_fn = engine_fn           # -> (engine, policy_version); may swap to a newer policy
+        self.spool = spool
+        self.run_id = run_id
+        self.worker_id = worker_id
+        self.sampling = sampling
+        self.limits = limits
+        self.faults = faults
+        self.follow_every_turn = follow_every_turn
+        self._rng = random.Random(derive_seed(faults.seed, worker_id))
+        self._executed = 0
+        self.tool_executions = 0
+
+    # -- events ------------------------------------------------------------------------
+    def _event(self, ep: Episode, event_type: str, *, step: int, action_id: str = "", state: str | None = None,
+               payload: dict[str, Any] | None = None, version: int | None = None) -> None:
+        if state is not None:
+            ep.state = state
+        key = (step, action_id, event_type)
+        if key in ep.written:      # already recorded before a restart: the first record stands
+            return
+        ep.written.add(key)
+        self.spool.append({
+            "kind": "event", "episode_id": ep.episode_id, "step_id": step, "action_id": action_id,
+            "event_type": event_type, "run_id": self.run_id, "group_id": ep.group_id, "worker_id": self.worker_id,
+            "policy_version": ep.policy_version if version is None else version, "state": ep.state,
+            "payload": json.dumps(payload, separators=(",", ":")) if payload is not None else None,
+            "created_at": _now().isoformat(),
+        })
+
+    # -- the wave ------------------------------------------------------------------------
+    def new_episode(self, *, episode_id: str, group_id: str, group_size: int, task: Task, seed: int,
+                    policy_version: int) -> Episode:
+        ep = Episode(episode_id, group_id, group_size, task, seed, [vocab.BOS_ID] + vocab.encode(task.prompt),
+                     policy_version=policy_version)
+        self._event(ep, "CREATED", step=0, state="CREATED", payload={
+            "task_id": task.task_id, "prompt_ids": ep.prompt_ids, "seed": seed, "group_size": group_size,
+            "difficulty": task.difficulty})
+        return ep
+
+    def run(self, episodes: list[Episode]) -> list[Episode]:
+        """Advance every episode to a terminal state (resumed ones first finish
+        what the crash interrupted)."""
+        self.spool.sync()
+        self._finish_pending([e for e in episodes if e.pending is not None and not e.done])
+        self._verify([e for e in episodes if e.state == "VERIFYING"])
+        engine, version = self.engine_fn()
+        while True:
+            gen = [e for e in episodes if not e.done and e.state in ("CREATED", "GENERATING")]
+            if not gen:
+                break
+            if self.follow_every_turn:
+                engine, version = self.engine_fn()
+            self._generate(engine, version, gen)
+            self._finish_pending([e for e in gen if e.pending is not None and not e.done])
+            self._verify([e for e in gen if e.state == "VERIFYING"])
+        self.spool.sync()
+        return episodes
+
+    def _generate(self, engine: Engine, version: int, active: list[Episode]) -> None:
+        for ep in active:
+            if ep.state == "CREATED":
+                ep.policy_version = version if ep.turns == 0 else ep.policy_version
+            self._event(ep, "GENERATING", step=ep.turns, state="GENERATING", version=version,
+                        payload={"turn": ep.turns})
+        self.spool.sync()
+        budget = [min(self.limits.max_tokens_per_turn, self.limits.max_total_tokens - len(e.response_ids))
+                  for e in active]
+        # one engine call per distinct budget (usually one)
+        by_budget: dict[int, list[int]] = {}
+        for i, b in enumerate(budget):
+            by_budget.setdefault(max(b, 1), []).append(i)
+        outs: dict[int, Any] = {}
+        for b, idx in by_budget.items():
+            sampling = Sampling(self.sampling.temperature, self.sampling.top_p, b, self.sampling.stop_ids)
+            reqs = [Request(tuple(active[i].prompt_ids + active[i].response_ids), 1,
+                            derive_seed(active[i].seed, active[i].turns)) for i in idx]
+            for i, comps in zip(idx, engine.generate(reqs, sampling)):
+                outs[i] = comps[0]
+        for i, ep in enumerate(active):
+            c = outs[i]
+            turn, lps = list(c.token_ids), [float(x) for x in c.logprobs]
+            ep.response_ids += turn
+            ep.logprobs += lps
+            ep.mask += [1] * len(turn)
+            ep.token_versions += [version] * len(turn)
+            ep.turns += 1
+            turn_payload = {"turn": ep.turns - 1, "ids": turn, "logprobs": lps, "version": version}
+            if time.monotonic() - ep.started > self.limits.wall_clock_s:
+                self._terminal(ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None, turn_payload)
+                continue
+            call = parse_call(turn)
+            if c.finish == "length":
+                self._reject(ep, "max_length", turn_payload)
+            elif call is not None and self.env.multi_turn:
+                if ep.turns >= self.limits.max_turns:
+                    self._reject(ep, "max_steps", turn_payload)
+                elif len(ep.response_ids) >= self.limits.max_total_tokens:
+                    self._reject(ep, "max_length", turn_payload)
+                else:
+                    aid = f"a{ep.turns - 1}"
+                    ep.pending = {"action_id": aid, "text": call, "step": ep.turns - 1}
+                    self._event(ep, "ACTION_COMMITTED", step=ep.turns - 1, action_id=aid, state="TOOL_WAITING",
+                                version=version, payload=turn_payload | {"tool": self.env.name, "args": call,
+                                                                         "key": f"{ep.episode_id}/{aid}"})
+            else:
+                ep.final_turn = turn
+                self._event(ep, "VERIFYING", step=ep.turns - 1, state="VERIFYING", version=version,
+                            payload=turn_payload | {"stop": "eos" if turn[-1] == vocab.EOS_ID else "stop_sequence"})
+        self.spool.sync()   # every ACTION_COMMITTED is durable before any tool runs
+
+    def _reject(self, ep: Episode, stop_reason: str, turn_payload: dict[str, Any]) -> None:
+        v = self.env.verify(ep.task, None, ep.tool_calls)   # components of a failed format
+        self._terminal(ep, "REJECTED", "FAIL", stop_reason, 0.0, v.components, turn_payload)
+
+    def _finish_pending(self, eps: list[Episode]) -> None:
+        if not eps:
+            return
+        for ep in eps:
+            if "output" not in ep.pending and not ep.pending.get("waiting"):
+                self._event(ep, "TOOL_WAITING", step=ep.pending["step"], action_id=ep.pending["action_id"],
+                            state="TOOL_WAITING")
+        self.spool.sync()
+        executed: list[Episode] = []
+        for ep in eps:
+            p = ep.pending
+            if "output" in p:          # executed before a crash: use the recorded output
+                executed.append(ep)
+                continue
+            if p.get("unconfirmed") and not self.env.idempotent:
+                self._terminal(ep, "INFRA_FAILED", "ENV_ERROR", "stop_sequence", None, None,
+                               {"error": "tool outcome unknown after a restart; the tool is not idempotent"})
+                continue
+            try:
+                if self._rng.random() < self.faults.tool_timeout:
+                    raise ToolTimeout("injected tool timeout")
+                if self._rng.random() < self.faults.env_crash:
+                    raise ToolError("injected environment crash")
+                out = self.env.step(ep.task, p["text"], key=f"{ep.episode_id}/{p['action_id']}")
+                self.tool_executions += 1
+            except ToolTimeout as exc:
+                self._terminal(ep, "INFRA_FAILED", "ENV_ERROR", "env_timeout", None, None, {"error": str(exc)})
+                continue
+            except Exception as exc:  # noqa: BLE001 - any environment failure is an infra failure
+                self._terminal(ep, "INFRA_FAILED", "ENV_ERROR", "stop_sequence", None, None,
+                               {"error": f"{type(exc).__name__}: {exc}"})
+                continue
+            p["output"] = out
+            self._event(ep, "ACTION_EXECUTED", step=p["step"], action_id=p["action_id"], state="TOOL_WAITING",
+                        payload={"output": out})
+            executed.append(ep)
+            self._executed += 1
+            if self.faults.kill_after_executed and self._executed == self.faults.kill_after_executed:
+                self.spool.sync()
+                os.kill(os.getpid(), signal.SIGKILL)   # the crash test: executed, observation not persisted
+        self.spool.sync()
+        for ep in executed:
+            p = ep.pending
+            obs = [vocab.OBS_ID] + vocab.encode(p["output"]) + [vocab.END_OBS_ID]
+            ep.response_ids += obs
+            ep.logprobs += [0.0] * len(obs)
+            ep.mask += [0] * len(obs)
+            ep.token_versions += [-1] * len(obs)
+            ep.tool_calls += 1
+            ep.pending = None
+            self._event(ep, "OBSERVATION_PERSISTED", step=p["step"], action_id=p["action_id"], state="GENERATING",
+                        payload={"obs": obs})
+            if time.monotonic() - ep.started > self.limits.wall_clock_s:
+                self._terminal(ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None, None)
+            elif len(ep.response_ids) >= self.limits.max_total_tokens:
+                self._reject(ep, "max_length", {})
+        self.spool.sync()
+
+    def _verify(self, eps: list[Episode]) -> None:
+        for ep in eps:
+            turn = ep.final_turn or []
+            stop = "eos" if turn and turn[-1] == vocab.EOS_ID else "stop_sequence"
+            answer = parse_answer(turn)
+            try:
+                if self._rng.random() < self.faults.verifier_error:
+                    raise RuntimeError("injected verifier error")
+                v: Verification = self.env.verify(ep.task, answer, ep.tool_calls)
+            except Exception as exc:  # noqa: BLE001
+                self._terminal(ep, "INFRA_FAILED", "UNKNOWN", stop, None, None,
+                               {"error": f"verifier: {type(exc).__name__}: {exc}"})
+                continue
+            if v.verdict == "UNKNOWN" or v.reward is None:
+                self._terminal(ep, "INFRA_FAILED", "UNKNOWN", stop, None, v.components or None, None)
+            elif not v.format_ok:
+                self._terminal(ep, "REJECTED", "FAIL", stop, 0.0, v.components, None)
+            else:
+                self._terminal(ep, "ACCEPTED", v.verdict, stop, float(v.reward), v.components, None)
+        self.spool.sync()
+
+    def _terminal(self, ep: Episode, status: str, verdict: str, stop_reason: str, reward: float | None,
+                  components: dict[str, float] | None, payload: dict[str, Any] | None) -> None:
+        ep.status, ep.verdict, ep.stop_reason, ep.reward, ep.components = status, verdict, stop_reason, reward, components
+        ep.pending = None
+        finished = _now()
+        self.spool.append({"kind": "trajectory", **self.trajectory_row(ep, finished)})
+        self._event(ep, "TERMINAL", step=ep.turns, state=status, payload=(payload or {}) | {
+            "status": status, "verdict": verdict, "stop_reason": stop_reason, "reward": reward})
+
+    def trajectory_row(self, ep: Episode, finished: datetime) -> dict[str, Any]:
+        s = self.sampling
+        return {
+            "trajectory_id": ep.episode_id, "group_id": ep.group_id, "group_size": ep.group_size,
+            "task_id": ep.task.task_id, "task_version": self.env.version, "run_id": self.run_id,
+            "policy_version": ep.policy_version, "token_policy_versions": list(ep.token_versions),
+            "tokenizer_rev": vocab.TOKENIZER_REV, "prompt_template_rev": self.env.prompt_template_rev,
+            "harness_version": HARNESS_VERSION, "env_version": self.env.env_version,
+            "verifier_version": self.env.verifier_version, "temperature": float(s.temperature),
+            "top_p": float(s.top_p), "sampling_seed": ep.seed, "status": ep.status, "verdict": ep.verdict,
+            "stop_reason": ep.stop_reason, "reward": ep.reward, "reward_components": ep.components,
+            "difficulty": ep.task.difficulty, "num_turns": ep.turns, "num_tool_calls": ep.tool_calls,
+            "created_at": ep.created_at.isoformat(), "finished_at": max(finished, ep.created_at).isoformat(),
+            "queue_wait_ms": 0, "prompt_ids": list(ep.prompt_ids), "response_ids": list(ep.response_ids),
+            "response_logprobs": list(ep.logprobs), "loss_mask": list(ep.mask),
+        }
+
+
+# -- recovery ---------------------------------------------------------------------------------
+def rebuild(records: list[dict[str, Any]], tasks: dict[str, tuple[Task, str, int]]) -> dict[str, Episode | None]:
+    """Episodes from their event records (spool lines and/or lake rows, any order,
+    duplicates allowed). ``tasks``: episode_id -> (task, group_id, group_size),
+    the deterministic plan. Returns episode_id -> Episode (unfinished) or None
+    (finished: its TERMINAL event is recorded)."""
+    by_ep: dict[str, dict[tuple, dict[str, Any]]] = {}
+    for r in records:
+        if r.get("kind", "event") != "event":
+            continue
+        key = (r["step_id"], r["action_id"], r["event_type"])
+        by_ep.setdefault(r["episode_id"], {}).setdefault(key, r)
+    order = {t: i for i, t in enumerate(["CREATED", "GENERATING", "ACTION_COMMITTED", "TOOL_WAITING",
+                                         "ACTION_EXECUTED", "OBSERVATION_PERSISTED", "VERIFYING", "TERMINAL"])}
+    out: dict[str, Episode | None] = {}
+    for eid, evs in by_ep.items():
+        if eid not in tasks:
+            continue
+        if any(k[2] == "TERMINAL" for k in evs):
+            out[eid] = None
+            continue
+        rows = sorted(evs.values(), key=lambda r: (r["step_id"], order[r["event_type"]]))
+        task, group_id, group_size = tasks[eid]
+        created = next((r for r in rows if r["event_type"] == "CREATED"), None)
+        if created is None:
+            continue
+        cp = json.loads(created["payload"])
+        ep = Episode(eid, group_id, group_size, task, int(cp["seed"]), list(cp["prompt_ids"]),
+                     policy_version=int(created["policy_version"]))
+        ep.written = set(evs)
+        ep.created_at = datetime.fromisoformat(created["created_at"]) if isinstance(created["created_at"], str) \
+            else created["created_at"]
+        for r in rows:
+            p = json.loads(r["payload"]) if r.get("payload") else {}
+            et = r["event_type"]
+            if et == "GENERATING" and p.get("turn") == 0:
+                ep.policy_version = int(r["policy_version"])
+            if et in ("ACTION_COMMITTED", "VERIFYING"):
+                ep.response_ids += p["ids"]
+                ep.logprobs += p["logprobs"]
+                ep.mask += [1] * len(p["ids"])
+                ep.token_versions += [int(p["version"])] * len(p["ids"])
+                ep.turns = p["turn"] + 1
+            if et == "ACTION_COMMITTED":
+                ep.pending = {"action_id": r["action_id"], "text": p["args"], "step": r["step_id"],
+                              "unconfirmed": True}
+                ep.state = "TOOL_WAITING"
+            elif et == "TOOL_WAITING" and ep.pending is not None:
+                ep.pending["waiting"] = True
+            elif et == "ACTION_EXECUTED" and ep.pending is not None:
+                ep.pending["output"] = p["output"]
+            elif et == "OBSERVATION_PERSISTED":
+                ep.response_ids += p["obs"]
+                ep.logprobs += [0.0] * len(p["obs"])
+                ep.mask += [0] * len(p["obs"])
+                ep.token_versions += [-1] * len(p["obs"])
+                ep.tool_calls += 1
+                ep.pending = None
+                ep.state = "GENERATING"
+            elif et == "VERIFYING":
+                ep.final_turn = list(p["ids"])
+                ep.state = "VERIFYING"
+        if ep.state == "CREATED" or (ep.state == "GENERATING" and ep.pending is None):
+            ep.state = "GENERATING" if ep.turns else "CREATED"
+        out[eid] = ep
+    return out

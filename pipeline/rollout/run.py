@@ -1,0 +1,290 @@
+"""``pipeline rollout``: sample N groups of G trajectories and land them.
+
+    pipeline rollout --env arithmetic-tool --engine hf --groups 32 --group-size 8 --seed 0
+    pipeline rollout --env reverse-digits --engine vllm --policy 0 --groups 8 --workers 2
+
+Each worker (a process when ``workers > 1``) owns the groups ``k`` with
+``k % workers == w``, runs them in waves of ``groups_per_wave`` through the
+harness, and ships its spool to Delta in batches (app id = worker id,
+transaction version = batch sequence). Task seeds, episode ids and sampling
+seeds are functions of ``(run_id, seed, group, member)``, so a restarted
+worker with the same ``run_id`` knows exactly which episodes it owes: it
+replays its spool (and the events it already shipped), finishes the
+interrupted ones and runs the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from pipeline.config import config_dict
+from pipeline.rollout.engine import Sampling, derive_seed
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    env: str = field(default="arithmetic-tool", metadata={"help": "environment name (or module:Class)"})
+    engine: Literal["hf", "vllm"] = field(default="hf", metadata={"help": "generation engine"})
+    policy: str = field(default="latest", metadata={
+        "help": "policy version number, checkpoint id, 'latest', or a local HF directory"})
+    groups: int = field(default=8, metadata={"help": "groups to sample (N)"})
+    group_size: int = field(default=8, metadata={"help": "samples per group (G)"})
+    seed: int = field(default=0, metadata={"help": "task and sampling seed"})
+    workers: int = field(default=1, metadata={"help": "worker processes"})
+    run_id: str = field(default="", metadata={"help": "experiment id (default: rollout-<seed>-<utc time>); "
+                                                     "rerun with the same id to resume a crashed run"})
+    group_offset: int = field(default=0, metadata={"help": "first group index (iterations of a loop use new groups)"})
+    follow_latest: bool = field(default=False, metadata={
+        "help": "re-resolve the newest published policy between waves (and turns, see follow_every_turn)"})
+    follow_every_turn: bool = field(default=False, metadata={
+        "help": "with follow_latest: also between turns (trajectories may then span policy versions)"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (0 = greedy)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling p"})
+    max_turns: int = field(default=4, metadata={"help": "model turns per trajectory (stop_reason max_steps)"})
+    max_tokens_per_turn: int = field(default=16, metadata={"help": "tokens per model turn (max_length)"})
+    max_total_tokens: int = field(default=64, metadata={"help": "response tokens in total (max_length)"})
+    wall_clock_s: float = field(default=120.0, metadata={"help": "per trajectory (EXPIRED, wall_clock)"})
+    groups_per_wave: int = field(default=32, metadata={"help": "groups advanced together (one engine batch)"})
+    flush_rows: int = field(default=256, metadata={"help": "ship the spool after this many finished trajectories"})
+    flush_seconds: float = field(default=10.0, metadata={"help": "... or after this many seconds"})
+    spool_dir: str = field(default="", metadata={"help": "worker spools (default: <lake>/_spool/<run_id>)"})
+    spool_fsync: bool = field(default=True, metadata={"help": "fsync the spool at every commit point"})
+    tool_timeout_p: float = field(default=0.0, metadata={"help": "fault injection: tool timeout probability"})
+    env_crash_p: float = field(default=0.0, metadata={"help": "fault injection: environment crash probability"})
+    verifier_error_p: float = field(default=0.0, metadata={"help": "fault injection: verifier error probability"})
+    kill_after_executed: int = field(default=0, metadata={
+        "help": "fault injection: SIGKILL the worker after its Nth tool execution is recorded (crash tests)"})
+    tool_log: str = field(default="", metadata={"help": "append one line per real tool execution to this file"})
+    threads: int = field(default=1, metadata={"help": "torch threads per worker"})
+    progress: bool = field(default=False, metadata={"help": "print one line per wave to stderr"})
+
+
+@dataclass
+class RolloutSummary:
+    run_id: str
+    env: str
+    engine: str
+    trajectories: int = 0                       # finished by this invocation
+    landed: int = 0                             # rows landed in the trajectories table
+    events: int = 0
+    quarantined: int = 0
+    statuses: dict[str, int] = field(default_factory=dict)
+    verdicts: dict[str, int] = field(default_factory=dict)
+    reward_mean: float | None = None
+    success_rate: float | None = None           # PASS / trajectories with a verdict PASS or FAIL
+    policy_versions: list[int] = field(default_factory=list)
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    tokens_per_s: float = 0.0
+    tool_executions: int = 0
+    resumed: int = 0
+    workers: int = 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _spool_dir(lake, cfg: RolloutConfig) -> Path:
+    if cfg.spool_dir:
+        return Path(cfg.spool_dir)
+    base = Path(lake.uri) if lake.is_local else Path(os.environ.get("PIPELINE_CACHE",
+                                                                    Path.home() / ".cache" / "pipeline"))
+    return base / "_spool" / cfg.run_id
+
+
+class _PolicyHolder:
+    """The engine for the current policy; swaps to a newer one when following."""
+
+    def __init__(self, lake, cfg: RolloutConfig) -> None:
+        self.lake, self.cfg = lake, cfg
+        self.engine = None
+        self.checkpoint_id: str | None = None
+        self.version = 0
+        self.versions: set[int] = set()
+
+    def __call__(self):
+        from pipeline.policy_store import resolve_policy
+        from pipeline.rollout.engine import make_engine
+
+        if self.engine is None or self.cfg.follow_latest:
+            ref = resolve_policy(self.lake, None if self.cfg.follow_latest else self.cfg.policy)
+            if ref.checkpoint_id != self.checkpoint_id:
+                if self.engine is not None:
+                    self.engine.close()
+                self.engine = make_engine(self.cfg.engine, ref.hf_dir, threads=self.cfg.threads)
+                self.checkpoint_id = ref.checkpoint_id
+                self.version = max(0, ref.policy_version)   # a plain HF directory counts as version 0
+        self.versions.add(self.version)
+        return self.engine, self.version
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def plan(cfg: RolloutConfig, env, worker: int) -> list[tuple[int, str, Any, list[tuple[str, int]]]]:
+    """This worker's groups: (group index, group_id, task, [(episode_id, sampling seed)])."""
+    out = []
+    for k in range(cfg.group_offset, cfg.group_offset + cfg.groups):
+        if k % cfg.workers != worker:
+            continue
+        task = env.reset(derive_seed(cfg.seed, "task", k), "train")
+        gid = f"{cfg.run_id}-g{k}"
+        out.append((k, gid, task, [(f"{gid}-{j}", derive_seed(cfg.seed, "sample", k, j))
+                                   for j in range(cfg.group_size)]))
+    return out
+
+
+def run_worker(lake, cfg: RolloutConfig, worker: int) -> RolloutSummary:
+    import pyarrow.dataset as ds
+
+    from pipeline.rollout.envs import get_env
+    from pipeline.rollout.harness import Faults, Harness, Limits, rebuild
+    from pipeline.rollout.spool import Spool, ship
+
+    t0 = time.perf_counter()
+    worker_id = f"{cfg.run_id}/w{worker}"
+    env = get_env(cfg.env, **({"tool_log": cfg.tool_log} if cfg.tool_log else {}))
+    spool = Spool(_spool_dir(lake, cfg), worker_id, fsync=cfg.spool_fsync)
+    holder = _PolicyHolder(lake, cfg)
+    harness = Harness(env, holder, spool, run_id=cfg.run_id, worker_id=worker_id,
+                      sampling=Sampling(cfg.temperature, cfg.top_p, cfg.max_tokens_per_turn),
+                      limits=Limits(cfg.max_turns, cfg.max_tokens_per_turn, cfg.max_total_tokens, cfg.wall_clock_s),
+                      faults=Faults(cfg.tool_timeout_p, cfg.env_crash_p, cfg.verifier_error_p,
+                                    cfg.kill_after_executed, cfg.seed),
+                      follow_every_turn=cfg.follow_latest and cfg.follow_every_turn)
+    groups = plan(cfg, env, worker)
+    tasks = {eid: (task, gid, cfg.group_size) for _, gid, task, members in groups for eid, _ in members}
+    # recovery: the spool, plus whatever this worker already shipped (the spool may be gone)
+    records = spool.records()
+    if lake.exists("events"):
+        shipped = lake.read("events", filter=(ds.field("run_id") == cfg.run_id) & (ds.field("worker_id") == worker_id))
+        records = shipped.to_pylist() + records
+    state = rebuild(records, tasks) if records else {}
+    summary = RolloutSummary(cfg.run_id, cfg.env, cfg.engine, workers=cfg.workers)
+    finished: list = []
+    last_ship = time.monotonic()
+    unshipped = 0
+    for w0 in range(0, len(groups), cfg.groups_per_wave):
+        wave = []
+        for _, gid, task, members in groups[w0:w0 + cfg.groups_per_wave]:
+            for eid, seed in members:
+                if eid in state and state[eid] is None:
+                    continue                       # finished before a restart
+                if eid in state:
+                    wave.append(state[eid])
+                    summary.resumed += 1
+                else:
+                    wave.append((eid, gid, task, seed))
+        if not wave:
+            continue
+        _, version = holder()
+        eps = [w if not isinstance(w, tuple) else harness.new_episode(
+            episode_id=w[0], group_id=w[1], group_size=cfg.group_size, task=w[2], seed=w[3], policy_version=version)
+            for w in wave]
+        harness.run(eps)
+        finished += eps
+        unshipped += len(eps)
+        if unshipped >= cfg.flush_rows or time.monotonic() - last_ship >= cfg.flush_seconds:
+            _add_ship(summary, ship(lake, spool))
+            unshipped, last_ship = 0, time.monotonic()
+        if cfg.progress:
+            done = sum(1 for e in finished)
+            print(f"[{worker_id}] {done} trajectories, policy v{version}, "
+                  f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    _add_ship(summary, ship(lake, spool))
+    spool.close()
+    holder.close()
+    summary.trajectories = len(finished)
+    summary.statuses = dict(Counter(e.status for e in finished))
+    summary.verdicts = dict(Counter(e.verdict for e in finished))
+    rewards = [e.reward for e in finished if e.reward is not None]
+    summary.reward_mean = sum(rewards) / len(rewards) if rewards else None
+    judged = [e for e in finished if e.verdict in ("PASS", "FAIL")]
+    summary.success_rate = sum(e.verdict == "PASS" for e in judged) / len(judged) if judged else None
+    summary.generated_tokens = sum(sum(e.mask) for e in finished)
+    summary.policy_versions = sorted(holder.versions)
+    summary.tool_executions = harness.tool_executions
+    summary.seconds = time.perf_counter() - t0
+    summary.tokens_per_s = summary.generated_tokens / summary.seconds if summary.seconds else 0.0
+    return summary
+
+
+def _add_ship(summary: RolloutSummary, rep) -> None:
+    summary.landed += rep.trajectories
+    summary.events += rep.events
+    summary.quarantined += rep.quarantined
+
+
+def _worker_main(lake_uri: str, cfg_dict: dict[str, Any], worker: int) -> dict[str, Any]:
+    from pipeline.lake.delta import Lake
+
+    cfg = RolloutConfig(**cfg_dict)
+    return run_worker(Lake(lake_uri), cfg, worker).as_dict()
+
+
+def _merge(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: float) -> RolloutSummary:
+    s = RolloutSummary(cfg.run_id, cfg.env, cfg.engine, workers=cfg.workers)
+    n_reward = 0
+    reward_sum = 0.0
+    pass_n = judged = 0
+    for p in parts:
+        for k in ("trajectories", "landed", "events", "quarantined", "generated_tokens", "tool_executions", "resumed"):
+            setattr(s, k, getattr(s, k) + p[k])
+        for k in ("statuses", "verdicts"):
+            for name, v in p[k].items():
+                getattr(s, k)[name] = getattr(s, k).get(name, 0) + v
+        if p["reward_mean"] is not None:
+            n = sum(v for st, v in p["statuses"].items() if st in ("ACCEPTED", "REJECTED"))
+            reward_sum += p["reward_mean"] * n
+            n_reward += n
+        pass_n += p["verdicts"].get("PASS", 0)
+        judged += p["verdicts"].get("PASS", 0) + p["verdicts"].get("FAIL", 0)
+        s.policy_versions = sorted(set(s.policy_versions) | set(p["policy_versions"]))
+    s.reward_mean = reward_sum / n_reward if n_reward else None
+    s.success_rate = pass_n / judged if judged else None
+    s.seconds = seconds
+    s.tokens_per_s = s.generated_tokens / seconds if seconds else 0.0
+    return s
+
+
+def run_rollout(lake, cfg: RolloutConfig | None = None, **overrides: Any) -> RolloutSummary:
+    """Sample ``cfg.groups`` groups of ``cfg.group_size`` and land them (see module doc)."""
+    if cfg is None:
+        from pipeline.config import load_config
+
+        cfg = load_config(RolloutConfig, None, overrides)
+    elif overrides:
+        cfg = dataclasses.replace(cfg, **overrides)
+    _check(cfg)
+    if not cfg.run_id:
+        cfg = dataclasses.replace(cfg, run_id=f"rollout-{cfg.seed}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}")
+    if cfg.workers == 1:
+        return run_worker(lake, cfg, 0)
+    import multiprocessing as mp
+
+    t0 = time.perf_counter()
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(cfg.workers) as pool:
+        parts = pool.starmap(_worker_main, [(lake.uri, config_dict(cfg), w) for w in range(cfg.workers)])
+    return _merge(cfg, parts, time.perf_counter() - t0)
+
+
+def _check(cfg: RolloutConfig) -> None:
+    from pipeline.errors import ConfigError
+
+    if cfg.groups < 1 or cfg.group_size < 1 or cfg.workers < 1:
+        raise ConfigError("groups, group_size and workers must be >= 1")
+    for name in ("tool_timeout_p", "env_crash_p", "verifier_error_p"):
+        if not 0.0 <= getattr(cfg, name) <= 1.0:
+            raise ConfigError(f"{name} must be a probability in [0, 1]")
+    if cfg.max_tokens_per_turn < 1 or cfg.max_total_tokens < cfg.max_tokens_per_turn:
+        raise ConfigError("need 1 <= max_tokens_per_turn <= max_total_tokens")

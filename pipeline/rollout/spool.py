@@ -1,0 +1,205 @@
+"""The worker's local write-ahead spool and the shipper that lands it in Delta.
+
+A Delta commit costs ~70 ms and commits do not scale with writers
+(DESIGN.md, "The write path"), so a worker never commits per event. Every
+event (and every finished trajectory row) is first appended as one JSON line
+to ``<spool_dir>/<worker>.spool.jsonl`` and made durable with flush + fsync
+before the harness acts on it: "the action is committed before the tool runs"
+means its line is on disk before the tool is called. The harness group-commits
+(one fsync per phase of a wave, covering every episode in it); the ordering
+per event is what matters and is kept.
+
+Shipping cuts the unshipped tail into a batch: ``(seq, start_line, end_line)``
+is appended (fsynced) to ``<worker>.batches.jsonl`` *before* anything is
+written to Delta, so a retried or restarted shipper lands exactly the same
+rows again under the same application transaction ``(app_id = worker id,
+txn_version = seq)``, which ``Lake.append`` turns into a no-op when it had
+already landed. Trajectory rows go through the lake's validation
+(``validate_table`` + ``stamp_derived``); rejects go to ``quarantine``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+
+def _safe(worker_id: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in worker_id)
+
+
+class Spool:
+    """Append-only JSON-lines file, one record per line: ``{"kind": "event"|"trajectory", ...}``."""
+
+    def __init__(self, spool_dir: str | os.PathLike[str], worker_id: str, *, fsync: bool = True) -> None:
+        self.dir = Path(spool_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.worker_id = worker_id
+        self.path = self.dir / f"{_safe(worker_id)}.spool.jsonl"
+        self.batches_path = self.dir / f"{_safe(worker_id)}.batches.jsonl"
+        self.fsync = fsync
+        self._lines = self._read_lines(self.path)
+        self._f = open(self.path, "a", encoding="utf-8")
+        self._dirty = False
+
+    @staticmethod
+    def _read_lines(path: Path) -> list[dict[str, Any]]:
+        if not path.exists():
+            return []
+        out = []
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if not line.endswith("\n"):
+                    break  # a torn last line (killed mid-write): never acted on, since never synced
+                out.append(json.loads(line))
+        return out
+
+    def records(self) -> list[dict[str, Any]]:
+        return list(self._lines)
+
+    def __len__(self) -> int:
+        return len(self._lines)
+
+    def append(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record, separators=(",", ":"), default=str) + "\n")
+        self._lines.append(record)
+        self._dirty = True
+
+    def sync(self) -> None:
+        """Make every appended record durable (flush + fsync)."""
+        if not self._dirty:
+            return
+        self._f.flush()
+        if self.fsync:
+            os.fsync(self._f.fileno())
+        self._dirty = False
+
+    def close(self) -> None:
+        self.sync()
+        self._f.close()
+
+    # -- batches -------------------------------------------------------------------------
+    def batches(self) -> list[tuple[int, int, int]]:
+        return [(b["seq"], b["start"], b["end"]) for b in self._read_lines(self.batches_path)]
+
+    def cut_batch(self) -> tuple[int, int, int] | None:
+        """Declare the unshipped tail a batch (durably); None when nothing is pending."""
+        self.sync()
+        done = self.batches()
+        start = done[-1][2] if done else 0
+        if start >= len(self._lines):
+            return None
+        seq = done[-1][0] + 1 if done else 0
+        with open(self.batches_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"seq": seq, "start": start, "end": len(self._lines)}) + "\n")
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+        return seq, start, len(self._lines)
+
+    def unshipped(self) -> int:
+        done = self.batches()
+        return len(self._lines) - (done[-1][2] if done else 0)
+
+
+@dataclass
+class ShipReport:
+    batches: int = 0
+    trajectories: int = 0
+    events: int = 0
+    quarantined: int = 0
+    skipped: int = 0                     # batches that had already landed (exactly-once no-ops)
+    reasons: dict[str, int] = field(default_factory=dict)
+
+
+def _events_table(records: list[dict[str, Any]]) -> pa.Table:
+    from pipeline.schema import arrow_schema
+
+    rows = []
+    for r in records:
+        row = {k: v for k, v in r.items() if k != "kind"}
+        row["created_at"] = datetime.fromisoformat(row["created_at"])
+        rows.append(row)
+    return pa.Table.from_pylist(rows, schema=arrow_schema("events"))
+
+
+def _trajectory_table(records: list[dict[str, Any]], shipped_at: datetime) -> pa.Table:
+    from pipeline.schema import table_spec
+
+    spec = table_spec("trajectories")
+    rows = []
+    for r in records:
+        row = {k: v for k, v in r.items() if k != "kind"}
+        row["created_at"] = datetime.fromisoformat(row["created_at"])
+        row["finished_at"] = datetime.fromisoformat(row["finished_at"])
+        # queue wait as seen by the writer: finish -> landing in the lake
+        row["queue_wait_ms"] = max(0, int((shipped_at - row["finished_at"]).total_seconds() * 1000))
+        if row.get("reward_components") is not None:
+            row["reward_components"] = list(row["reward_components"].items())
+        rows.append(row)
+    schema = pa.schema([c.arrow_field().with_nullable(True) for c in spec.ingest_columns
+                        if c.name != "content_hash"])
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+def ship(lake, spool: Spool, *, command: str = "pipeline rollout") -> ShipReport:
+    """Cut the pending tail into a batch and land every batch not yet in the lake
+    (also the ones a crashed run declared but never landed)."""
+    from pipeline.lake.ingest import quarantine_rows, stamp_derived
+    from pipeline.lake.validate import validate_table
+
+    spool.cut_batch()
+    report = ShipReport()
+    app_id = spool.worker_id
+    landed = {name: lake.transaction_version(name, app_id) for name in ("trajectories", "events")}
+    lines = spool.records()
+    for seq, start, end in spool.batches():
+        recs = lines[start:end]
+        events = [r for r in recs if r["kind"] == "event"]
+        trajs = [r for r in recs if r["kind"] == "trajectory"]
+        # written in the order quarantine -> trajectories -> events: the last table present tells
+        # whether the whole batch landed
+        last = "events" if events else "trajectories"
+        if landed[last] is not None and landed[last] >= seq:
+            report.skipped += 1
+            continue
+        ingest_id = f"rollout:{app_id}:{seq}"
+        q_tables, land_traj, land_ev = [], None, None
+        if trajs:
+            raw = _trajectory_table(trajs, datetime.now(timezone.utc))
+            v = validate_table(raw)
+            land_traj = stamp_derived(v.valid, ingest_id) if v.valid.num_rows else None
+            if v.rejects:
+                q_tables.append(quarantine_rows(
+                    [(r.row, r.code, r.message, raw.column("trajectory_id")[r.row].as_py()) for r in v.rejects],
+                    raw=raw, raw_lines=None, source=str(spool.path), fingerprint=f"{app_id}:{seq}",
+                    ingest_id=ingest_id))
+        if events:
+            raw_ev = _events_table(events)
+            ve = validate_table(raw_ev, table="events")
+            land_ev = ve.valid if ve.valid.num_rows else None
+            if ve.rejects:
+                q_tables.append(quarantine_rows(
+                    [(r.row, r.code, r.message, raw_ev.column("episode_id")[r.row].as_py()) for r in ve.rejects],
+                    raw=raw_ev, raw_lines=None, source=str(spool.path), fingerprint=f"{app_id}:{seq}:events",
+                    ingest_id=ingest_id, target="events"))
+        if q_tables:
+            q = pa.concat_tables(q_tables)
+            res = lake.append("quarantine", q, command=command, app_id=app_id, txn_version=seq)
+            report.quarantined += q.num_rows if res.landed else 0
+            for code in q.column("reason_code").to_pylist():
+                report.reasons[code] = report.reasons.get(code, 0) + 1
+        if land_traj is not None:
+            res = lake.append("trajectories", land_traj, command=command, app_id=app_id, txn_version=seq)
+            report.trajectories += land_traj.num_rows if res.landed else 0
+        if land_ev is not None:
+            res = lake.append("events", land_ev, command=command, app_id=app_id, txn_version=seq)
+            report.events += land_ev.num_rows if res.landed else 0
+        report.batches += 1
+    return report
