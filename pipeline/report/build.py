@@ -1,0 +1,436 @@
+"""The rollout health report: run the named queries in sql/, turn their rows
+into plots and tables, write one self-contained HTML file.
+
+Every section is built from one or more named queries (the same ones
+`pipeline sql --file NAME` runs), so a number in the report can always be
+reproduced from the command line. A table that does not exist yet (a fresh
+lake, a stage that has not run) gives "no data yet", never a crash; a query
+that fails shows its error in its own section and the rest still renders.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import pandas as pd
+
+from pipeline.report.html import Note, Plot, Section, Table, render
+
+TRAIN_METRIC_COLUMNS = ("loss", "reward", "reward_mean", "kl", "entropy", "grad_norm", "clip_fraction",
+                        "tokens_per_s", "padding_ratio", "policy_lag")
+STEP_COLUMNS = ("step", "global_step")
+
+
+@dataclass(frozen=True)
+class ReportOptions:
+    run_id: str | None = None     # only this experiment (None: every run)
+    bucket: str = "hour"          # time bucket of the over-time plots
+    pass_k: int = 4               # the k of the second pass@k curve (pass@1 is always drawn)
+    receipts: int = 25            # rows in the latest-receipts table
+
+
+class _Queries:
+    """Runs named queries once each; remembers results and failures."""
+
+    def __init__(self, lake, opts: ReportOptions) -> None:
+        self.lake = lake
+        self.opts = opts
+        self.cache: dict[tuple, pd.DataFrame | Exception] = {}
+
+    def get(self, name: str, **params) -> pd.DataFrame | Exception:
+        from pipeline.query.duck import query
+        from pipeline.resources import sql_path
+
+        key = (name, tuple(sorted(params.items())))
+        if key not in self.cache:
+            try:
+                sql = sql_path(name).read_text()
+                self.cache[key] = query(self.lake, sql, params=params).to_pandas()
+            except Exception as exc:  # one broken query must not take the report down
+                self.cache[key] = exc
+        return self.cache[key]
+
+    def sql(self, text: str) -> pd.DataFrame | Exception:
+        from pipeline.query.duck import query
+
+        try:
+            return query(self.lake, text).to_pandas()
+        except Exception as exc:
+            return exc
+
+
+def _problem(df: pd.DataFrame | Exception, what: str) -> Note | None:
+    """A Note when ``df`` failed or is empty, else None."""
+    if isinstance(df, Exception):
+        msg = getattr(df, "message", None) or str(df)
+        return Note(f"{what}: query failed: {msg}", "error")
+    if df.empty:
+        return Note(f"{what}: no data yet.", "empty")
+    return None
+
+
+def _series_by_run(df: pd.DataFrame, x: str, cols: dict[str, str]) -> dict[str, tuple[list, list]]:
+    """``{label: (x, y)}`` for each run and each column (label ``run: name`` when several runs)."""
+    out: dict[str, tuple[list, list]] = {}
+    runs = sorted(df.run_id.unique()) if "run_id" in df else [None]
+    for run in runs:
+        d = df[df.run_id == run] if run is not None else df
+        d = d.sort_values(x)
+        for col, name in cols.items():
+            if col in d and d[col].notna().any():
+                label = name if len(runs) == 1 else f"{run}: {name}"
+                out[label] = (d[x].tolist(), d[col].tolist())
+    return out
+
+
+def _table(df: pd.DataFrame, columns: list[str] | None = None, caption: str = "", limit: int = 200) -> Table:
+    d = df[columns] if columns else df
+    rows = [[_py(v) for v in r] for r in d.head(limit).itertuples(index=False, name=None)]
+    cap = caption + (f" (first {limit} of {len(d)} rows)" if len(d) > limit else "")
+    return Table(list(d.columns), rows, cap)
+
+
+def _py(v: Any) -> Any:
+    if isinstance(v, pd.Timestamp):
+        return v.to_pydatetime()
+    if hasattr(v, "tolist") and not isinstance(v, (str, bytes)):
+        return v.tolist()
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    return v
+
+
+# -- sections -------------------------------------------------------------------------------------
+
+
+def overview(q: _Queries) -> Section:
+    from pipeline.schema import TABLES
+
+    s = Section("overview", "Lake", "Tables the report read, with their Delta versions and row counts.")
+    rows = []
+    for name in TABLES + ("metrics",):
+        try:
+            version = q.lake.version(name)
+        except Exception:
+            version = None
+        if version is None:
+            rows.append([name, None, "no data yet"])
+            continue
+        n = q.sql(f'SELECT count(*) AS n FROM "{name}"')
+        rows.append([name, version, int(n.n.iloc[0]) if not isinstance(n, Exception) else f"error: {n}"])
+    s.blocks.append(Table(["table", "delta version", "rows"], rows))
+    return s
+
+
+def quality(q: _Queries) -> Section:
+    o = q.opts
+    s = Section("quality", "Quality",
+                "Success rate, hard-constraint pass rate and pass@k per policy version (sql/quality.sql, "
+                "sql/quality_pass_at_k.sql, unbiased estimator 1 - C(n-c,k)/C(n,k) over groups); success and "
+                "reward components over time (sql/quality_over_time.sql, sql/quality_components.sql). "
+                "Valid members only: infrastructure failures are not policy failures.")
+    qd = q.get("quality", run_id=o.run_id)
+    note = _problem(qd, "trajectories")
+    if note:
+        s.blocks.append(note)
+        return s
+    p1 = q.get("quality_pass_at_k", run_id=o.run_id, k=1)
+    pk = q.get("quality_pass_at_k", run_id=o.run_id, k=o.pass_k)
+    df = qd.copy()
+    for frame, col in ((p1, "pass_at_1"), (pk, f"pass_at_{o.pass_k}")):
+        if isinstance(frame, pd.DataFrame) and not frame.empty:
+            df = df.merge(frame[["run_id", "policy_version", "pass_at_k"]].rename(columns={"pass_at_k": col}),
+                          on=["run_id", "policy_version"], how="left")
+    s.blocks.append(Plot("Success over policy versions", _lines(
+        _series_by_run(df, "policy_version", {"success_rate": "success rate",
+                                              "hard_constraint_pass_rate": "hard-constraint pass",
+                                              "pass_at_1": "pass@1", f"pass_at_{o.pass_k}": f"pass@{o.pass_k}"}),
+        title="Success over policy versions", xlabel="policy version", ylabel="rate", integer_x=True,
+        ylim=(0, 1.02))))
+    s.blocks.append(Plot("Reward over policy versions", _lines(
+        _series_by_run(df, "policy_version", {"reward_mean": "reward mean", "reward_std": "reward std",
+                                              "reward_length_corr": "corr(reward, length)"}),
+        title="Reward over policy versions", xlabel="policy version", ylabel="reward", integer_x=True)))
+    ot = q.get("quality_over_time", run_id=o.run_id, bucket=o.bucket)
+    if not _problem(ot, "over time"):
+        s.blocks.append(Plot("Success and reward over time", _lines(
+            _series_by_run(ot, "bucket", {"success_rate": "success rate", "reward_mean": "reward mean"}),
+            title=f"Success and reward over time (per {o.bucket}, UTC)", xlabel="finished at", ylabel="rate")))
+    comp = q.get("quality_components", run_id=o.run_id, bucket=o.bucket)
+    if not _problem(comp, "components"):
+        series = {}
+        for (run, c), d in comp.groupby(["run_id", "component"]):
+            label = c if comp.run_id.nunique() == 1 else f"{run}: {c}"
+            d = d.sort_values("bucket")
+            series[label] = (d.bucket.tolist(), d["mean"].tolist())
+        s.blocks.append(Plot("Reward components over time", _lines(
+            series, title=f"Reward components over time (mean per {o.bucket})", xlabel="finished at",
+            ylabel="component value")))
+    s.blocks.append(_table(df, caption="per policy version"))
+    return s
+
+
+def comparability(q: _Queries) -> Section:
+    s = Section("comparability", "Comparability",
+                "Per policy version: groups with one configuration (policy, tokenizer, template, environment, "
+                "verifier, temperature), zero-variance share, and the share of mixed / all-correct / all-wrong "
+                "groups among groups with at least 2 valid members; the dashed line is the mixed rate expected "
+                "if members succeeded independently: 1 - p^n - (1-p)^n (sql/comparability.sql).")
+    df = q.get("comparability", run_id=q.opts.run_id)
+    note = _problem(df, "trajectories")
+    if note:
+        s.blocks.append(note)
+        return s
+    cats = [f"v{v}" if df.run_id.nunique() == 1 else f"{r} v{v}" for r, v in zip(df.run_id, df.policy_version)]
+    s.blocks.append(Plot("Group outcomes per policy version", _bars(
+        cats, {"mixed": df.mixed_rate.tolist(), "all correct": df.all_correct_rate.tolist(),
+               "all wrong": df.all_wrong_rate.tolist()},
+        title="Group outcomes per policy version (share of scored groups)", ylabel="share", stacked=True)))
+    s.blocks.append(Plot("Zero variance and consistency", _lines(
+        _series_by_run(df, "policy_version", {"zero_variance_share": "zero-variance share",
+                                              "mixed_rate": "mixed rate", "expected_mixed_rate": "expected mixed",
+                                              "consistency_rate": "one configuration"}),
+        title="Zero variance, mixed rate, consistency", xlabel="policy version", ylabel="share",
+        integer_x=True, ylim=(0, 1.02), dashed=[k for k in ("expected mixed",)])))
+    s.blocks.append(_table(df, caption="per policy version"))
+    return s
+
+
+def efficiency(q: _Queries) -> Section:
+    o = q.opts
+    s = Section("efficiency", "Efficiency",
+                "Tokens, tool calls and turns per trajectory (sql/efficiency.sql); latency of generation, tool "
+                "and verification from the events table (sql/efficiency_latency.sql); infrastructure failures "
+                "and retries by cause (sql/efficiency_failures.sql).")
+    df = q.get("efficiency", run_id=o.run_id)
+    note = _problem(df, "trajectories")
+    if note:
+        s.blocks.append(note)
+    else:
+        s.blocks.append(Plot("Tokens per trajectory", _lines(
+            _series_by_run(df, "policy_version", {"response_tokens_mean": "response mean",
+                                                  "response_tokens_p95": "response p95",
+                                                  "prompt_tokens_mean": "prompt mean"}),
+            title="Tokens per trajectory", xlabel="policy version", ylabel="tokens", integer_x=True)))
+        s.blocks.append(Plot("Tool calls and turns", _lines(
+            _series_by_run(df, "policy_version", {"tool_calls_mean": "tool calls (mean)",
+                                                  "turns_mean": "turns (mean)", "tool_calls_p95": "tool calls p95"}),
+            title="Tool calls and turns per trajectory", xlabel="policy version", ylabel="count",
+            integer_x=True)))
+    lat = q.get("efficiency_latency", run_id=o.run_id)
+    note = _problem(lat, "events (latency)")
+    if note:
+        s.blocks.append(note)
+    else:
+        newest = lat[lat.policy_version == lat.policy_version.max()]
+        agg = newest.groupby("phase")[["p50_ms", "p95_ms", "p99_ms"]].max().reindex(
+            [p for p in ("generation", "tool", "verification") if p in set(newest.phase)])
+        s.blocks.append(Plot("Latency by phase", _bars(
+            list(agg.index), {"p50": agg.p50_ms.tolist(), "p95": agg.p95_ms.tolist(), "p99": agg.p99_ms.tolist()},
+            title=f"Latency by phase, policy version {int(lat.policy_version.max())}", ylabel="ms")))
+        series = {}
+        for (run, phase), d in lat.groupby(["run_id", "phase"]):
+            label = f"{phase} p95" if lat.run_id.nunique() == 1 else f"{run}: {phase} p95"
+            series[label] = (d.policy_version.tolist(), d.p95_ms.tolist())
+        s.blocks.append(Plot("p95 latency over policy versions", _lines(
+            series, title="p95 latency over policy versions", xlabel="policy version", ylabel="ms",
+            integer_x=True)))
+    fail = q.get("efficiency_failures", run_id=o.run_id)
+    note = _problem(fail, "failures and retries")
+    if note:
+        s.blocks.append(Note("failures and retries: none recorded yet.", "empty") if note.kind == "empty" else note)
+    else:
+        top = fail.sort_values("rate", ascending=False).head(12)
+        labels = [f"{k}: {c}" if fail.run_id.nunique() == 1 else f"{r} {k}: {c}"
+                  for r, k, c in zip(top.run_id, top.kind, top.cause)]
+        s.blocks.append(Plot("Failures and retries by cause", _bars(
+            labels, {"rate": top.rate.tolist()}, title="Infra failures and retries by cause", ylabel="rate",
+            horizontal=True)))
+        s.blocks.append(_table(fail, caption="failures and retries by cause"))
+    if isinstance(df, pd.DataFrame) and not df.empty:
+        s.blocks.append(_table(df, caption="per policy version"))
+    return s
+
+
+def freshness(q: _Queries) -> Section:
+    o = q.opts
+    s = Section("freshness", "Freshness",
+                "Queue wait and policy lag per generation policy version (sql/freshness.sql), the lag "
+                "distribution at admission and at training (sql/freshness_lag.sql), and rejection rates by "
+                "difficulty and length bucket from the receipts (sql/freshness_rejections.sql).")
+    df = q.get("freshness", run_id=o.run_id)
+    note = _problem(df, "trajectories")
+    if note:
+        s.blocks.append(note)
+    else:
+        s.blocks.append(Plot("Queue wait", _lines(
+            _series_by_run(df, "policy_version", {"queue_wait_p50_ms": "queue wait p50",
+                                                  "queue_wait_p95_ms": "queue wait p95"}),
+            title="Queue wait per policy version", xlabel="policy version", ylabel="ms", integer_x=True)))
+        if df.trained_members.sum() > 0:
+            s.blocks.append(Plot("Training lag", _lines(
+                _series_by_run(df, "policy_version", {"training_lag_mean": "lag mean",
+                                                      "training_lag_p95": "lag p95",
+                                                      "admission_lag_mean": "admission lag mean"}),
+                title="Policy lag of trained data, by generation version", xlabel="policy version at generation",
+                ylabel="versions behind", integer_x=True)))
+    lag = q.get("freshness_lag", run_id=o.run_id)
+    note = _problem(lag, "lag distribution (snapshot_members, checkpoints)")
+    if note:
+        s.blocks.append(note)
+    else:
+        lags = sorted(lag.lag.unique())
+        series = {}
+        for kind, d in lag.groupby("kind"):
+            share = d.groupby("lag").members.sum() / d.members.sum()
+            series[kind] = [float(share.get(x, 0.0)) for x in lags]
+        s.blocks.append(Plot("Lag distribution", _bars(
+            [str(x) for x in lags], series, title="Policy-lag distribution", ylabel="share of members",
+            xlabel="lag (versions)")))
+    rej = q.get("freshness_rejections", run_id=o.run_id)
+    note = _problem(rej, "rejections (receipts)")
+    if note:
+        s.blocks.append(note)
+    else:
+        g = rej.groupby(["difficulty", "length_bucket"], dropna=False)[
+            ["groups", "rejected_groups", "stale_excluded_members", "arrived_members"]].sum().reset_index()
+        cats = [f"{d if isinstance(d, str) else '-'} / {b if isinstance(b, str) else '-'}"
+                for d, b in zip(g.difficulty, g.length_bucket)]
+        s.blocks.append(Plot("Rejection by bucket", _bars(
+            cats, {"group rejection rate": (g.rejected_groups / g.groups).tolist(),
+                   "stale member exclusion rate": (g.stale_excluded_members / g.arrived_members).tolist()},
+            title="Rejection by difficulty / length bucket", ylabel="rate")))
+        s.blocks.append(_table(rej, caption="by difficulty and length bucket"))
+    if isinstance(df, pd.DataFrame) and not df.empty:
+        s.blocks.append(_table(df, caption="per generation policy version"))
+    return s
+
+
+def receipts(q: _Queries) -> Section:
+    s = Section("receipts", "Latest receipts",
+                "The newest admission decisions with member exclusion reasons and failed checks "
+                "(sql/receipts_latest.sql).")
+    df = q.get("receipts_latest", run_id=q.opts.run_id, limit=q.opts.receipts)
+    note = _problem(df, "receipts")
+    if note:
+        s.blocks.append(note)
+        return s
+    df = df.assign(snapshot_id=df.snapshot_id.map(lambda x: x[:12] if isinstance(x, str) else None))
+    s.blocks.append(_table(df, ["decided_at", "run_id", "group_id", "task_id", "decision", "arrived_members",
+                                "valid", "reasons", "failed_checks", "reward_mean", "reward_std", "policy_lag",
+                                "difficulty", "length_bucket", "snapshot_id"]))
+    return s
+
+
+def lineage(q: _Queries) -> Section:
+    s = Section("lineage", "Lineage of the newest checkpoint",
+                "What the newest checkpoint trained on: snapshots, groups, tasks and the versions the data was "
+                "generated with (sql/lineage.sql, sql/lineage_summary.sql); and the checkpoint chain.")
+    summ = q.get("lineage_summary")
+    note = _problem(summ, "checkpoints")
+    if note:
+        s.blocks.append(note)
+        return s
+    newest = summ.sort_values(["policy_version", "created_at"]).iloc[-1]
+    s.blocks.append(Table(["field", "value"], [[k, _py(newest[k])] for k in summ.columns],
+                          caption=f"checkpoint {newest.checkpoint_id}"))
+    rows = q.get("lineage", checkpoint_id=newest.checkpoint_id)
+    note = _problem(rows, "trajectories behind it")
+    if note:
+        s.blocks.append(note)
+    else:
+        g = rows.groupby(["snapshot_id", "run_id", "policy_version", "env_version", "verifier_version"],
+                         dropna=False).agg(trajectories=("trajectory_id", "nunique"), groups=("group_id", "nunique"),
+                                           tasks=("task_id", "nunique"), reward_mean=("reward", "mean")).reset_index()
+        g["snapshot_id"] = g.snapshot_id.str.slice(0, 12)
+        s.blocks.append(_table(g, caption="members by snapshot and generation versions"))
+    if len(summ) > 1:
+        s.blocks.append(Plot("Checkpoint chain", _bars(
+            [f"{c} (v{v})" for c, v in zip(summ.checkpoint_id, summ.policy_version)],
+            {"trajectories": summ.trajectories.tolist(), "groups": summ.groups.tolist()},
+            title="Data behind each checkpoint", ylabel="count")))
+    s.blocks.append(_table(summ, ["checkpoint_id", "parent_checkpoint_id", "policy_version", "created_at",
+                                  "snapshots", "groups", "trajectories", "tasks", "policy_versions"],
+                           caption="every checkpoint"))
+    return s
+
+
+def training(q: _Queries) -> Section:
+    s = Section("training", "Training metrics", "Per-step metrics the trainer wrote to the metrics table.")
+    df = q.sql("SELECT * FROM metrics")
+    if isinstance(df, Exception):
+        s.blocks.append(Note("metrics: no data yet (no metrics table in this lake).", "empty"))
+        return s
+    if df.empty:
+        s.blocks.append(Note("metrics: no data yet.", "empty"))
+        return s
+    step = next((c for c in STEP_COLUMNS if c in df), None)
+    cols = [c for c in TRAIN_METRIC_COLUMNS if c in df and pd.api.types.is_numeric_dtype(df[c])]
+    if step is None or not cols:
+        s.blocks.append(Note(f"metrics: no step column or known metric columns in {list(df.columns)}.", "info"))
+        return s
+    d = df.sort_values(step)
+    for c in cols:
+        s.blocks.append(Plot(f"{c} per step", _lines({c: (d[step].tolist(), d[c].tolist())}, title=c,
+                                                     xlabel=step, ylabel=c, integer_x=True)))
+    return s
+
+
+SECTIONS: tuple[Callable[[_Queries], Section], ...] = (
+    overview, quality, comparability, efficiency, freshness, receipts, lineage, training)
+
+
+# -- plotting wrappers: an empty series gives no plot ---------------------------------------------
+
+
+def _lines(series, **kw) -> bytes:
+    from pipeline.report import plots
+
+    return plots.lines(series, **kw)
+
+
+def _bars(categories, series, **kw) -> bytes:
+    from pipeline.report import plots
+
+    return plots.bars(categories, series, **kw)
+
+
+# -- entry point ------------------------------------------------------------------------------------
+
+
+def build_report(lake, opts: ReportOptions = ReportOptions()) -> tuple[str, dict[str, Any]]:
+    """The HTML page and a summary (sections, plots, notes)."""
+    q = _Queries(lake, opts)
+    sections = []
+    for fn in SECTIONS:
+        try:
+            sections.append(fn(q))
+        except Exception as exc:  # a bug in one section still leaves a readable report
+            sections.append(Section(fn.__name__, fn.__name__.title(), "",
+                                    [Note(f"section failed: {type(exc).__name__}: {exc}", "error")]))
+    meta = [f"lake: {lake.uri}", f"run: {opts.run_id or 'every run'}",
+            f"generated: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M:%S UTC')}"]
+    page = render("Rollout health report", meta, sections)
+    blocks = [b for s in sections for b in s.blocks]
+    summary = {
+        "sections": len(sections),
+        "plots": sum(isinstance(b, Plot) for b in blocks),
+        "tables": sum(isinstance(b, Table) for b in blocks),
+        "no_data": [b.text for b in blocks if isinstance(b, Note) and b.kind == "empty"],
+        "errors": [b.text for b in blocks if isinstance(b, Note) and b.kind == "error"],
+    }
+    return page, summary
+
+
+def write_report(lake, out: str | Path, opts: ReportOptions = ReportOptions()) -> dict[str, Any]:
+    page, summary = build_report(lake, opts)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(path)
+    return {"out": str(path.resolve()), "bytes": path.stat().st_size, **summary}

@@ -1,0 +1,53 @@
+"""CLI: `pipeline report` — the rollout health report (one self-contained HTML file).
+
+    pipeline report --lake ./lake                          # every run -> ./report.html
+    pipeline report --lake ./lake --run-id exp-7 --out exp7.html --bucket day
+
+Plots over policy versions and time (quality, comparability, efficiency,
+freshness), the latest receipts with reasons, and the lineage of the newest
+checkpoint; each section is built from a named query in sql/ (`pipeline sql
+--list`). Tables a lake lacks yet show "no data yet".
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from pipeline.cli import common
+
+    p = common(sub.add_parser(
+        "report", help="the rollout health report: one self-contained HTML file with plots",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    p.add_argument("--run-id", default=None, help="only this experiment (default: every run)")
+    p.add_argument("--out", default="report.html", metavar="FILE", help="HTML file to write (default: report.html)")
+    p.add_argument("--bucket", default="hour", choices=["minute", "hour", "day", "week"],
+                   help="time bucket of the over-time plots (default: hour)")
+    p.add_argument("--pass-k", type=int, default=4, help="k of the second pass@k curve (default: 4)")
+    p.add_argument("--receipts", type=int, default=25, help="rows in the latest-receipts table (default: 25)")
+    p.set_defaults(handler=_report)
+
+
+def _report(args: argparse.Namespace) -> dict[str, Any] | None:
+    from pipeline.cli import emit
+    from pipeline.errors import PipelineError
+    from pipeline.lake.delta import Lake
+    from pipeline.report.build import ReportOptions, write_report
+
+    if args.pass_k < 1 or args.receipts < 1:
+        raise PipelineError("--pass-k and --receipts must be >= 1")
+    result = write_report(Lake(args.lake), args.out, ReportOptions(
+        run_id=args.run_id, bucket=args.bucket, pass_k=args.pass_k, receipts=args.receipts))
+    emit(result, args, text=_text)
+    return None
+
+
+def _text(r: dict[str, Any]) -> str:
+    lines = [f"report: {r['out']} ({r['bytes'] / 1e3:.0f} kB, {r['plots']} plots, {r['tables']} tables)"]
+    for t in r["no_data"]:
+        lines.append(f"  no data: {t}")
+    for t in r["errors"]:
+        lines.append(f"  error: {t}")
+    return "\n".join(lines)

@@ -1,0 +1,151 @@
+"""`pipeline report`: one self-contained HTML file, checked in a real browser
+(headless Chromium: screenshot not blank, every plot decoded, no console
+errors), and readable on lakes that lack some tables."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.report.build import ReportOptions, write_report
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="headless Chromium not installed: apt-get update && apt-get install -y chromium")
+
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--hide-scrollbars", "--enable-logging=stderr", "--v=0"]
+
+
+def chromium(page: Path, tmp: Path, *mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={tmp / 'profile'}", *mode, page.resolve().as_uri()],
+                          capture_output=True, text=True, timeout=180)
+
+
+def console_errors(stderr: str) -> list[str]:
+    """Lines where the page itself complained (JS errors, console.error, failed loads)."""
+    return [ln for ln in stderr.splitlines()
+            if "Uncaught" in ln or "ERROR:CONSOLE" in ln or ("CONSOLE" in ln and "error" in ln.lower())
+            or "net::ERR_" in ln]
+
+
+BLANK_STD = 20.0  # grey-level std of a screenshot below which it counts as blank
+
+
+def pixel_std(png: Path) -> float:
+    from PIL import Image
+
+    return float(np.asarray(Image.open(png).convert("L"), dtype=np.float64).std())
+
+
+@pytest.fixture(scope="module")
+def full_lake(tmp_path_factory):
+    from pipeline.lake.delta import Lake
+    from pipeline.report.synth import HealthLakeSpec, build_health_lake
+
+    lake = Lake(tmp_path_factory.mktemp("report") / "lake")
+    build_health_lake(lake, HealthLakeSpec(trajectories_per_version=120, versions=3, event_episodes=150))
+    return lake
+
+
+def test_report_has_every_section_and_plot(full_lake, tmp_path):
+    out = tmp_path / "report.html"
+    res = write_report(full_lake, out)
+    text = out.read_text()
+    assert res["errors"] == []
+    # quality 4, comparability 2, efficiency 5, freshness 4, lineage 1; only the metrics table is missing
+    assert res["plots"] == 16 and text.count('<img ') == 16
+    assert res["no_data"] == ["metrics: no data yet (no metrics table in this lake)."]
+    for title in ("Quality", "Comparability", "Efficiency", "Freshness", "Latest receipts",
+                  "Lineage of the newest checkpoint"):
+        assert f"<h2>{title}</h2>" in text
+    assert "ck-0003" in text                       # the newest checkpoint's lineage
+    assert "stale_policy x1" in text               # receipts show reasons
+
+
+def test_report_is_self_contained(full_lake, tmp_path):
+    out = tmp_path / "r.html"
+    write_report(full_lake, out)
+    text = out.read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", text), "the report must not load anything"
+    assert "url(" not in text and "@import" not in text
+    assert all(src.startswith("data:image/png;base64,") for src in re.findall(r'<img [^>]*src="([^"]+)"', text))
+
+
+@pytest.mark.slow
+@needs_chromium
+def test_report_renders_in_headless_chromium(full_lake, tmp_path):
+    out = tmp_path / "report.html"
+    write_report(full_lake, out, ReportOptions(bucket="hour"))
+    shot = tmp_path / "shot.png"
+    r = chromium(out, tmp_path, f"--screenshot={shot}", "--window-size=1400,2400")
+    assert shot.exists(), r.stderr[-2000:]
+    assert console_errors(r.stderr) == []
+    assert pixel_std(shot) > BLANK_STD, "the screenshot is (nearly) blank"
+    # the DOM after the load event: the page's own check marked every plot as decoded
+    d = chromium(out, tmp_path, "--dump-dom", "--virtual-time-budget=5000")
+    assert console_errors(d.stderr) == []
+    assert 'data-images-checked="yes"' in d.stdout
+    decoded = re.findall(r'data-decoded="(\w+)"', d.stdout)
+    assert len(decoded) == 16 and set(decoded) == {"yes"}
+
+
+@pytest.mark.slow
+@needs_chromium
+def test_browser_checks_can_fail(tmp_path):
+    """The same checks catch a JS error, a broken image and a blank page."""
+    bad = tmp_path / "bad.html"
+    bad.write_text('<html><body style="background:#fff"><img alt="x" src="data:image/png;base64,AAAA">'
+                   '<script>window.addEventListener("load", function () {'
+                   'document.querySelectorAll("img").forEach(function (i) {'
+                   'i.setAttribute("data-decoded", i.naturalWidth > 0 ? "yes" : "no"); });'
+                   'undefinedFunction(); });</script></body></html>')
+    shot = tmp_path / "bad.png"
+    r = chromium(bad, tmp_path, f"--screenshot={shot}", "--window-size=400,300")
+    assert console_errors(r.stderr), r.stderr[-2000:]
+    assert pixel_std(shot) < BLANK_STD   # a white page with a broken-image icon counts as blank
+    d = chromium(bad, tmp_path, "--dump-dom", "--virtual-time-budget=3000")
+    assert 'data-decoded="no"' in d.stdout
+
+
+def test_report_on_an_empty_lake_says_no_data_yet(lake, tmp_path):
+    res = write_report(lake, tmp_path / "empty.html")
+    text = (tmp_path / "empty.html").read_text()
+    assert res["errors"] == [] and res["plots"] == 0
+    assert "no data yet" in text
+    assert {"trajectories: no data yet.", "receipts: no data yet.", "checkpoints: no data yet."} <= set(res["no_data"])
+
+
+def test_report_with_trajectories_only(lake, tmp_path):
+    """Rollouts landed, admission and training have not run yet."""
+    from pipeline.lake.ingest import stamp_derived
+    from pipeline.report.synth import HealthLakeSpec, make_version_batch
+
+    spec = HealthLakeSpec()
+    for v in range(2):
+        lake.append("trajectories", stamp_derived(make_version_batch(spec, "run-0", v, 0, 80), f"i{v}"),
+                    command="test", app_id="t", txn_version=v)
+    res = write_report(lake, tmp_path / "partial.html")
+    assert res["errors"] == []
+    assert res["plots"] >= 8                                # quality, comparability, efficiency, queue wait
+    assert "receipts: no data yet." in res["no_data"] and "checkpoints: no data yet." in res["no_data"]
+    assert "events (latency): no data yet." in res["no_data"]
+
+
+def test_report_cli_and_run_filter(full_lake, tmp_path, capsys):
+    from pipeline.cli import main
+
+    out = tmp_path / "cli.html"
+    assert main(["report", "--lake", full_lake.uri, "--out", str(out), "--run-id", "run-0", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["out"] == str(out.resolve()) and res["plots"] == 16 and out.exists()
+    assert main(["report", "--lake", full_lake.uri, "--out", str(tmp_path / "none.html"), "--run-id", "nope"]) == 0
+    text_out = capsys.readouterr().out
+    assert "no data: trajectories: no data yet." in text_out
