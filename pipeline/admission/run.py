@@ -46,6 +46,7 @@ from pipeline.schema import table_spec
 LOCK_APP = "admission"
 MAX_ATTEMPTS = 5
 CRASH_ENV = "PIPELINE_ADMIT_CRASH_AFTER"  # test hook: snapshot_files | snapshots | snapshot_members
+PAUSE_ENV = "PIPELINE_ADMIT_PAUSE_S"      # test hook: sleep after deciding, before writing (races)
 
 
 @dataclass
@@ -199,6 +200,8 @@ def admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: i
                                  admitted)
         if dry_run or not rows:
             return result
+        if os.environ.get(PAUSE_ENV):
+            time.sleep(float(os.environ[PAUSE_ENV]))
         taken = lake.transaction_version("receipts", LOCK_APP)
         if taken is not None and taken >= rv + 1:
             continue  # another run decided groups since we read: start over
