@@ -152,59 +152,73 @@ def build_health_lake(lake, spec: HealthLakeSpec = HealthLakeSpec()) -> dict[str
 
 
 def _admit(rows: pa.Table, length: np.ndarray, spec: HealthLakeSpec):
-    """Group decisions the way DESIGN.md's admission describes them (simplified)."""
+    """Group decisions the way DESIGN.md's admission describes them (simplified, vectorized)."""
+    import pandas as pd
+
     rng = np.random.default_rng(spec.seed + 99)
-    df = rows.to_pandas()
+    df = rows.select(["trajectory_id", "group_id", "run_id", "task_id", "policy_version", "status", "verdict",
+                      "reward", "difficulty", "queue_wait_ms", "content_hash"]).to_pandas()
     df["length"] = length
-    df["valid"] = (~df.status.isin(["INFRA_FAILED", "EXPIRED"])) & df.verdict.isin(["PASS", "FAIL"]) \
-        & df.reward.notna()
-    stale = df.valid & (rng.random(len(df)) < 0.03)
-    df["reason"] = np.where(~df.valid, np.where(df.status == "INFRA_FAILED", "infra_failed",
-                                                np.where(df.status == "EXPIRED", "expired", "no_reward")),
+    valid = (~df.status.isin(["INFRA_FAILED", "EXPIRED"])) & df.verdict.isin(["PASS", "FAIL"]) & df.reward.notna()
+    stale = valid & (rng.random(len(df)) < 0.03)
+    df["reason"] = np.where(~valid, np.where(df.status == "INFRA_FAILED", "infra_failed",
+                                             np.where(df.status == "EXPIRED", "expired", "no_reward")),
                             np.where(stale, "stale_policy", ""))
     df["ok"] = df.reason == ""
+    df["r_ok"] = df.reward.where(df.ok)
+    df["w_ok"] = df.queue_wait_ms.where(df.ok)
+    by = df.groupby("group_id", sort=True)
+    g = by.agg(run_id=("run_id", "first"), task_id=("task_id", "first"), ver=("policy_version", "min"),
+               arrived=("trajectory_id", "size"), n_ok=("ok", "sum"), r_max=("r_ok", "max"), r_min=("r_ok", "min"),
+               r_mean=("r_ok", "mean"), r_std=("r_ok", lambda x: x.std(ddof=0)), w_max=("w_ok", "max"),
+               difficulty=("difficulty", "first"), mean_len=("length", "mean"))
+    g["decision"] = np.where(g.n_ok < 2, "insufficient_valid", np.where(g.r_max > g.r_min, "admit", "zero_variance"))
+    g["length_bucket"] = [_len_bucket(x) for x in g.mean_len]
+    keys = [f"{r}/{v}" for r, v in zip(g.run_id, g.ver)]
+    g["snap"] = [hashlib.sha256(k.encode()).hexdigest() if d == "admit" else None for k, d in zip(keys, g.decision)]
+    snaps = {(r, int(v)): s for r, v, s in zip(g.run_id, g.ver, g.snap) if isinstance(s, str)}
+    ok_ids = df[df.ok].groupby("group_id").trajectory_id.agg(list)
+    bad = df[~df.ok]
+    excluded = bad.groupby("group_id").apply(lambda x: list(zip(x.trajectory_id, x.reason)), include_groups=False)
     now = START + timedelta(days=30)
-    receipts, members = [], []
-    snaps: dict[tuple[str, int], str] = {}
-    for (run, gid), g in df.groupby(["run_id", "group_id"], sort=True):
-        ver = int(g.policy_version.min())
-        ok = g[g.ok]
-        r = ok.reward.to_numpy()
-        if len(ok) < 2:
-            decision = "insufficient_valid"
-        elif not r.max() > r.min():
-            decision = "zero_variance"
-        else:
-            decision = "admit"
-        snap = hashlib.sha256(f"{run}/{ver}".encode()).hexdigest() if decision == "admit" else None
-        if snap:
-            snaps[(run, ver)] = snap
-            adv = (r - r.mean()) / (r.std() + 1e-6)
-            for (tid, ch, rew), a in zip(ok[["trajectory_id", "content_hash", "reward"]].itertuples(index=False), adv):
-                members.append({"snapshot_id": snap, "trajectory_id": tid, "group_id": gid, "content_hash": ch,
-                                "advantage": float(a), "reward": float(rew), "policy_lag": int(rng.integers(0, 2)),
-                                "difficulty": g.difficulty.iloc[0], "length_bucket": _len_bucket(g.length.mean()),
-                                "tool_call_bucket": None, "reward_std_bucket": None})
-        receipts.append({
-            "group_id": gid, "admission_run_id": f"adm-{run}-{ver}", "config_hash": "c" * 64,
-            "current_policy_version": ver + 1, "run_id": run, "task_id": g.task_id.iloc[0],
-            "ref_policy_version": ver, "ref_tokenizer_rev": "tok-1", "ref_prompt_template_rev": "tmpl-1",
-            "ref_env_version": "env-1", "ref_verifier_version": "ver-1", "ref_temperature": 1.0,
-            "group_size": spec.group_size, "arrived_members": len(g),
-            "valid_members": ok.trajectory_id.tolist(),
-            "excluded_members": [(a, b) for a, b in zip(g.trajectory_id, g.reason) if b],
-            "reward_mean": float(r.mean()) if len(r) else None,
-            "reward_std": float(r.std()) if len(r) else None,
-            "policy_lag": 1, "max_queue_wait_ms": int(ok.queue_wait_ms.max()) if len(ok) else None,
-            "difficulty": g.difficulty.iloc[0], "length_bucket": _len_bucket(g.length.mean()),
-            "tool_call_bucket": None, "reward_std_bucket": None,
-            "checks": [("min_valid_members", "pass" if len(ok) >= 2 else "fail")],
-            "decision": decision, "snapshot_id": snap,
-            "decided_at": now + timedelta(hours=ver),
-        })
-    rec = pa.Table.from_pylist(receipts, schema=table_spec("receipts").arrow_schema())
-    mem = pa.Table.from_pylist(members, schema=table_spec("snapshot_members").arrow_schema())
-    return rec, mem, snaps
+    n = len(g)
+    rec = {
+        "group_id": g.index.to_numpy(dtype=object), "admission_run_id": [f"adm-{k}" for k in keys],
+        "config_hash": ["c" * 64] * n, "current_policy_version": (g.ver + 1).to_numpy(),
+        "run_id": g.run_id.to_numpy(dtype=object), "task_id": g.task_id.to_numpy(dtype=object),
+        "ref_policy_version": g.ver.to_numpy(), "ref_tokenizer_rev": ["tok-1"] * n,
+        "ref_prompt_template_rev": ["tmpl-1"] * n, "ref_env_version": ["env-1"] * n,
+        "ref_verifier_version": ["ver-1"] * n, "ref_temperature": [1.0] * n,
+        "group_size": [spec.group_size] * n, "arrived_members": g.arrived.to_numpy(),
+        "valid_members": [ok_ids.get(k, []) for k in g.index],
+        "excluded_members": [excluded.get(k, []) for k in g.index],
+        "reward_mean": g.r_mean.to_numpy(), "reward_std": g.r_std.to_numpy(), "policy_lag": [1] * n,
+        "max_queue_wait_ms": pd.array(g.w_max.to_numpy(), dtype="Int64"),
+        "difficulty": g.difficulty.to_numpy(dtype=object), "length_bucket": g.length_bucket.to_numpy(dtype=object),
+        "tool_call_bucket": [None] * n, "reward_std_bucket": [None] * n,
+        "checks": [[("min_valid_members", "pass" if k >= 2 else "fail")] for k in g.n_ok],
+        "decision": g.decision.to_numpy(dtype=object),
+        "snapshot_id": [s if isinstance(s, str) else None for s in g.snap],
+        "decided_at": [now + timedelta(hours=int(v)) for v in g.ver],
+    }
+    schema = table_spec("receipts").arrow_schema()
+    receipts = pa.Table.from_arrays([pa.array(list(rec[f.name]) if f.name == "max_queue_wait_ms" else rec[f.name],
+                                              f.type, from_pandas=True) for f in schema], schema=schema)
+    m = df[df.ok].join(g[["snap", "r_mean", "r_std", "length_bucket"]], on="group_id")
+    m = m[m.snap.notna()]
+    adv = (m.reward - m.r_mean) / (m.r_std + 1e-6)
+    k = len(m)
+    mem = {
+        "snapshot_id": m.snap.to_numpy(dtype=object), "trajectory_id": m.trajectory_id.to_numpy(dtype=object),
+        "group_id": m.group_id.to_numpy(dtype=object), "content_hash": m.content_hash.to_numpy(dtype=object),
+        "advantage": adv.to_numpy(), "reward": m.reward.to_numpy(),
+        "policy_lag": rng.integers(0, 2, k), "difficulty": m.difficulty.to_numpy(dtype=object),
+        "length_bucket": m.length_bucket.to_numpy(dtype=object), "tool_call_bucket": [None] * k,
+        "reward_std_bucket": [None] * k,
+    }
+    schema = table_spec("snapshot_members").arrow_schema()
+    members = pa.Table.from_arrays([pa.array(mem[f.name], f.type, from_pandas=True) for f in schema], schema=schema)
+    return receipts, members, snaps
 
 
 def _len_bucket(mean_len: float) -> str:
