@@ -1,0 +1,179 @@
+"""Checkpoint directories the trainer writes and reads.
+
+Resumable state of a run in progress (``<lake>/checkpoints/_runs/<run_key>/``)::
+
+    run.json                    what is being trained (snapshot, parent, config)
+    ds/<tag>/...                DeepSpeed: model, optimizer, scheduler (+ client_state: data cursor, metrics)
+    rng/<tag>/rank<r>.pt        python, numpy, torch (and CUDA) RNG state of every rank
+    manifest-<tag>.json         sha256 of every file of <tag>
+    latest                      the tag, written atomically and last
+
+A published checkpoint (``<lake>/checkpoints/<checkpoint_id>/``)::
+
+    ds/final/...  rng/final/...  cursor.json  train_config.json
+    hf/           config.json, model.safetensors, tokenizer files: the next policy version
+    latest        "final", written atomically and last
+
+Both contain pickles (torch.save), so they are loaded only after every file
+is rehashed against a manifest this project wrote (for published ones: the
+``checkpoints`` row, see pipeline.policy_store).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.errors import IntegrityError, NotFoundError
+from pipeline.policy_store import HF_SUBDIR, hash_dir, verify_dir
+
+LATEST = "latest"
+FINAL_TAG = "final"
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def atomic_write(path: Path, data: str | bytes) -> None:
+    """Write-then-rename, fsynced: readers see the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def capture_rng() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+# -- resumable state of a run in progress -----------------------------------------
+
+
+def _tag_files(root: Path, tag: str) -> dict[str, str]:
+    out = {}
+    for sub in ("ds", "rng"):
+        d = root / sub / tag
+        if d.is_dir():
+            out.update({f"{sub}/{tag}/{k}": v for k, v in hash_dir(d).items()})
+    return out
+
+
+def save_state(strategy, root: Path, tag: str, client_state: dict[str, Any]) -> None:
+    """Every rank: DeepSpeed state + own RNG; rank 0 then writes the manifest and
+    moves ``latest`` (atomically, last) and drops older tags."""
+    strategy.save(root / "ds", tag, client_state)
+    rng_dir = root / "rng" / tag
+    rng_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(capture_rng(), rng_dir / f"rank{strategy.rank}.pt")
+    strategy.barrier()
+    if strategy.is_rank_0():
+        atomic_write(root / f"manifest-{tag}.json", json.dumps(_tag_files(root, tag), sort_keys=True, indent=1))
+        previous = read_latest(root)
+        atomic_write(root / LATEST, tag)
+        if previous and previous != tag:
+            for sub in ("ds", "rng"):
+                shutil.rmtree(root / sub / previous, ignore_errors=True)
+            (root / f"manifest-{previous}.json").unlink(missing_ok=True)
+    strategy.barrier()
+
+
+def read_latest(root: Path) -> str | None:
+    p = root / LATEST
+    return p.read_text().strip() if p.is_file() else None
+
+
+def load_state(strategy, root: Path) -> dict[str, Any] | None:
+    """Restore the newest verified state under ``root``; None when the run never
+    saved one. A manifest that does not match the files is an IntegrityError."""
+    tag = read_latest(root)
+    if tag is None:
+        return None
+    mpath = root / f"manifest-{tag}.json"
+    if not mpath.is_file():
+        raise IntegrityError(f"{root}: 'latest' names {tag} but its manifest is missing",
+                             hint="the state directory was tampered with; rerun without --resume")
+    expected = json.loads(mpath.read_text())
+    actual = _tag_files(root, tag)
+    bad = sorted(k for k in expected if actual.get(k) != expected[k]) + sorted(set(actual) - set(expected))
+    if bad:
+        raise IntegrityError(f"{root}: state {tag} does not match its manifest ({bad[:3]})",
+                             hint="refusing to unpickle unverified files; rerun without --resume to start over")
+    client_state = strategy.load(root / "ds", tag)
+    rng_file = root / "rng" / tag / f"rank{strategy.rank}.pt"
+    if not rng_file.is_file():
+        raise NotFoundError(f"{rng_file} missing: the state was saved by a different number of processes",
+                            hint="resume with the same --nproc")
+    restore_rng(torch.load(rng_file, weights_only=False))
+    return client_state
+
+
+# -- the published checkpoint ---------------------------------------------------
+
+
+def export_hf(lm: torch.nn.Module, parent_hf: Path, out: Path) -> None:
+    """HF directory of the trained weights: tokenizer and other files copied
+    from the parent policy, then config + safetensors from the model (fp32)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for p in sorted(parent_hf.iterdir()):
+        if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES) and p.name not in (
+                "config.json", "generation_config.json", "model.safetensors.index.json"):
+            shutil.copy2(p, out / p.name)
+    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in lm.state_dict().items()}
+    lm.save_pretrained(str(out), state_dict=state, safe_serialization=True)
+
+
+def write_final(strategy, root: Path, *, client_state: dict[str, Any], train_config: dict[str, Any],
+                lm: torch.nn.Module, parent_hf: Path) -> None:
+    """Every rank: DeepSpeed state + RNG; rank 0: cursor, config, hf/, then ``latest`` last."""
+    if strategy.is_rank_0() and root.exists():
+        shutil.rmtree(root)           # an unpublished leftover of a crashed publish
+    strategy.barrier()
+    strategy.save(root / "ds", FINAL_TAG, client_state)
+    rng_dir = root / "rng" / FINAL_TAG
+    rng_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(capture_rng(), rng_dir / f"rank{strategy.rank}.pt")
+    strategy.barrier()
+    if strategy.is_rank_0():
+        cursor = {k: v for k, v in client_state.items() if k != "metrics"}
+        atomic_write(root / "cursor.json", json.dumps(cursor, sort_keys=True, indent=1, default=str))
+        atomic_write(root / "train_config.json", json.dumps(train_config, sort_keys=True, indent=1, default=str))
+        export_hf(lm, parent_hf, root / HF_SUBDIR)
+        atomic_write(root / LATEST, FINAL_TAG)
+    strategy.barrier()
+
+
+def weight_hashes(files: dict[str, str]) -> dict[str, str]:
+    """The hf/ weight files among a checkpoint's file hashes."""
+    return {k: v for k, v in files.items() if k.startswith(f"{HF_SUBDIR}/") and k.endswith(WEIGHT_SUFFIXES)}
+
+
+def verify_published(root: Path, files: dict[str, str], checkpoint_id: str) -> None:
+    """Rehash a published checkpoint against its row before any pickle is read."""
+    if not (root / LATEST).is_file():
+        raise IntegrityError(f"checkpoint {checkpoint_id} has no '{LATEST}' pointer: it was never completed")
+    verify_dir(root, files, what=f"checkpoint {checkpoint_id}")

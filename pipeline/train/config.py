@@ -1,0 +1,88 @@
+"""TrainConfig: every knob of ``pipeline train``, one frozen dataclass.
+
+    pipeline train --batch-snapshot ID --set lr=1e-4 --set agg=seq-mean-token-sum-norm
+
+The resolved config is stored with every checkpoint (``train_config.json`` and
+the ``checkpoints`` row); its hash is part of the checkpoint id, so the same
+snapshot + parent + config always names the same checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pipeline.errors import ConfigError
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # -- optimisation -------------------------------------------------------
+    seed: int = field(default=0, metadata={"help": "seed for data order, dropout and every RNG"})
+    lr: float = field(default=1e-5, metadata={"help": "AdamW learning rate (constant after warmup)"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear LR warmup over this many optimizer steps"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping (0 = off)"})
+    epochs: int = field(default=1, metadata={"help": "passes over the snapshot"})
+    max_steps: int = field(default=0, metadata={"help": "stop after this many optimizer steps (0 = no cap)"})
+    micro_batch_tokens: int = field(default=4096, metadata={
+        "help": "token budget of one micro-batch, padding included (rows x longest row)"})
+    grad_accum: int = field(default=1, metadata={
+        "help": "micro-batches per optimizer step (the step's loss is normalized over all of them)"})
+    # -- DeepSpeed ----------------------------------------------------------
+    zero_stage: int = field(default=0, metadata={"help": "DeepSpeed ZeRO stage: 0, 1 or 2"})
+    precision: Literal["fp32", "bf16"] = field(default="fp32", metadata={
+        "help": "fp32 or bf16 (fp16 is refused by DeepSpeed on CPU)"})
+    offload: bool = field(default=False, metadata={"help": "ZeRO-Offload of optimizer state to CPU (zero_stage >= 1)"})
+    activation_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute decoder activations in backward (less memory, ~30% more compute)"})
+    threads: int = field(default=1, metadata={"help": "torch intra-op threads (1 is fastest for tiny models)"})
+    # -- loss ---------------------------------------------------------------
+    policy_loss: Literal["auto", "ppo", "reinforce"] = field(default="auto", metadata={
+        "help": "ppo (clipped surrogate), reinforce (no ratio), auto = reinforce iff every group has one member"})
+    clip_low: float = field(default=0.2, metadata={"help": "PPO clip below: ratio >= 1 - clip_low"})
+    clip_high: float = field(default=0.2, metadata={
+        "help": "PPO clip above: ratio <= 1 + clip_high (DAPO clip-higher: 0.28)"})
+    ratio_level: Literal["token", "sequence"] = field(default="token", metadata={
+        "help": "token (PPO/GRPO) or sequence (GSPO: length-normalized sequence ratio; use clips ~3e-4/4e-4)"})
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = field(
+        default="token-mean", metadata={"help": "loss aggregation over tokens and sequences"})
+    norm_len: int = field(default=0, metadata={
+        "help": "Dr.GRPO constant normalizer for seq-mean-token-sum-norm (0 = longest response of the snapshot)"})
+    kl_kind: Literal["k1", "k2", "k3"] = field(default="k3", metadata={"help": "KL estimator (k3: e^u - u - 1)"})
+    kl_coef: float = field(default=0.0, metadata={"help": "KL penalty coefficient (0 = no reference policy)"})
+    kl_reference: str = field(default="parent", metadata={
+        "help": "frozen reference policy: 'parent' (the starting weights), a policy version or checkpoint id"})
+    entropy_coef: float = field(default=0.0, metadata={"help": "entropy bonus coefficient"})
+    old_logprobs: Literal["recompute", "rollout"] = field(default="recompute", metadata={
+        "help": "recompute: old log-probs from the frozen starting weights (+ truncated IS vs the rollout's); "
+                "rollout: the rollout engine's log-probs"})
+    tis_cap: float = field(default=2.0, metadata={
+        "help": "truncated importance-sampling cap for the engine/trainer mismatch (recompute mode; 0 = off)"})
+    # -- memory / data ------------------------------------------------------
+    logprob_chunk: int = field(default=1024, metadata={"help": "rows per chunk of the log-prob head"})
+    vocab_chunk: int = field(default=0, metadata={"help": "vocabulary columns per chunk (0 = whole vocabulary)"})
+    shuffle: bool = field(default=True, metadata={"help": "shuffle micro-batch order each epoch (seeded)"})
+    save_every: int = field(default=0, metadata={
+        "help": "save a resumable state every N optimizer steps (0 = only the final checkpoint)"})
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2):
+            raise ConfigError(f"zero_stage={self.zero_stage}: supported stages are 0, 1, 2",
+                              hint="ZeRO-3 partitions the LM head, which the chunked log-prob head reads whole")
+        if self.offload and self.zero_stage == 0:
+            raise ConfigError("offload needs zero_stage >= 1", hint="--set zero_stage=1 --set offload=true")
+        for name in ("epochs", "micro_batch_tokens", "grad_accum", "logprob_chunk", "threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_steps", "warmup_steps", "norm_len", "vocab_chunk", "save_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not (0 <= self.clip_low < 1) or self.clip_high < 0:
+            raise ConfigError(f"clip_low={self.clip_low}, clip_high={self.clip_high}: need 0 <= clip_low < 1, clip_high >= 0")
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if self.kl_coef < 0 or self.entropy_coef < 0 or self.tis_cap < 0:
+            raise ConfigError("kl_coef, entropy_coef and tis_cap must be >= 0")

@@ -1,0 +1,225 @@
+"""Snapshot -> training members, the pre-training assertions, and collation.
+
+``load_members`` reads exactly the snapshot's own files (after
+``verify_snapshot``); ``check_members`` refuses, naming the trajectory, any
+member that could leak a non-policy token into the loss or silently train on
+the wrong thing; ``collate`` builds one micro-batch's tensors.
+
+Micro-batch layout (B rows, L = longest prompt+response, R = longest response):
+    input_ids  [B, L]   prompt then response, right-padded (causal attention
+                        means real tokens never see the padding)
+    rows       [M]      flat index b*L + P_b - 1 + j of the hidden state that
+                        predicts response token j, for loss tokens only
+    cols       [M]      flat index b*R + j into the [B, R] loss tensors
+    targets    [M]      response_ids[b][j]
+    mask       [B, R]   1.0 on policy-sampled response tokens only
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.errors import PipelineError
+
+COLUMNS = ["trajectory_id", "group_id", "group_size", "advantage", "reward", "policy_lag", "policy_version",
+           "token_policy_versions", "prompt_ids", "response_ids", "response_logprobs", "loss_mask"]
+
+
+class TrainDataError(PipelineError):
+    """A snapshot member cannot be trained on safely (names the trajectory)."""
+
+
+@dataclass
+class Members:
+    """Columnar members of a snapshot, in snapshot order (group_id, trajectory_id)."""
+
+    trajectory_id: list[str]
+    group_id: list[str]
+    group_size: np.ndarray                       # [N] int
+    advantage: np.ndarray                        # [N] float64
+    reward: np.ndarray                           # [N] float64
+    policy_lag: np.ndarray                       # [N] int64
+    prompt: list[np.ndarray]                     # N x [P_i] int64
+    response: list[np.ndarray]                   # N x [R_i] int64
+    rollout_logprobs: list[np.ndarray]           # N x [R_i] float32
+    loss_mask: list[np.ndarray]                  # N x [R_i] int8
+    token_versions: list[np.ndarray | None]      # N x [R_i] int32 or None
+    # filled by the pre-pass: per member, [R_i] float32 (0 off the mask)
+    old_logprobs: list[np.ndarray | None] = field(default_factory=list)
+    ref_logprobs: list[np.ndarray | None] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.trajectory_id)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Input length of each member: prompt + response."""
+        return np.array([len(p) + len(r) for p, r in zip(self.prompt, self.response)], dtype=np.int64)
+
+    def loss_tokens(self, idx: list[int] | tuple[int, ...]) -> int:
+        return int(sum(int(self.loss_mask[i].sum()) for i in idx))
+
+
+def _lists(col: pa.ChunkedArray, dtype) -> list[np.ndarray | None]:
+    out: list[np.ndarray | None] = []
+    for chunk in col.chunks:
+        if chunk.null_count == len(chunk):
+            out.extend([None] * len(chunk))
+            continue
+        offsets = chunk.offsets.to_numpy()
+        values = chunk.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+        valid = chunk.is_valid().to_numpy(zero_copy_only=False)
+        for i in range(len(chunk)):
+            out.append(values[offsets[i]:offsets[i + 1]].copy() if valid[i] else None)
+    return out
+
+
+def members_from_table(table: pa.Table) -> Members:
+    """Columnar members from a snapshot payload table (schemas/snapshot_payload.yaml)."""
+    t = table.select(COLUMNS)
+    return Members(
+        trajectory_id=t.column("trajectory_id").to_pylist(),
+        group_id=t.column("group_id").to_pylist(),
+        group_size=t.column("group_size").to_numpy(),
+        advantage=t.column("advantage").to_numpy().astype(np.float64),
+        reward=t.column("reward").to_numpy().astype(np.float64),
+        policy_lag=t.column("policy_lag").to_numpy().astype(np.int64),
+        prompt=_lists(t.column("prompt_ids"), np.int64),               # type: ignore[arg-type]
+        response=_lists(t.column("response_ids"), np.int64),           # type: ignore[arg-type]
+        rollout_logprobs=_lists(t.column("response_logprobs"), np.float32),  # type: ignore[arg-type]
+        loss_mask=_lists(t.column("loss_mask"), np.int8),              # type: ignore[arg-type]
+        token_versions=_lists(t.column("token_policy_versions"), np.int32),
+    )
+
+
+def load_members(lake, snapshot_id: str) -> tuple[Members, dict[str, Any]]:
+    """Verify the snapshot's files against its manifest (and the snapshots
+    table), then read its members. Returns (members, verification summary)."""
+    from pipeline.admission.snapshot import read_snapshot_table, verify_snapshot
+
+    summary = verify_snapshot(lake, snapshot_id)
+    table = read_snapshot_table(lake, snapshot_id, verify=False, columns=COLUMNS)  # verified just above
+    return members_from_table(table), summary
+
+
+def _fail(m: Members, i: int, what: str, hint: str | None = None) -> TrainDataError:
+    return TrainDataError(f"trajectory {m.trajectory_id[i]} (group {m.group_id[i]}): {what}",
+                          hint=hint or "fix the producer of this trajectory or exclude it at admission")
+
+
+def check_members(m: Members, *, vocab_size: int, max_positions: int | None = None,
+                  valid_counts: dict[str, int] | None = None) -> None:
+    """The pre-training assertions. Raises TrainDataError naming the first bad
+    trajectory. ``valid_counts`` (group -> valid members per the admission
+    receipt) checks that every group's reward count matches its valid members."""
+    if len(m) == 0:
+        raise TrainDataError("the snapshot has no members", hint="admit at least one group before training")
+    for i in range(len(m)):
+        p, r, lp, mask, tv = m.prompt[i], m.response[i], m.rollout_logprobs[i], m.loss_mask[i], m.token_versions[i]
+        if p is None or len(p) == 0:
+            raise _fail(m, i, "empty prompt")
+        if r is None or len(r) == 0:
+            raise _fail(m, i, "no response tokens")
+        if lp is None or len(lp) != len(r):
+            raise _fail(m, i, f"{0 if lp is None else len(lp)} rollout log-probs for {len(r)} response tokens "
+                              "(old log-probs must match the response shape)")
+        if mask is None or len(mask) != len(r):
+            raise _fail(m, i, f"loss_mask has {0 if mask is None else len(mask)} entries for {len(r)} response tokens")
+        if not np.isin(mask, (0, 1)).all():
+            raise _fail(m, i, "loss_mask holds values other than 0/1")
+        if mask.sum() == 0:
+            raise _fail(m, i, "no policy-sampled token (loss_mask is all 0): nothing to learn from")
+        if tv is not None:
+            if len(tv) != len(r):
+                raise _fail(m, i, f"token_policy_versions has {len(tv)} entries for {len(r)} response tokens")
+            obs = tv < 0
+            if (mask[obs] != 0).any():
+                j = int(np.flatnonzero(obs & (mask != 0))[0])
+                raise _fail(m, i, f"loss_mask is 1 on observation token {j} (token_policy_versions = -1): "
+                                  "tool output would enter the loss")
+        if (lp[mask == 0] != 0).any():
+            j = int(np.flatnonzero((mask == 0) & (lp != 0))[0])
+            raise _fail(m, i, f"rollout log-prob {lp[j]} at masked-out token {j} (the contract says 0 there)")
+        sel = lp[mask == 1]
+        if not np.isfinite(sel).all() or (sel > 1e-4).any():
+            raise _fail(m, i, "rollout log-probs on policy tokens must be finite and <= 0")
+        if not np.isfinite(m.advantage[i]):
+            raise _fail(m, i, f"advantage {m.advantage[i]} is not finite")
+        lo = min(int(p.min()), int(r.min()))
+        hi = max(int(p.max()), int(r.max()))
+        if lo < 0 or hi >= vocab_size:
+            raise _fail(m, i, f"token id {hi if hi >= vocab_size else lo} outside the model's vocabulary [0, {vocab_size})",
+                        hint="the snapshot was produced with another tokenizer than the policy's")
+        if max_positions is not None and len(p) + len(r) > max_positions:
+            raise _fail(m, i, f"{len(p) + len(r)} tokens exceed the model's {max_positions} positions")
+    if valid_counts is not None:
+        counts: dict[str, int] = {}
+        for g in m.group_id:
+            counts[g] = counts.get(g, 0) + 1
+        for g, n in counts.items():
+            if g in valid_counts and valid_counts[g] != n:
+                i = m.group_id.index(g)
+                raise _fail(m, i, f"group has {n} members with rewards in the snapshot but its receipt lists "
+                                  f"{valid_counts[g]} valid members", hint="the snapshot and its receipts disagree; "
+                                                                          "re-run admission")
+
+
+def receipt_counts(lake, snapshot_id: str) -> dict[str, int] | None:
+    """group -> number of valid members from the admission receipts of this snapshot (None without receipts)."""
+    if not lake.exists("receipts"):
+        return None
+    import pyarrow.dataset as ds
+
+    t = lake.read("receipts", columns=["group_id", "valid_members", "snapshot_id"],
+                  filter=ds.field("snapshot_id") == snapshot_id)
+    if t.num_rows == 0:
+        return None
+    return {g: len(v or []) for g, v in zip(t.column("group_id").to_pylist(), t.column("valid_members").to_pylist())}
+
+
+def collate(m: Members, idx: tuple[int, ...] | list[int], *, need: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One micro-batch as tensors (layout in the module docstring). ``need``
+    names per-member arrays to gather into [B, R]: "old", "ref", "rollout"."""
+    import torch
+
+    B = len(idx)
+    P = [len(m.prompt[i]) for i in idx]
+    R = [len(m.response[i]) for i in idx]
+    L, Rmax = max(p + r for p, r in zip(P, R)), max(R)
+    input_ids = np.zeros((B, L), dtype=np.int64)                                  # [B, L]
+    mask = np.zeros((B, Rmax), dtype=np.float32)                                  # [B, R]
+    adv = np.zeros((B, Rmax), dtype=np.float32)                                   # [B, R]
+    extra = {k: np.zeros((B, Rmax), dtype=np.float32) for k in need}
+    rows, cols, targets = [], [], []
+    for b, i in enumerate(idx):
+        p, r = m.prompt[i], m.response[i]
+        input_ids[b, :P[b]] = p
+        input_ids[b, P[b]:P[b] + R[b]] = r
+        mk = m.loss_mask[i].astype(np.float32)
+        mask[b, :R[b]] = mk
+        adv[b, :R[b]] = np.float32(m.advantage[i]) * mk
+        j = np.flatnonzero(mk)
+        rows.append(b * L + P[b] - 1 + j)
+        cols.append(b * Rmax + j)
+        targets.append(r[j])
+        for k in need:
+            src = {"old": m.old_logprobs, "ref": m.ref_logprobs, "rollout": m.rollout_logprobs}[k][i]
+            extra[k][b, :R[b]] = src * mk
+    out = {
+        "input_ids": torch.from_numpy(input_ids),
+        "rows": torch.from_numpy(np.concatenate(rows)),
+        "cols": torch.from_numpy(np.concatenate(cols)),
+        "targets": torch.from_numpy(np.concatenate(targets)),
+        "mask": torch.from_numpy(mask),
+        "advantages": torch.from_numpy(adv),
+        "shape": (B, Rmax),
+        "slots": B * L,
+        "tokens_in": int(sum(P) + sum(R)),
+    }
+    for k in need:
+        out[k] = torch.from_numpy(extra[k])
+    return out

@@ -1,0 +1,85 @@
+"""Length-bucketed micro-batches and the step plan (pure Python, no torch).
+
+A micro-batch is a list of member indices, right-padded to its longest row;
+its cost is rows x longest row (the ``micro_batch_tokens`` budget). Sorting by
+length before filling keeps rows of similar length together, so padding stays
+small on the lognormal length mix of agent rollouts (see bench_train).
+
+The plan of an epoch is a list of optimizer steps, each ``grad_accum``
+micro-batches; micro-batch ``i`` of a step runs on rank ``i % world_size``.
+The plan depends on (lengths, budget, grad_accum, seed, epoch) only, never on
+the world size, which is why N processes compute the same steps as one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def pack_by_length(lengths: list[int] | np.ndarray, budget_tokens: int) -> list[list[int]]:
+    """Indices grouped so that len(batch) * max(length in batch) <= budget
+    (a row longer than the budget gets a batch of its own). Longest first;
+    ties keep index order, so the result is deterministic."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(-lengths, kind="stable")
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    cur_max = 0
+    for i in order.tolist():
+        n = int(lengths[i])
+        new_max = max(cur_max, n)
+        if cur and (len(cur) + 1) * new_max > budget_tokens:
+            batches.append(cur)
+            cur, new_max = [], n
+        cur.append(i)
+        cur_max = new_max
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def naive_batches(lengths: list[int] | np.ndarray, rows_per_batch: int) -> list[list[int]]:
+    """Baseline: fixed row count in arrival order."""
+    n = len(lengths)
+    return [list(range(i, min(i + rows_per_batch, n))) for i in range(0, n, rows_per_batch)]
+
+
+def padding_ratio(lengths: list[int] | np.ndarray, batches: list[list[int]]) -> float:
+    """Padded slots / all slots over the batches."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    real = sum(int(lengths[b].sum()) for b in batches)
+    slots = sum(len(b) * int(lengths[b].max()) for b in batches if b)
+    return 0.0 if slots == 0 else 1.0 - real / slots
+
+
+@dataclass(frozen=True)
+class Step:
+    epoch: int
+    index: int                       # global optimizer step (0-based)
+    micro_batches: tuple[tuple[int, ...], ...]
+
+    def for_rank(self, rank: int, world_size: int) -> list[tuple[int, ...]]:
+        """This rank's micro-batches, padded with empty ones so every rank runs
+        the same number of forward/backward passes (ZeRO-2 reduces in backward)."""
+        mine = [mb for i, mb in enumerate(self.micro_batches) if i % world_size == rank]
+        per_rank = -(-len(self.micro_batches) // world_size)
+        return mine + [()] * (per_rank - len(mine))
+
+
+def plan_steps(lengths: list[int] | np.ndarray, *, budget_tokens: int, grad_accum: int, epochs: int, seed: int,
+               shuffle: bool = True, max_steps: int = 0) -> list[Step]:
+    """Every optimizer step of the run, in order."""
+    batches = pack_by_length(lengths, budget_tokens)
+    steps: list[Step] = []
+    for epoch in range(epochs):
+        order = list(range(len(batches)))
+        if shuffle:
+            order = np.random.default_rng([seed, epoch]).permutation(len(batches)).tolist()
+        for k in range(0, len(order), grad_accum):
+            mbs = tuple(tuple(batches[j]) for j in order[k:k + grad_accum])
+            steps.append(Step(epoch, len(steps), mbs))
+            if max_steps and len(steps) >= max_steps:
+                return steps
+    return steps

@@ -1,0 +1,502 @@
+"""``train_snapshot``: train the policy on exactly one snapshot, publish the next version.
+
+    pipeline train --batch-snapshot SNAPSHOT_ID                      # one process, CPU or one GPU
+    pipeline train --batch-snapshot SNAPSHOT_ID --nproc 2            # torchrun, gloo on CPU / nccl on GPUs
+    pipeline train --batch-snapshot SNAPSHOT_ID --resume             # continue a killed run
+
+The driver is a short list of named steps:
+ 1. identify the run (snapshot + parent + config + world size -> checkpoint id);
+    a snapshot already consumed by a published checkpoint is refused (or, for
+    the same run, the published result is returned: a no-op);
+ 2. verify and load the snapshot, assert it is trainable (data.check_members);
+ 3. load the parent policy, wrap it in DeepSpeed (ds_adapter);
+ 4. pre-pass: old log-probs (frozen starting weights) and reference log-probs;
+ 5. restore the resumable state when resuming (hash-verified; never a silent fresh start);
+ 6. train: length-bucketed micro-batches, losses from losses.py, metrics per step;
+ 7. write the checkpoint dir (``latest`` last), append the metrics rows,
+    publish the checkpoints row (the commit publishes the version), emit
+    OpenLineage COMPLETE (FAIL on any error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import config_dict, config_hash
+from pipeline.errors import ConflictError, NotFoundError, PipelineError
+from pipeline.train.config import TrainConfig
+
+__all__ = ["TrainConfig", "TrainResult", "train_snapshot", "run_identity"]
+
+JOB_NAME = "pipeline.train"
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    checkpoint_id: str
+    policy_version: int
+    parent_checkpoint_id: str | None
+    snapshot_id: str
+    global_step: int
+    samples_seen: int
+    metrics: dict[str, Any]                 # summary over the run's steps
+    weight_sha256: dict[str, str]           # hf/ weight files -> sha256
+    path: str                               # local checkpoint directory
+    world_size: int = 1
+    resumed_from_step: int | None = None
+    already_published: bool = False
+    seconds: float = 0.0
+    lineage_run_id: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# -- 1. identity ---------------------------------------------------------------------
+
+
+def _consumers(lake, snapshot_id: str) -> list[dict[str, Any]]:
+    if not lake.exists("checkpoints"):
+        return []
+    rows = lake.read("checkpoints", columns=["checkpoint_id", "snapshot_ids", "policy_version",
+                                             "parent_checkpoint_id"]).to_pylist()
+    return [r for r in rows if snapshot_id in (r["snapshot_ids"] or [])]
+
+
+def run_identity(snapshot_id: str, parent_checkpoint_id: str, cfg: TrainConfig, world_size: int,
+                 generation: int = 0) -> tuple[str, str]:
+    """(run_key, checkpoint_id): the same snapshot + parent + config + world
+    size always names the same run, so a rerun finds its resumable state and a
+    retried publish lands once. ``generation`` > 0 only for forced retraining."""
+    key = json.dumps([snapshot_id, parent_checkpoint_id, config_hash(cfg), int(world_size), int(generation)])
+    run_key = hashlib.sha256(key.encode()).hexdigest()
+    return run_key, f"ck-{run_key[:20]}"
+
+
+def _published_result(lake, checkpoint_id: str, snapshot_id: str) -> TrainResult:
+    from pipeline.policy_store import resolve_policy
+    from pipeline.train.checkpoint import weight_hashes
+
+    ref = resolve_policy(lake, checkpoint_id)
+    row = lake.read("checkpoints").to_pylist()
+    row = next(r for r in row if r["checkpoint_id"] == checkpoint_id)
+    return TrainResult(checkpoint_id, ref.policy_version, row["parent_checkpoint_id"], snapshot_id,
+                       int(row["global_step"]), int(row["samples_seen"]), json.loads(row["metrics_json"] or "{}"),
+                       weight_hashes(ref.file_sha256), str(ref.path), int(row["world_size"]),
+                       already_published=True)
+
+
+# -- public entry ------------------------------------------------------------------
+
+
+def train_snapshot(lake, snapshot_id: str, cfg: TrainConfig | None = None, *, from_checkpoint: str | int | None = None,
+                   resume: bool = False, nproc: int = 1, force: bool = False, progress: bool | None = None,
+                   crash_at: str | None = None) -> TrainResult:
+    """Train on ``snapshot_id`` starting from ``from_checkpoint`` (a checkpoint
+    id, policy version, or HF dir; default: the newest published policy) and
+    publish the result as the next policy version.
+
+    ``nproc`` > 1 launches that many processes with torchrun (gloo on CPU) and
+    waits for them. ``force`` trains on a snapshot another published
+    checkpoint already consumed. ``crash_at`` is for the failure drills only
+    (``"publish"``: die with the checkpoint files half written).
+    """
+    cfg = cfg or TrainConfig()
+    if nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return _launch(lake, snapshot_id, cfg, from_checkpoint=from_checkpoint, resume=resume, nproc=nproc,
+                       force=force, progress=progress)
+    return _train(lake, snapshot_id, cfg, from_checkpoint=from_checkpoint, resume=resume, force=force,
+                  progress=progress, crash_at=crash_at)
+
+
+def _launch(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume: bool, nproc: int, force: bool,
+            progress: bool | None) -> TrainResult:
+    """N processes via torchrun running pipeline.train.worker; rank 0 writes the result."""
+    import socket
+
+    with tempfile.TemporaryDirectory(prefix="pipeline-train-") as tmp:
+        spec = Path(tmp) / "job.json"
+        out = Path(tmp) / "result.json"
+        spec.write_text(json.dumps({"lake": lake.uri, "snapshot_id": snapshot_id, "config": config_dict(cfg),
+                                    "from_checkpoint": from_checkpoint, "resume": resume, "force": force,
+                                    "progress": progress, "result": str(out)}))
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
+               "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "pipeline.train.worker", str(spec)]
+        proc = subprocess.run(cmd, env=env)
+        if out.is_file():
+            data = json.loads(out.read_text())
+            if "error" in data:
+                raise PipelineError(data["error"], hint=data.get("hint"))
+            return TrainResult(**data)
+        raise PipelineError(f"{nproc}-process training failed (exit code {proc.returncode})",
+                            hint="see the worker output above; rerun with --resume to continue from the last saved step")
+
+
+# -- the driver ----------------------------------------------------------------------
+
+
+def _train(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume: bool, force: bool,
+           progress: bool | None, crash_at: str | None) -> TrainResult:
+    import torch
+
+    from pipeline import lineage
+    from pipeline.policy_store import local_checkpoint_dir, resolve_policy
+    from pipeline.train import checkpoint as ck
+    from pipeline.train.data import check_members, load_members, receipt_counts
+    from pipeline.train.ds_adapter import DeepSpeedStrategy, single_process_env
+    from pipeline.train.model import PolicyLogprobs, load_causal_lm
+    from pipeline.train.packing import plan_steps
+
+    t_start = time.perf_counter()
+    single_process_env()
+    world_size = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(cfg.threads)
+
+    # 1. identity
+    parent = resolve_policy(lake, from_checkpoint)          # hash-verified unless a plain directory
+    consumers = _consumers(lake, snapshot_id)
+    generation = len(consumers) if force else 0
+    run_key, checkpoint_id = run_identity(snapshot_id, parent.checkpoint_id, cfg, world_size, generation)
+    if consumers and not force:
+        if any(c["checkpoint_id"] == checkpoint_id for c in consumers):
+            return _published_result(lake, checkpoint_id, snapshot_id)     # the same run already published: no-op
+        c = consumers[0]
+        raise ConflictError(f"snapshot {snapshot_id} was already consumed by checkpoint {c['checkpoint_id']} "
+                            f"(policy version {c['policy_version']})",
+                            hint="a snapshot trains once; pass --force to train on it again")
+    work = local_checkpoint_dir(lake, f"_runs/{run_key[:24]}")
+    final = local_checkpoint_dir(lake, checkpoint_id)
+    if resume and not (work / "run.json").is_file():
+        raise NotFoundError(f"nothing to resume: no interrupted run of snapshot {snapshot_id} from "
+                            f"{parent.checkpoint_id} with this config (looked in {work})",
+                            hint="run without --resume to start training; a different --config, --set, "
+                                 "--from-checkpoint or --nproc is a different run")
+
+    lineage_run_id = lineage.new_run_id()
+    inputs = [(f"snapshots/{snapshot_id}", snapshot_id),
+              (f"checkpoints/{parent.checkpoint_id}", str(parent.policy_version))]
+    if rank == 0:
+        lineage.emit_run_event(lake, event_type="START", run_id=lineage_run_id, job_name=JOB_NAME, inputs=inputs,
+                               outputs=[(f"checkpoints/{checkpoint_id}", None)])
+    try:
+        # 2. the snapshot, verified, and the pre-training assertions
+        members, _ = load_members(lake, snapshot_id)
+        lm = load_causal_lm(parent.hf_dir, activation_checkpointing=cfg.activation_checkpointing)
+        check_members(members, vocab_size=int(lm.config.vocab_size),
+                      max_positions=getattr(lm.config, "max_position_embeddings", None),
+                      valid_counts=receipt_counts(lake, snapshot_id))
+        if rank == 0:
+            if not resume and work.exists():
+                print(f"note: discarding the state of an earlier interrupted run in {work} "
+                      "(pass --resume to continue it instead)", file=sys.stderr)
+                shutil.rmtree(work)
+            work.mkdir(parents=True, exist_ok=True)
+            if not (work / "run.json").exists():
+                ck.atomic_write(work / "run.json", json.dumps({
+                    "snapshot_id": snapshot_id, "parent_checkpoint_id": parent.checkpoint_id,
+                    "checkpoint_id": checkpoint_id, "config": config_dict(cfg), "world_size": world_size,
+                    "generation": generation}, sort_keys=True, indent=1))
+
+        # 3. model + DeepSpeed
+        ck.seed_everything(cfg.seed)
+        policy = PolicyLogprobs(lm, chunk=cfg.logprob_chunk, vocab_chunk=cfg.vocab_chunk)
+        strategy = DeepSpeedStrategy(policy, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
+                                     zero_stage=cfg.zero_stage, precision=cfg.precision, offload=cfg.offload,
+                                     max_grad_norm=cfg.max_grad_norm)
+        strategy.barrier()
+
+        # 4. pre-pass with the frozen starting weights
+        loss_kind = cfg.policy_loss
+        if loss_kind == "auto":
+            loss_kind = "reinforce" if int(members.group_size.max()) == 1 else "ppo"
+        _prepass(strategy, members, cfg, lake, parent)
+
+        steps = plan_steps(members.lengths, budget_tokens=cfg.micro_batch_tokens, grad_accum=cfg.grad_accum,
+                           epochs=cfg.epochs, seed=cfg.seed, shuffle=cfg.shuffle, max_steps=cfg.max_steps)
+        norm_len = float(cfg.norm_len or max(len(r) for r in members.response))
+
+        # 5. resume
+        start, samples_seen, rows, resumed_from = 0, 0, [], None
+        if resume:
+            state = ck.load_state(strategy, work)
+            if state is not None:
+                start, samples_seen, rows = int(state["global_step"]), int(state["samples_seen"]), list(state["metrics"])
+                resumed_from = start
+                if state.get("checkpoint_id") != checkpoint_id:
+                    raise ConflictError(f"resumable state in {work} belongs to {state.get('checkpoint_id')}")
+            else:
+                resumed_from = 0
+
+        # 6. train
+        bar = None
+        show = (progress if progress is not None else sys.stderr.isatty()) and rank == 0
+        if show:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(steps), initial=start, desc=f"train {snapshot_id[:12]}", unit="step")
+        strategy.train()
+        for step in steps[start:]:
+            row = _train_step(strategy, members, step, cfg, loss_kind, norm_len)
+            samples_seen += row["sequences"]
+            row.update(checkpoint_id=checkpoint_id, snapshot_id=snapshot_id, run_id=lineage_run_id)
+            rows.append(row)
+            if bar is not None:
+                bar.set_postfix(loss=f"{row['loss']:.4f}", reward=f"{row['reward_mean']:.3f}",
+                                kl=f"{row['approx_kl']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
+                bar.update(1)
+            done = step.index + 1
+            if cfg.save_every and done % cfg.save_every == 0 and done < len(steps):
+                ck.save_state(strategy, work, f"step-{done:08d}", _client_state(
+                    checkpoint_id, snapshot_id, done, samples_seen, step.epoch, rows))
+        if bar is not None:
+            bar.close()
+
+        # 7. publish
+        global_step = len(steps)
+        client_state = _client_state(checkpoint_id, snapshot_id, global_step, samples_seen,
+                                     steps[-1].epoch if steps else 0, rows)
+        train_config = config_dict(cfg) | {"policy_loss_resolved": loss_kind, "norm_len_resolved": norm_len}
+        if crash_at == "publish":
+            _crash_while_publishing(strategy, final, client_state, train_config, lm, parent)
+        ck.write_final(strategy, final, client_state=client_state, train_config=train_config, lm=lm,
+                       parent_hf=parent.hf_dir)
+        summary = _summary(rows)
+        result = None
+        if rank == 0:
+            result = _publish(lake, checkpoint_id=checkpoint_id, parent=parent, snapshot_id=snapshot_id, cfg=cfg,
+                              world_size=world_size, global_step=global_step, samples_seen=samples_seen,
+                              summary=summary, rows=rows, resumed_from=resumed_from, t_start=t_start,
+                              lineage_run_id=lineage_run_id, final=final)
+            lineage.emit_run_event(lake, event_type="COMPLETE", run_id=lineage_run_id, job_name=JOB_NAME,
+                                   inputs=inputs, outputs=[(f"checkpoints/{checkpoint_id}", str(result.policy_version))])
+            shutil.rmtree(work, ignore_errors=True)
+        strategy.barrier()
+        return strategy.broadcast_object(result)
+    except BaseException as exc:
+        if rank == 0:
+            try:
+                lineage.emit_run_event(lake, event_type="FAIL", run_id=lineage_run_id, job_name=JOB_NAME,
+                                       inputs=inputs, outputs=[(f"checkpoints/{checkpoint_id}", None)],
+                                       error=f"{type(exc).__name__}: {exc}")
+            except Exception:  # pragma: no cover - never mask the real error
+                pass
+        raise
+
+
+def _client_state(checkpoint_id: str, snapshot_id: str, global_step: int, samples_seen: int, epoch: int,
+                  rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The data cursor (DeepSpeed saves none): the plan is a pure function of
+    the snapshot, config and seed, so the step index is the whole cursor."""
+    return {"checkpoint_id": checkpoint_id, "snapshot_id": snapshot_id, "global_step": global_step,
+            "samples_seen": samples_seen, "epoch": epoch, "metrics": rows}
+
+
+def _prepass(strategy, members, cfg: TrainConfig, lake, parent) -> None:
+    """Old log-probs (recompute mode) and reference log-probs (kl_coef > 0) of
+    every member under frozen weights, once, before the first update. Every
+    rank computes all members, in the same micro-batches: identical on any
+    world size and on resume."""
+    import numpy as np
+    import torch
+
+    from pipeline.train.packing import pack_by_length
+
+    need_old = cfg.old_logprobs == "recompute"
+    need_ref = cfg.kl_coef > 0
+    members.old_logprobs = [None] * len(members)
+    members.ref_logprobs = [None] * len(members)
+    if not (need_old or need_ref):
+        return
+    batches = pack_by_length(members.lengths, cfg.micro_batch_tokens)
+
+    def run(forward, target: list) -> None:
+        from pipeline.train.data import collate
+
+        with torch.no_grad():
+            for idx in batches:
+                b = collate(members, idx)
+                lp, _ = forward(b["input_ids"].to(strategy.device), b["rows"].to(strategy.device),
+                                b["targets"].to(strategy.device))
+                flat = torch.zeros(b["shape"][0] * b["shape"][1], dtype=torch.float32)
+                flat[b["cols"]] = lp.float().cpu()
+                flat = flat.view(*b["shape"]).numpy()
+                for k, i in enumerate(idx):
+                    target[i] = flat[k, :len(members.response[i])].astype(np.float32).copy()
+
+    strategy.eval()
+    if need_old:
+        run(strategy.module, members.old_logprobs)
+    if need_ref:
+        if cfg.kl_reference == "parent" and need_old:
+            members.ref_logprobs = members.old_logprobs
+        elif cfg.kl_reference == "parent":
+            run(strategy.module, members.ref_logprobs)
+        else:
+            from pipeline.policy_store import resolve_policy
+            from pipeline.train.model import PolicyLogprobs, load_causal_lm
+
+            ref = resolve_policy(lake, cfg.kl_reference)
+            ref_lm = load_causal_lm(ref.hf_dir).to(strategy.device).eval()
+            run(PolicyLogprobs(ref_lm, chunk=cfg.logprob_chunk, vocab_chunk=cfg.vocab_chunk), members.ref_logprobs)
+            del ref_lm
+    strategy.train()
+
+
+def _train_step(strategy, members, step, cfg: TrainConfig, loss_kind: str, norm_len: float) -> dict[str, Any]:
+    """Forward/backward over this rank's micro-batches of ``step``, then one optimizer step."""
+    import numpy as np
+    import torch
+
+    from pipeline.train import losses as L
+    from pipeline.train.data import collate
+
+    t0 = time.perf_counter()
+    W, dev = strategy.world_size, strategy.device
+    all_idx = [i for mb in step.micro_batches for i in mb]
+    norm = L.Norm(num_tokens=float(members.loss_tokens(all_idx)), num_seqs=float(len(all_idx)), norm_len=norm_len)
+    need = ("rollout",) + (("old",) if cfg.old_logprobs == "recompute" else ()) + (("ref",) if cfg.kl_coef > 0 else ())
+    loss_fn = L.POLICY_LOSSES[loss_kind]
+    # sums over this rank's tokens: [loss, pg, kl, entropy*tok, clip_hi*tok, clip_lo*tok, approx_kl*tok, mismatch*tok, tok]
+    acc = torch.zeros(9, dtype=torch.float64)
+    quant = {"ratio_p05": 1.0, "ratio_p50": 1.0, "ratio_p95": 1.0}
+    tokens_in = 0
+    for mb in step.for_rank(strategy.rank, W):
+        if not mb:
+            # this rank has fewer micro-batches than another: a zero-weight pass keeps
+            # the per-backward ZeRO reductions in lockstep
+            lp, ent = strategy.forward(torch.zeros(1, 2, dtype=torch.long, device=dev),
+                                       torch.zeros(1, dtype=torch.long, device=dev),
+                                       torch.zeros(1, dtype=torch.long, device=dev))
+            strategy.backward(0.0 * (lp.sum() + ent.sum()))
+            continue
+        b = collate(members, mb, need=need)
+        B, R = b["shape"]
+        lp_flat, ent_flat = strategy.forward(b["input_ids"].to(dev), b["rows"].to(dev), b["targets"].to(dev))
+        cols = b["cols"].to(dev)
+        logp = torch.zeros(B * R, dtype=lp_flat.dtype, device=dev).index_copy(0, cols, lp_flat).view(B, R)  # [B, R]
+        ent = torch.zeros(B * R, dtype=ent_flat.dtype, device=dev).index_copy(0, cols, ent_flat).view(B, R)  # [B, R]
+        mask, adv = b["mask"].to(dev), b["advantages"].to(dev)                                            # [B, R]
+        rollout = b["rollout"].to(dev)                                                                    # [B, R]
+        old = b["old"].to(dev) if "old" in b else rollout                                                 # [B, R]
+        is_w = None
+        if cfg.old_logprobs == "recompute" and cfg.tis_cap > 0:
+            is_w = L.truncated_is_weights(old, rollout, mask, cfg.tis_cap)                               # [B, R]
+        pg, met = loss_fn(logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                          ratio_level=cfg.ratio_level, agg=cfg.agg, norm=norm, is_weights=is_w)
+        total = pg
+        kl_val = torch.zeros(())
+        if cfg.kl_coef > 0:
+            kl_tok = L.kl_penalty(logp, b["ref"].to(dev), cfg.kl_kind)                                   # [B, R]
+            kl_val = L.aggregate(kl_tok, mask, cfg.agg, norm)
+            total = total + cfg.kl_coef * kl_val
+        if cfg.entropy_coef > 0:
+            total = total + L.entropy_bonus(ent, mask, coef=cfg.entropy_coef, agg=cfg.agg, norm=norm)
+        # DeepSpeed averages gradients over ranks; the loss is already a share of the global step sum
+        strategy.backward(total * W)
+        with torch.no_grad():
+            tok = float(mask.sum())
+            mism = float(L.masked_mean(L.kl_penalty(old, rollout, "k3"), mask)) if cfg.old_logprobs == "recompute" \
+                else float(L.masked_mean(L.kl_penalty(logp.detach(), rollout, "k3"), mask))
+            acc += torch.tensor([float(total), float(pg), float(kl_val), float(L.masked_mean(ent.detach(), mask)) * tok,
+                                 met["clip_frac_high"] * tok, met["clip_frac_low"] * tok, met["approx_kl"] * tok,
+                                 mism * tok, tok], dtype=torch.float64)
+            if strategy.rank == 0 and mb == step.for_rank(0, W)[0]:
+                quant = {k: met[k] for k in quant}
+        tokens_in += b["tokens_in"]
+    out = strategy.optimizer_step()
+    acc = strategy.all_reduce_sum(acc)
+    tok = max(float(acc[8]), 1.0)
+    slots = sum(len(mb) * int(members.lengths[list(mb)].max()) for mb in step.micro_batches)
+    real = int(members.lengths[all_idx].sum())
+    seconds = time.perf_counter() - t0
+    lags = members.policy_lag[all_idx]
+    return {
+        "global_step": step.index, "epoch": step.epoch,
+        "loss": float(acc[0]), "pg_loss": float(acc[1]), "kl": float(acc[2]) if cfg.kl_coef > 0 else None,
+        "entropy": float(acc[3]) / tok,
+        "reward_mean": float(np.mean(members.reward[all_idx])), "advantage_mean": float(np.mean(members.advantage[all_idx])),
+        "clip_frac_high": float(acc[4]) / tok, "clip_frac_low": float(acc[5]) / tok,
+        "clip_fraction": (float(acc[4]) + float(acc[5])) / tok,
+        "approx_kl": float(acc[6]) / tok, "mismatch_kl": float(acc[7]) / tok, **quant,
+        "grad_norm": out["grad_norm"], "lr": out["lr"],
+        "tokens": int(acc[8]), "sequences": len(all_idx), "micro_batches": len(step.micro_batches),
+        "padding_ratio": 0.0 if slots == 0 else 1.0 - real / slots,
+        "tokens_per_s": real / seconds if seconds > 0 else 0.0, "step_seconds": seconds,
+        "policy_lag": float(np.mean(lags)), "policy_lag_max": int(np.max(lags)),
+        "created_at": datetime.now(timezone.utc).isoformat(),
+    }
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    if not rows:
+        return {"steps": 0}
+    def mean(k: str) -> float | None:
+        vals = [r[k] for r in rows if r.get(k) is not None]
+        return float(sum(vals) / len(vals)) if vals else None
+    return {"steps": len(rows), "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
+            "loss_mean": mean("loss"), "reward_mean": mean("reward_mean"), "entropy_mean": mean("entropy"),
+            "approx_kl_mean": mean("approx_kl"), "mismatch_kl_mean": mean("mismatch_kl"),
+            "clip_fraction_mean": mean("clip_fraction"), "grad_norm_mean": mean("grad_norm"),
+            "padding_ratio_mean": mean("padding_ratio"), "tokens": int(sum(r["tokens"] for r in rows)),
+            "tokens_per_s_mean": mean("tokens_per_s"), "policy_lag_mean": mean("policy_lag")}
+
+
+def _publish(lake, *, checkpoint_id: str, parent, snapshot_id: str, cfg: TrainConfig, world_size: int,
+             global_step: int, samples_seen: int, summary: dict[str, Any], rows: list[dict[str, Any]],
+             resumed_from: int | None, t_start: float, lineage_run_id: str, final: Path) -> TrainResult:
+    """Metrics rows (exactly once), then the checkpoints row: that commit publishes the version."""
+    import pyarrow as pa
+
+    from pipeline.policy_store import hash_dir, next_policy_version, publish_checkpoint
+    from pipeline.schema import arrow_schema
+    from pipeline.train.checkpoint import weight_hashes
+
+    if rows:
+        mrows = [dict(r, created_at=datetime.fromisoformat(r["created_at"])) for r in rows]
+        table = pa.Table.from_pylist(mrows, schema=arrow_schema("metrics"))
+        lake.append("metrics", table, command="pipeline train", config_hash=config_hash(cfg),
+                    app_id=f"metrics:{checkpoint_id}", txn_version=0)
+    version = next_policy_version(lake)
+    publish_checkpoint(lake, checkpoint_id=checkpoint_id, policy_version=version,
+                       parent_checkpoint_id=parent.checkpoint_id if parent.policy_version >= 0 else None,
+                       snapshot_ids=[snapshot_id],
+                       train_config=config_dict(cfg) | {"snapshot_id": snapshot_id, "parent": parent.checkpoint_id},
+                       train_config_hash=config_hash(cfg), seed=cfg.seed, world_size=world_size,
+                       global_step=global_step, samples_seen=samples_seen, metrics=summary, command="pipeline train")
+    return TrainResult(checkpoint_id, version, parent.checkpoint_id, snapshot_id, global_step, samples_seen, summary,
+                       weight_hashes(hash_dir(final)), str(final), world_size, resumed_from, False,
+                       time.perf_counter() - t_start, lineage_run_id)
+
+
+def _crash_while_publishing(strategy, final: Path, client_state, train_config, lm, parent) -> None:
+    """Failure drill: write part of the checkpoint (weights half written) and die like a SIGKILL."""
+    from pipeline.train import checkpoint as ck
+
+    final.mkdir(parents=True, exist_ok=True)
+    strategy.save(final / "ds", ck.FINAL_TAG, client_state)
+    hf = final / "hf"
+    ck.export_hf(lm, parent.hf_dir, hf)
+    w = hf / "model.safetensors"
+    data = w.read_bytes()
+    w.write_bytes(data[: len(data) // 2])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(137)

@@ -1,0 +1,42 @@
+"""Entry point of one training process under a launcher (torchrun / deepspeed):
+
+    python -m torch.distributed.run --nproc_per_node 2 -m pipeline.train.worker JOB.json
+
+JOB.json (written by ``train_snapshot(..., nproc=N)``) names the lake, snapshot,
+config and options; rank 0 writes the TrainResult (or the error) to its
+``result`` path.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str]) -> int:
+    from pipeline.config import load_config
+    from pipeline.errors import PipelineError
+    from pipeline.lake.delta import Lake
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.run import train_snapshot
+
+    job = json.loads(Path(argv[0]).read_text())
+    cfg = load_config(TrainConfig, None, {k: (list(v) if isinstance(v, tuple) else v) for k, v in job["config"].items()})
+    import os
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        res = train_snapshot(Lake(job["lake"]), job["snapshot_id"], cfg, from_checkpoint=job["from_checkpoint"],
+                             resume=job["resume"], force=job["force"], progress=job["progress"])
+    except PipelineError as exc:
+        if rank == 0:
+            Path(job["result"]).write_text(json.dumps({"error": exc.message, "hint": exc.hint}))
+        raise
+    if rank == 0:
+        Path(job["result"]).write_text(json.dumps(res.to_dict(), default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
