@@ -82,8 +82,9 @@ class RolloutSummary:
     success_rate: float | None = None           # PASS / trajectories with a verdict PASS or FAIL
     policy_versions: list[int] = field(default_factory=list)
     generated_tokens: int = 0
-    seconds: float = 0.0
-    tokens_per_s: float = 0.0
+    seconds: float = 0.0                        # wall time, engine start included
+    rollout_seconds: float = 0.0                # time in the harness (generation, tools, verification, spool)
+    tokens_per_s: float = 0.0                   # generated (policy) tokens / rollout_seconds
     tool_executions: int = 0
     resumed: int = 0
     workers: int = 1
@@ -190,7 +191,9 @@ def run_worker(lake, cfg: RolloutConfig, worker: int) -> RolloutSummary:
         eps = [w if not isinstance(w, tuple) else harness.new_episode(
             episode_id=w[0], group_id=w[1], group_size=cfg.group_size, task=w[2], seed=w[3], policy_version=version)
             for w in wave]
+        t_run = time.perf_counter()
         harness.run(eps)
+        summary.rollout_seconds += time.perf_counter() - t_run
         finished += eps
         unshipped += len(eps)
         if unshipped >= cfg.flush_rows or time.monotonic() - last_ship >= cfg.flush_seconds:
@@ -214,7 +217,7 @@ def run_worker(lake, cfg: RolloutConfig, worker: int) -> RolloutSummary:
     summary.policy_versions = sorted(holder.versions)
     summary.tool_executions = harness.tool_executions
     summary.seconds = time.perf_counter() - t0
-    summary.tokens_per_s = summary.generated_tokens / summary.seconds if summary.seconds else 0.0
+    summary.tokens_per_s = summary.generated_tokens / summary.rollout_seconds if summary.rollout_seconds else 0.0
     return summary
 
 
@@ -237,7 +240,8 @@ def _merge(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: float) -> R
     reward_sum = 0.0
     pass_n = judged = 0
     for p in parts:
-        for k in ("trajectories", "landed", "events", "quarantined", "generated_tokens", "tool_executions", "resumed"):
+        for k in ("trajectories", "landed", "events", "quarantined", "generated_tokens", "tool_executions", "resumed",
+                  "rollout_seconds"):
             setattr(s, k, getattr(s, k) + p[k])
         for k in ("statuses", "verdicts"):
             for name, v in p[k].items():
@@ -252,7 +256,9 @@ def _merge(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: float) -> R
     s.reward_mean = reward_sum / n_reward if n_reward else None
     s.success_rate = pass_n / judged if judged else None
     s.seconds = seconds
-    s.tokens_per_s = s.generated_tokens / seconds if seconds else 0.0
+    # workers run in parallel: aggregate throughput = tokens / the slowest worker's harness time
+    slowest = max((p["rollout_seconds"] for p in parts), default=0.0)
+    s.tokens_per_s = s.generated_tokens / slowest if slowest else 0.0
     return s
 
 

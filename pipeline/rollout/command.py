@@ -1,0 +1,116 @@
+"""CLI: ``pipeline rollout …``, ``pipeline policy init|eval``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from pipeline.cli import add_config_options, common
+
+    p = common(sub.add_parser(
+        "rollout", help="run rollout workers for an environment and land trajectories + events",
+        description="Sample N groups of G trajectories from a policy on a verifiable environment; land "
+                    "trajectories and events in the lake with exactly-once batches. Rerun with the same "
+                    "--run-id to resume a crashed run. Every RolloutConfig key can be set with --set KEY=VALUE "
+                    "(limits: max_turns, max_tokens_per_turn, max_total_tokens, wall_clock_s; fault injection: "
+                    "tool_timeout_p, env_crash_p, verifier_error_p; temperature, top_p, flush_rows, ...)."))
+    p.add_argument("--env", default=None, help="environment: arithmetic-tool | reverse-digits | module:Class")
+    p.add_argument("--engine", choices=["hf", "vllm"], default=None, help="generation engine (default hf)")
+    p.add_argument("--policy", default=None, metavar="PATH_OR_VERSION",
+                   help="policy version, checkpoint id, 'latest' (default) or an HF directory")
+    p.add_argument("--groups", type=int, default=None, metavar="N", help="groups to sample")
+    p.add_argument("--group-size", type=int, default=None, metavar="G", help="samples per group")
+    p.add_argument("--seed", type=int, default=None, metavar="S")
+    p.add_argument("--workers", type=int, default=None, metavar="K", help="worker processes")
+    p.add_argument("--run-id", default=None, help="experiment id (same id = resume)")
+    p.add_argument("--follow-latest", action="store_true", default=None,
+                   help="switch to the newest published policy between waves")
+    add_config_options(p)
+    p.set_defaults(handler=_rollout)
+
+    pol = sub.add_parser("policy", help="policy versions: init (version 0), eval")
+    psub = pol.add_subparsers(dest="policy_command", metavar="ACTION")
+    i = common(psub.add_parser(
+        "init", help="build the tokenizer + tiny Llama, warm-start it, publish policy version 0",
+        description="Build the char tokenizer and a tiny Llama from PolicyInitConfig, run a short supervised "
+                    "warm start on synthetic demonstrations, save it in HF format under <lake>/checkpoints/ and "
+                    "publish it as policy version 0."))
+    i.add_argument("--seed", type=int, default=None)
+    i.add_argument("--warm-start-steps", type=int, default=None)
+    add_config_options(i)
+    i.set_defaults(handler=_init)
+    e = common(psub.add_parser("eval", help="greedy success on the environment's fixed held-out set"))
+    e.add_argument("--policy", default="latest", metavar="PATH_OR_VERSION")
+    e.add_argument("--env", default="arithmetic-tool")
+    e.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    e.add_argument("--n", type=int, default=200, help="held-out tasks")
+    e.add_argument("--seed", type=int, default=0)
+    e.set_defaults(handler=_eval)
+    pol.set_defaults(handler=lambda a: pol.print_help())
+
+
+def _overrides(args: argparse.Namespace, mapping: dict[str, str]) -> dict[str, Any]:
+    from pipeline.config import parse_set
+
+    out = parse_set(getattr(args, "set", []))
+    for attr, key in mapping.items():
+        v = getattr(args, attr, None)
+        if v is not None:
+            out[key] = v
+    return out
+
+
+def _rollout(args: argparse.Namespace) -> None:
+    from pipeline.cli import emit
+    from pipeline.config import load_config
+    from pipeline.lake.delta import Lake
+    from pipeline.rollout.run import RolloutConfig, run_rollout
+
+    over = _overrides(args, {"env": "env", "engine": "engine", "policy": "policy", "groups": "groups",
+                             "group_size": "group_size", "seed": "seed", "workers": "workers", "run_id": "run_id",
+                             "follow_latest": "follow_latest"})
+    if not args.json:
+        over.setdefault("progress", True)
+    cfg = load_config(RolloutConfig, args.config, over)
+    s = run_rollout(Lake(args.lake), cfg).as_dict()
+    emit(s, args, lambda r: (
+        f"rollout {r['run_id']}: {r['trajectories']} trajectories on {r['env']} ({r['engine']}, "
+        f"policy v{','.join(map(str, r['policy_versions']))}), {r['landed']} landed, {r['events']} events"
+        + (f", {r['quarantined']} quarantined" if r["quarantined"] else "")
+        + (f", {r['resumed']} resumed" if r["resumed"] else "")
+        + f"\n  status: {', '.join(f'{k} {v}' for k, v in sorted(r['statuses'].items()))}"
+        + f"\n  verdict: {', '.join(f'{k} {v}' for k, v in sorted(r['verdicts'].items()))}"
+        + f"\n  reward mean {_fmt(r['reward_mean'])}, success {_fmt(r['success_rate'])}"
+        + f"\n  {r['generated_tokens']} generated tokens in {r['seconds']:.1f}s ({r['tokens_per_s']:.0f} tokens/s), "
+          f"{r['tool_executions']} tool calls"))
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def _init(args: argparse.Namespace) -> None:
+    from pipeline.cli import emit
+    from pipeline.config import load_config
+    from pipeline.lake.delta import Lake
+    from pipeline.rollout.policy import PolicyInitConfig, init_policy
+
+    cfg = load_config(PolicyInitConfig, args.config,
+                      _overrides(args, {"seed": "seed", "warm_start_steps": "warm_start_steps"}))
+    ref = init_policy(Lake(args.lake), cfg)
+    out = {"checkpoint_id": ref.checkpoint_id, "policy_version": ref.policy_version, "path": str(ref.hf_dir)}
+    emit(out, args, lambda r: f"policy version {r['policy_version']}: {r['checkpoint_id']} ({r['path']})")
+
+
+def _eval(args: argparse.Namespace) -> None:
+    from pipeline.cli import emit
+    from pipeline.lake.delta import Lake
+    from pipeline.rollout.evaluate import evaluate
+
+    r = evaluate(args.policy, args.env, n=args.n, seed=args.seed, engine=args.engine, lake=Lake(args.lake))
+    emit(r, args, lambda r: (
+        f"policy v{r['policy_version']} on {r['env']} (held-out, greedy, n={r['n']}): success {r['success_rate']:.3f}, "
+        f"format {r['format_rate']:.3f}, tool use {r['tool_use_rate']:.3f}"
+        + "".join(f"\n  {k}: {v:.3f}" for k, v in r["success_by_difficulty"].items())))
