@@ -176,8 +176,11 @@ def _train(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume:
     generation = len(consumers) if force else 0
     run_key, checkpoint_id = run_identity(snapshot_id, parent.checkpoint_id, cfg, world_size, generation)
     if consumers and not force:
-        if any(c["checkpoint_id"] == checkpoint_id for c in consumers):
-            return _published_result(lake, checkpoint_id, snapshot_id)     # the same run already published: no-op
+        for c in consumers:
+            # the same run (same snapshot, parent, config, world size) already published: a no-op,
+            # even though "the newest policy" is now that run's own output
+            if c["checkpoint_id"] == run_identity(snapshot_id, c["parent_checkpoint_id"] or "", cfg, world_size)[1]:
+                return _published_result(lake, c["checkpoint_id"], snapshot_id)
         c = consumers[0]
         raise ConflictError(f"snapshot {snapshot_id} was already consumed by checkpoint {c['checkpoint_id']} "
                             f"(policy version {c['policy_version']})",
@@ -415,7 +418,7 @@ def _train_step(strategy, members, step, cfg: TrainConfig, loss_kind: str, norm_
             tok = float(mask.sum())
             mism = float(L.masked_mean(L.kl_penalty(old, rollout, "k3"), mask)) if cfg.old_logprobs == "recompute" \
                 else float(L.masked_mean(L.kl_penalty(logp.detach(), rollout, "k3"), mask))
-            acc += torch.tensor([float(total), float(pg), float(kl_val), float(L.masked_mean(ent.detach(), mask)) * tok,
+            acc += torch.tensor([float(total.detach()), float(pg.detach()), float(kl_val.detach()), float(L.masked_mean(ent.detach(), mask)) * tok,
                                  met["clip_frac_high"] * tok, met["clip_frac_low"] * tok, met["approx_kl"] * tok,
                                  mism * tok, tok], dtype=torch.float64)
             if strategy.rank == 0 and mb == step.for_rank(0, W)[0]:

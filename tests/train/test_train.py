@@ -1,0 +1,245 @@
+"""End to end on a tiny Llama: publication, reproducibility, refusal of consumed
+snapshots, resume after SIGKILL, the crash-while-publishing drill, two processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import ConflictError, IntegrityError, NotFoundError
+from pipeline.train.config import TrainConfig
+from pipeline.train.run import train_snapshot
+
+CFG = TrainConfig(lr=3e-3, micro_batch_tokens=256, grad_accum=2, epochs=2, seed=11)
+
+
+def _weights(res) -> str:
+    return res.weight_sha256["hf/model.safetensors"]
+
+
+def test_train_publishes_a_complete_reproducible_checkpoint(tlake, tlake2):
+    from pipeline.lineage import read_events
+    from pipeline.policy_store import resolve_policy
+
+    lake, sid = tlake
+    res = train_snapshot(lake, sid, CFG, progress=False)
+    assert res.policy_version == 1 and res.parent_checkpoint_id == "tiny-v0" and res.global_step >= 4
+    assert res.samples_seen == 2 * 48
+
+    root = Path(res.path)
+    assert (root / "latest").read_text() == "final"
+    for rel in ("ds/final", "rng/final/rank0.pt", "cursor.json", "train_config.json", "hf/config.json",
+                "hf/model.safetensors", "hf/tokenizer.json", "hf/tokenizer_config.json"):
+        assert (root / rel).exists(), rel
+    assert json.loads((root / "cursor.json").read_text())["global_step"] == res.global_step
+    assert json.loads((root / "train_config.json").read_text())["lr"] == CFG.lr
+
+    # published: the newest policy resolves to it, hash-verified
+    ref = resolve_policy(lake, None)
+    assert (ref.checkpoint_id, ref.policy_version) == (res.checkpoint_id, 1)
+    parent = resolve_policy(lake, "tiny-v0")
+    assert ref.file_sha256["hf/model.safetensors"] != parent.file_sha256["hf/model.safetensors"]
+    row = [r for r in lake.read("checkpoints").to_pylist() if r["checkpoint_id"] == res.checkpoint_id][0]
+    assert row["snapshot_ids"] == [sid] and row["global_step"] == res.global_step
+    assert dict(row["file_sha256"])["hf/model.safetensors"] == _weights(res)
+
+    # metrics: one row per step
+    m = lake.read("metrics").to_pylist()
+    assert [r["global_step"] for r in m] == list(range(res.global_step))
+    assert all(r["checkpoint_id"] == res.checkpoint_id and r["tokens"] > 0 and 0 <= r["padding_ratio"] < 1 for r in m)
+    assert all(r["grad_norm"] is not None and r["grad_norm"] > 0 for r in m)
+
+    # lineage: START and COMPLETE share a run id; snapshot in with its version, checkpoint out
+    ev = read_events(lake, res.lineage_run_id)
+    assert [e["eventType"] for e in ev] == ["START", "COMPLETE"]
+    snap_in = [d for d in ev[1]["inputs"] if d["name"] == f"snapshots/{sid}"][0]
+    assert snap_in["facets"]["version"]["datasetVersion"] == sid
+    assert ev[1]["outputs"][0]["name"] == f"checkpoints/{res.checkpoint_id}"
+    assert ev[1]["outputs"][0]["facets"]["version"]["datasetVersion"] == "1"
+
+    # same snapshot + config + seed in another lake: byte-identical weights, same checkpoint id
+    lake2, _ = tlake2
+    res2 = train_snapshot(lake2, sid, CFG, progress=False)
+    assert res2.checkpoint_id == res.checkpoint_id
+    assert _weights(res2) == _weights(res)
+
+
+def test_consumed_snapshot_is_never_trained_twice(tlake):
+    from pipeline.policy_store import latest_policy_version
+
+    lake, sid = tlake
+    cfg = TrainConfig(lr=1e-3, micro_batch_tokens=512, seed=1)
+    first = train_snapshot(lake, sid, cfg, progress=False)
+    again = train_snapshot(lake, sid, cfg, progress=False)          # the same run: a no-op
+    assert again.already_published and again.checkpoint_id == first.checkpoint_id
+    assert again.policy_version == first.policy_version == 1
+    with pytest.raises(ConflictError, match="already consumed"):
+        train_snapshot(lake, sid, TrainConfig(lr=2e-3, micro_batch_tokens=512), progress=False)
+    forced = train_snapshot(lake, sid, cfg, force=True, progress=False)
+    assert forced.checkpoint_id != first.checkpoint_id and forced.policy_version == 2
+    assert latest_policy_version(lake) == 2
+
+
+def test_exported_policy_loads_in_transformers_and_generates(tlake):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    lake, sid = tlake
+    res = train_snapshot(lake, sid, TrainConfig(lr=1e-3, micro_batch_tokens=512, max_steps=1), progress=False)
+    hf = Path(res.path) / "hf"
+    model = AutoModelForCausalLM.from_pretrained(hf)
+    tok = AutoTokenizer.from_pretrained(hf)
+    ids = tok("w5 w6 w7", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, ids.shape[1] + 5)
+    # the export carries the trained weights, not the parent's
+    from safetensors.torch import load_file
+    from pipeline.train.model import PolicyLogprobs  # noqa: F401  (import check: no deepspeed needed)
+
+    sd = load_file(str(hf / "model.safetensors"))
+    assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items() if k in sd)
+
+
+def test_resume_without_state_is_an_error(tlake):
+    lake, sid = tlake
+    with pytest.raises(NotFoundError, match="nothing to resume"):
+        train_snapshot(lake, sid, CFG, resume=True, progress=False)
+
+
+def _env():
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def _cli(lake, sid, sets, *extra):
+    cmd = [sys.executable, "-m", "pipeline", "train", "--lake", lake.uri, "--batch-snapshot", sid, "--json",
+           "--no-progress"] + [a for s in sets for a in ("--set", s)] + list(extra)
+    return cmd
+
+
+KILL_SETS = ["lr=0.003", "micro_batch_tokens=256", "grad_accum=1", "epochs=4", "seed=5", "save_every=1"]
+KILL_CFG = TrainConfig(lr=0.003, micro_batch_tokens=256, grad_accum=1, epochs=4, seed=5, save_every=1)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_resume_equals_uninterrupted(tlake, tlake2):
+    lake, sid = tlake
+    proc = subprocess.Popen(_cli(lake, sid, KILL_SETS), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    runs = Path(lake.uri) / "checkpoints" / "_runs"
+    killed_at = None
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        latest = list(runs.glob("*/latest"))
+        if latest:
+            tag = latest[0].read_text().strip()
+            if int(tag.split("-")[1]) >= 3:
+                proc.send_signal(signal.SIGKILL)
+                killed_at = tag
+                break
+        time.sleep(0.005)
+    proc.wait()
+    assert killed_at is not None, f"the run ended before it could be killed: {proc.stdout.read().decode()[-2000:]}"
+    assert proc.returncode == -signal.SIGKILL
+    from pipeline.policy_store import latest_policy_version
+
+    assert latest_policy_version(lake) == 0                       # nothing published by the killed run
+
+    out = subprocess.run(_cli(lake, sid, KILL_SETS, "--resume"), env=_env(), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed = json.loads(out.stdout.strip().splitlines()[-1])
+    assert resumed["resumed_from_step"] >= 3 and resumed["policy_version"] == 1
+
+    lake2, _ = tlake2
+    straight = train_snapshot(lake2, sid, KILL_CFG, progress=False)
+    assert resumed["checkpoint_id"] == straight.checkpoint_id
+    assert resumed["weight_sha256"] == straight.weight_sha256       # bitwise identical
+    m = lake.read("metrics").to_pylist()
+    assert [r["global_step"] for r in m] == list(range(straight.global_step))   # every step once
+    assert len({r["run_id"] for r in m}) == 2                                   # two attempts
+
+
+DRILL = """
+import sys
+from pipeline.lake.delta import Lake
+from pipeline.train.config import TrainConfig
+from pipeline.train.run import train_snapshot
+train_snapshot(Lake(sys.argv[1]), sys.argv[2], TrainConfig(lr=0.003, micro_batch_tokens=256, epochs=2, seed=3,
+               save_every=2), progress=False, crash_at="publish")
+"""
+DRILL_CFG = TrainConfig(lr=0.003, micro_batch_tokens=256, epochs=2, seed=3, save_every=2)
+
+
+@pytest.mark.slow
+def test_drill_crash_while_publishing(tlake, tlake2):
+    """Trainer dies with the weights half written: readers keep the last complete
+    version, the rerun resumes and publishes the next unused version, and the
+    snapshot is consumed once."""
+    from pipeline.lineage import read_events
+    from pipeline.policy_store import latest_policy_version, resolve_policy
+
+    lake, sid = tlake
+    p = subprocess.run([sys.executable, "-c", DRILL, lake.uri, sid], env=_env(), capture_output=True, text=True)
+    assert p.returncode == 137, p.stderr[-3000:]
+    half = list((Path(lake.uri) / "checkpoints").glob("ck-*/hf/model.safetensors"))
+    assert len(half) == 1 and not (half[0].parent.parent / "latest").exists()
+    ref = resolve_policy(lake, None)                                # workers still get version 0, verified
+    assert (ref.checkpoint_id, ref.policy_version) == ("tiny-v0", 0)
+
+    # a corrupted resumable state is refused, never silently replaced by a fresh start
+    runs = list((Path(lake.uri) / "checkpoints" / "_runs").iterdir())
+    assert len(runs) == 1
+    victim = sorted(p for p in (runs[0] / "ds").rglob("*.pt"))[0]
+    good = victim.read_bytes()
+    victim.write_bytes(good[:-10] + b"0123456789")
+    with pytest.raises(IntegrityError, match="does not match its manifest"):
+        train_snapshot(lake, sid, DRILL_CFG, resume=True, progress=False)
+    victim.write_bytes(good)
+
+    res = train_snapshot(lake, sid, DRILL_CFG, resume=True, progress=False)
+    assert res.policy_version == 1 and res.resumed_from_step and res.resumed_from_step > 0
+    assert latest_policy_version(lake) == 1
+    assert resolve_policy(lake, None).checkpoint_id == res.checkpoint_id       # hash-verified complete now
+    again = train_snapshot(lake, sid, DRILL_CFG, progress=False)
+    assert again.already_published and latest_policy_version(lake) == 1        # consumed once, no version reused
+    rows = [r for r in lake.read("checkpoints").to_pylist() if sid in r["snapshot_ids"]]
+    assert len(rows) == 1
+    assert {e["eventType"] for e in read_events(lake)} >= {"START", "COMPLETE"}
+
+    lake2, _ = tlake2
+    straight = train_snapshot(lake2, sid, DRILL_CFG, progress=False)
+    assert straight.weight_sha256 == res.weight_sha256
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_up_to_reduction_order(tlake, tlake2):
+    import torch
+    from safetensors.torch import load_file
+
+    cfg = TrainConfig(lr=3e-3, micro_batch_tokens=256, grad_accum=3, epochs=1, seed=2, zero_stage=2)
+    lake, sid = tlake
+    two = train_snapshot(lake, sid, cfg, nproc=2, progress=False)
+    assert two.world_size == 2 and two.policy_version == 1
+    lake2, _ = tlake2
+    one = train_snapshot(lake2, sid, cfg, progress=False)
+    assert one.global_step == two.global_step
+    a = load_file(str(Path(one.path) / "hf" / "model.safetensors"))
+    b = load_file(str(Path(two.path) / "hf" / "model.safetensors"))
+    parent = load_file(str(Path(lake.uri) / "checkpoints" / "tiny-v0" / "hf" / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4)
+    assert any(not torch.equal(a[k], parent[k]) for k in a)
+    m = lake.read("metrics").to_pylist()
+    m1 = lake2.read("metrics").to_pylist()
+    for r, s in zip(m, m1):
+        assert r["loss"] == pytest.approx(s["loss"], rel=1e-4, abs=1e-6)
+        assert r["tokens"] == s["tokens"]
