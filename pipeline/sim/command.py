@@ -20,10 +20,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = common(sub.add_parser(
         "simulate", help="discrete-event rollout scheduling simulator (sync vs async, staleness, dropped tasks)",
-        description="Simulate rollout workers, a trainer and the admission gate (no GPUs, no model): "
-                    "completions, admitted trajectories, rejection rate of slow tasks vs the rest, trainer idle "
-                    "fraction, queue age, policy lag. Keys: see pipeline/sim/config.py (SimConfig).",
-        formatter_class=argparse.RawDescriptionHelpFormatter))
+        description="Simulate rollout workers, a trainer and the admission gate (no GPUs, no model):\n"
+                    "completions, admitted trajectories, rejection rate of slow tasks vs the rest, trainer idle\n"
+                    "fraction, queue age p50/p95, policy lag. A simulated day takes seconds.",
+        epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter))
     add_config_options(p)
     p.add_argument("--seed", type=int, default=None, help="random seed (overrides the config's seed)")
     p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
@@ -35,6 +35,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="land the simulated trajectories in the lake (--lake) in the ingest contract and let the "
                         "real admission job decide them (receipts, snapshots): slow, keep runs small")
     p.set_defaults(handler=_simulate)
+
+
+def _epilog() -> str:
+    from pipeline.config import describe
+    from pipeline.sim.config import CONFIG_DIR, SimConfig
+
+    examples = __doc__.split("\n\n", 1)[1].split("\n\nWith", 1)[0]
+    keys = "\n".join(f"  {name} (default {default!r})" for name, default, _ in describe(SimConfig)
+                     if name != "task_mix")
+    packaged = ", ".join(sorted(q.stem for q in CONFIG_DIR.glob("*.yaml")))
+    return (f"examples:\n{examples}\n\npackaged configs (--config NAME): {packaged}\n\n"
+            f"config keys (--set/--sweep; task_mix.CLASS.KEY reaches into the task mix, e.g. "
+            f"task_mix.slow.median_s):\n{keys}\n\nmeaning of every key: pipeline/sim/config.py (SimConfig)")
 
 
 def _runner(args: argparse.Namespace):
