@@ -60,24 +60,28 @@ def run(quick: bool = False) -> list[Result]:
                 pq.write_table(t, out / f.name, compression="zstd")
                 times.append(time.perf_counter() - t0)
 
-        t0 = time.perf_counter()
-        plain()
-        base = time.perf_counter() - t0
-        times: list[float] = []
-        plain_write_only()
-        write_only = sum(times)
-        shutil.rmtree(root / "plain", ignore_errors=True)
-        shutil.rmtree(root / "plain2", ignore_errors=True)
-
-        lake = Lake(root / "lake")
-        t0 = time.perf_counter()
-        report = ingest_files(lake, files)
-        ing = time.perf_counter() - t0
-        assert report.landed == n, report
-        t0 = time.perf_counter()
-        again = ingest_files(lake, files)
-        noop = time.perf_counter() - t0
-        assert again.landed == 0
+        # Interleave baseline and ingest runs and keep the best of each: the
+        # machine is shared, and the least-disturbed run is the fairest figure.
+        base = ing = noop = write_only = float("inf")
+        for rep in range(1 if quick else 2):
+            t0 = time.perf_counter()
+            plain()
+            base = min(base, time.perf_counter() - t0)
+            times: list[float] = []
+            plain_write_only()
+            write_only = min(write_only, sum(times))
+            shutil.rmtree(root / "plain", ignore_errors=True)
+            shutil.rmtree(root / "plain2", ignore_errors=True)
+            shutil.rmtree(root / "lake", ignore_errors=True)
+            lake = Lake(root / "lake")
+            t0 = time.perf_counter()
+            report = ingest_files(lake, files)
+            ing = min(ing, time.perf_counter() - t0)
+            assert report.landed == n, report
+            t0 = time.perf_counter()
+            again = ingest_files(lake, files)
+            noop = min(noop, time.perf_counter() - t0)
+            assert again.landed == 0
     finally:
         shutil.rmtree(root, ignore_errors=True)
     size = f"{n // 1000}k traj, {in_bytes / 2**30:.2f} GiB parquet"

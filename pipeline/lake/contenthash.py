@@ -22,6 +22,7 @@ hashes in a few vectorized passes plus one SHA-256 per row.
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -33,6 +34,7 @@ import pyarrow.compute as pc
 from pipeline.schema import ColumnSpec, table_spec
 
 HASH_VERSION = 1
+_HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 def hashed_columns(table_name: str = "trajectories") -> list[ColumnSpec]:
@@ -126,17 +128,31 @@ def content_hashes(table: pa.Table, table_name: str = "trajectories") -> pa.Arra
             if pa.types.is_map(c.arrow_type)]
     lists = [_list_values(table.column(c.name).combine_chunks(), c) for c in cols if c.is_list]
     sha = hashlib.sha256
-    out = []
-    for i in range(n):
-        h = sha(header_mv[i * width:(i + 1) * width])
-        if strings:
-            h.update(s_buf[s_off[s_base + i]:s_off[s_base + i + 1]])
-        for m in maps:
-            h.update(m[i])
-        for off, buf, _w in lists:
-            h.update(buf[off[i]:off[i + 1]])
-        out.append(h.hexdigest())
-    return pa.array(out, pa.string())
+
+    def digest(lo: int, hi: int) -> list[str]:
+        out = []
+        for i in range(lo, hi):
+            h = sha(header_mv[i * width:(i + 1) * width])
+            if strings:
+                h.update(s_buf[s_off[s_base + i]:s_off[s_base + i + 1]])
+            for m in maps:
+                h.update(m[i])
+            for off, buf, _w in lists:
+                h.update(buf[off[i]:off[i + 1]])
+            out.append(h.hexdigest())
+        return out
+
+    # hashlib releases the GIL while hashing large buffers: token payloads hash
+    # in parallel threads.
+    workers = min(_HASH_THREADS, max(1, n // 2000))
+    if workers == 1:
+        return pa.array(digest(0, n), pa.string())
+    from concurrent.futures import ThreadPoolExecutor
+
+    bounds = np.linspace(0, n, workers + 1).astype(int)
+    with ThreadPoolExecutor(workers) as pool:
+        parts = list(pool.map(digest, bounds[:-1], bounds[1:]))
+    return pa.array([h for part in parts for h in part], pa.string())
 
 
 def content_hash(row: Mapping[str, Any], table_name: str = "trajectories") -> str:

@@ -1,0 +1,292 @@
+"""Scheduled jobs: one YAML file per job in jobs/ (what, when, with which args).
+
+    name: admission
+    description: decide complete groups and materialize a snapshot
+    schedule: "*/5 * * * *"        # cron; a 6th field = seconds
+    args: [admit, --json]          # a `pipeline` command line (--lake is added)
+    timeout_s: 1800
+
+`pipeline jobs run NAME` runs one job once under a lease lock in the lake
+(``<lake>/_locks/job-NAME``, created with an exclusive create: O_EXCL on a
+local lake, a conditional PUT (If-None-Match) on object stores), so a double
+start — a Kubernetes CronJob may start a job twice — yields one run; the
+second start reports ``skipped: already running``. The jobs themselves are
+idempotent too (admission never decides a group twice, training refuses a
+consumed snapshot), so a start after the lease expired is still safe.
+`pipeline jobs schedule` runs every job on its schedule in the foreground.
+
+The token ``{slot}`` in args becomes the minute of the run (a fresh rollout
+seed per scheduled run); ``{next_snapshot}`` resolves to the oldest snapshot that no
+published checkpoint has trained on; with none, the job does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import ConfigError, NotFoundError, PipelineError
+from pipeline.resources import resource_dir
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    schedule: str
+    args: tuple[str, ...]
+    description: str = ""
+    timeout_s: int = 3600
+    lease_s: int | None = None     # lock lease; defaults to timeout_s
+    resources: dict[str, Any] = field(default_factory=dict)  # for infra rendering (cpu, memory)
+
+    @property
+    def lease(self) -> int:
+        return self.lease_s or self.timeout_s
+
+
+def load_jobs(jobs_dir: str | Path | None = None) -> dict[str, JobSpec]:
+    import yaml
+    from croniter import croniter
+
+    d = Path(jobs_dir) if jobs_dir else resource_dir("jobs")
+    out = {}
+    for f in sorted(d.glob("*.yaml")):
+        raw = yaml.safe_load(f.read_text()) or {}
+        missing = {"name", "schedule", "args"} - set(raw)
+        if missing:
+            raise ConfigError(f"{f}: missing key(s) {sorted(missing)}")
+        if raw["name"] != f.stem:
+            raise ConfigError(f"{f}: name {raw['name']!r} must equal the file name {f.stem!r}")
+        if not croniter.is_valid(raw["schedule"]):
+            raise ConfigError(f"{f}: schedule {raw['schedule']!r} is not a valid cron expression")
+        out[raw["name"]] = JobSpec(name=raw["name"], schedule=raw["schedule"], args=tuple(map(str, raw["args"])),
+                                   description=raw.get("description", ""), timeout_s=int(raw.get("timeout_s", 3600)),
+                                   lease_s=raw.get("lease_s"), resources=raw.get("resources") or {})
+    return out
+
+
+# -- the lease lock ---------------------------------------------------------------------
+class JobLock:
+    """An exclusive-create lease file in the lake. ``acquire`` returns False when
+    another live holder has it; an expired lease is broken and retaken."""
+
+    def __init__(self, lake, name: str, lease_s: int) -> None:
+        self.lake, self.name, self.lease_s = lake, name, lease_s
+        self.rel = f"_locks/job-{name}"
+        self.body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                "expires": time.time() + lease_s, "job": name}).encode()
+
+    def _create(self) -> bool:
+        if self.lake.is_local:
+            p = Path(self.lake.uri) / self.rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(self.body)
+            return True
+        bucket, key = self._s3_key()
+        try:
+            self._s3().put_object(Bucket=bucket, Key=key, Body=self.body, IfNoneMatch="*")
+            return True
+        except Exception as exc:  # botocore ClientError 412 PreconditionFailed
+            if "PreconditionFailed" in str(exc) or "412" in str(exc):
+                return False
+            raise
+
+    def _read(self) -> dict[str, Any] | None:
+        try:
+            if self.lake.is_local:
+                return json.loads((Path(self.lake.uri) / self.rel).read_bytes())
+            bucket, key = self._s3_key()
+            return json.loads(self._s3().get_object(Bucket=bucket, Key=key)["Body"].read())
+        except Exception:
+            return None
+
+    def _delete(self) -> None:
+        if self.lake.is_local:
+            (Path(self.lake.uri) / self.rel).unlink(missing_ok=True)
+        else:
+            bucket, key = self._s3_key()
+            self._s3().delete_object(Bucket=bucket, Key=key)
+
+    def _s3_key(self) -> tuple[str, str]:
+        rest = self.lake.uri.split("://", 1)[1]
+        bucket, _, prefix = rest.partition("/")
+        return bucket, f"{prefix}/{self.rel}".lstrip("/")
+
+    def _s3(self):
+        import boto3
+
+        opts = self.lake.storage_options or {}
+        return boto3.client("s3", endpoint_url=opts.get("AWS_ENDPOINT_URL"),
+                            aws_access_key_id=opts.get("AWS_ACCESS_KEY_ID"),
+                            aws_secret_access_key=opts.get("AWS_SECRET_ACCESS_KEY"),
+                            region_name=opts.get("AWS_REGION", "us-east-1"))
+
+    def acquire(self) -> bool:
+        if self._create():
+            return True
+        held = self._read()
+        if held is not None and held.get("expires", 0) < time.time():
+            self._delete()  # an expired lease: the holder died; the job itself is idempotent
+            return self._create()
+        return False
+
+    def release(self) -> None:
+        held = self._read()
+        if held is not None and held.get("pid") == os.getpid() and held.get("host") == socket.gethostname():
+            self._delete()
+
+
+# -- running ---------------------------------------------------------------------------------
+def next_untrained_snapshot(lake) -> str | None:
+    """The oldest snapshot that no published checkpoint lists in snapshot_ids."""
+    from pipeline.query.duck import query
+
+    t = query(lake, """
+        SELECT s.snapshot_id FROM snapshots s
+        WHERE s.num_members > 0 AND s.snapshot_id NOT IN (
+            SELECT unnest(snapshot_ids) FROM checkpoints)
+        ORDER BY s.created_at, s.snapshot_id LIMIT 1""")
+    return t.column(0)[0].as_py() if t.num_rows else None
+
+
+def resolve_args(lake, spec: JobSpec, *, now: float | None = None) -> list[str] | None:
+    """Fill ``{slot}`` (minutes since the epoch: a fresh seed per scheduled run,
+    the same one for a double start of the same run) and ``{next_snapshot}``."""
+    slot = str(int((now if now is not None else time.time()) // 60))
+    args = [a.replace("{slot}", slot) for a in spec.args]
+    if any("{next_snapshot}" in a for a in args):
+        snap = next_untrained_snapshot(lake)
+        if snap is None:
+            return None
+        args = [a.replace("{next_snapshot}", snap) for a in args]
+    return args
+
+
+def run_job(lake, spec: JobSpec) -> dict[str, Any]:
+    """Run one job once, in a subprocess, under its lease lock."""
+    started = datetime.now(timezone.utc)
+    lock = JobLock(lake, spec.name, spec.lease)
+    if not lock.acquire():
+        return {"job": spec.name, "status": "skipped", "reason": "already running (lease held)",
+                "started_at": started.isoformat()}
+    try:
+        args = resolve_args(lake, spec)
+        if args is None:
+            return {"job": spec.name, "status": "nothing_to_do", "reason": "no untrained snapshot",
+                    "started_at": started.isoformat()}
+        cmd = [sys.executable, "-m", "pipeline", *args, "--lake", lake.uri]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=spec.timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"job": spec.name, "status": "timeout", "args": args, "timeout_s": spec.timeout_s,
+                    "started_at": started.isoformat()}
+        return {"job": spec.name, "status": "ok" if proc.returncode == 0 else "failed", "args": args,
+                "returncode": proc.returncode, "stdout": proc.stdout[-4000:], "stderr": proc.stderr[-4000:],
+                "started_at": started.isoformat(),
+                "seconds": round((datetime.now(timezone.utc) - started).total_seconds(), 3)}
+    finally:
+        lock.release()
+
+
+def schedule(lake, jobs: dict[str, JobSpec], *, for_seconds: float | None = None,
+             on_result=None) -> list[dict[str, Any]]:
+    """Run every job on its cron schedule until stopped (Ctrl-C) or ``for_seconds``.
+    A job whose previous run is still going is not started again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from croniter import croniter
+
+    if not jobs:
+        raise NotFoundError("no jobs to schedule", hint="add YAML files to jobs/")
+    start = time.time()
+    nxt = {n: croniter(s.schedule, datetime.now(timezone.utc)).get_next(float) for n, s in jobs.items()}
+    running: dict[str, Any] = {}
+    results: list[dict[str, Any]] = []
+    with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
+        try:
+            while for_seconds is None or time.time() - start < for_seconds:
+                now = time.time()
+                for name, fut in list(running.items()):
+                    if fut.done():
+                        res = fut.result()
+                        results.append(res)
+                        if on_result:
+                            on_result(res)
+                        del running[name]
+                for name, spec in jobs.items():
+                    if now >= nxt[name]:
+                        nxt[name] = croniter(spec.schedule, datetime.fromtimestamp(now, timezone.utc)).get_next(float)
+                        if name not in running:
+                            running[name] = pool.submit(run_job, lake, spec)
+                time.sleep(min(0.2, max(0.0, min(nxt.values()) - time.time())))
+        except KeyboardInterrupt:
+            pass
+        for name, fut in running.items():
+            res = fut.result()
+            results.append(res)
+            if on_result:
+                on_result(res)
+    return results
+
+
+# -- infra rendering (kept consistent with jobs/ by a test) ------------------------------------
+def render_cronjobs(jobs: dict[str, JobSpec], *, image: str = "trajectory-lakehouse:cpu") -> str:
+    """Kubernetes CronJobs, one per job, as one multi-document YAML."""
+    import yaml
+
+    docs = []
+    for spec in jobs.values():
+        if len(spec.schedule.split()) != 5:
+            raise PipelineError(f"job {spec.name}: Kubernetes CronJobs need a 5-field schedule")
+        res = spec.resources or {"cpu": "1", "memory": "4Gi"}
+        docs.append({
+            "apiVersion": "batch/v1",
+            "kind": "CronJob",
+            "metadata": {"name": f"pipeline-{spec.name}", "labels": {"app": "trajectory-lakehouse", "job": spec.name}},
+            "spec": {
+                "schedule": spec.schedule,
+                # the lake lease lock makes a double start harmless; Forbid makes it rare
+                "concurrencyPolicy": "Forbid",
+                "startingDeadlineSeconds": 300,
+                "successfulJobsHistoryLimit": 3,
+                "failedJobsHistoryLimit": 3,
+                "jobTemplate": {"spec": {
+                    "backoffLimit": 2,
+                    "activeDeadlineSeconds": spec.timeout_s,
+                    "template": {"spec": {
+                        "restartPolicy": "Never",
+                        "containers": [{
+                            "name": spec.name,
+                            "image": image,
+                            "args": ["jobs", "run", spec.name],
+                            "envFrom": [{"configMapRef": {"name": "pipeline-lake"}},
+                                        {"secretRef": {"name": "pipeline-s3", "optional": True}}],
+                            "resources": {"requests": res, "limits": res},
+                        }],
+                    }},
+                }},
+            },
+        })
+    header = "# Generated from jobs/*.yaml by `python -m pipeline.jobs --render-k8s`; do not edit.\n"
+    return header + yaml.safe_dump_all(docs, sort_keys=False)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    if "--render-k8s" in sys.argv:
+        out = Path(__file__).resolve().parent.parent / "infra" / "k8s" / "cronjobs.yaml"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(render_cronjobs(load_jobs()))
+        print(f"wrote {out}")
