@@ -104,7 +104,7 @@ def _list(args: argparse.Namespace) -> None:
 def _show(args: argparse.Namespace) -> None:
     import json
 
-    import pyarrow.dataset as ds
+    import pyarrow.compute as pc
 
     from pipeline.admission.snapshot import open_snapshot
     from pipeline.cli import emit
@@ -112,9 +112,9 @@ def _show(args: argparse.Namespace) -> None:
 
     lake = Lake(args.lake)
     snap = open_snapshot(lake, args.snapshot_id)
-    rows = lake.read("snapshots", filter=ds.field("snapshot_id") == args.snapshot_id).to_pylist()
-    rec = lake.read("receipts", columns=["decision", "snapshot_id"],
-                    filter=ds.field("snapshot_id") == args.snapshot_id)
+    rows = [r for r in lake.read("snapshots").to_pylist() if r["snapshot_id"] == args.snapshot_id]
+    rec = lake.read("receipts", columns=["decision", "snapshot_id"])
+    rec = rec.filter(pc.equal(rec.column("snapshot_id"), args.snapshot_id))
     out = {"snapshot_id": snap.snapshot_id, "path": snap.path, "manifest_sha256": snap.manifest_sha256,
            "manifest": snap.manifest, "registered": bool(rows), "receipted_groups": rec.num_rows}
     if rows:

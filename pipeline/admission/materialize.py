@@ -18,7 +18,6 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 
 from pipeline.admission.snapshot import Snapshot, write_snapshot_stream
 from pipeline.errors import IntegrityError
@@ -29,12 +28,13 @@ SOURCE = ("trajectory_id", "content_hash", "run_id", "task_id", "group_size", "p
 RANK = "__rank"
 
 
-def _spill(dataset: ds.Dataset, admitted: pa.Table, path: str, batch_rows: int) -> tuple[int, int]:
+def _spill(dataset, admitted: pa.Table, path: str, batch_rows: int) -> tuple[int, int]:
     """Pass 1: admitted rows -> IPC file with their rank. Returns (rows, response tokens)."""
     ids = admitted.column("trajectory_id").combine_chunks()
     want_hash = admitted.column("content_hash").combine_chunks()
-    scanner = dataset.scanner(columns=list(SOURCE), filter=ds.field("trajectory_id").isin(ids),
-                              batch_size=batch_rows)
+    # The id filter runs on each batch in Arrow: ids are random, file statistics
+    # could prune nothing, and a row must never be hidden by them.
+    scanner = dataset.scanner(columns=list(SOURCE), batch_size=batch_rows)
     schema = scanner.projected_schema.append(pa.field(RANK, pa.int64()))
     rows = tokens = 0
     with pa.OSFile(path, "wb") as f, pa.ipc.new_file(f, schema) as w:
@@ -42,6 +42,11 @@ def _spill(dataset: ds.Dataset, admitted: pa.Table, path: str, batch_rows: int) 
             if b.num_rows == 0:
                 continue
             rank = pc.index_in(b.column("trajectory_id"), value_set=ids)
+            keep = pc.is_valid(rank)
+            if not pc.all(keep).as_py():
+                b, rank = b.filter(keep), rank.filter(keep)
+            if b.num_rows == 0:
+                continue
             if not pc.equal(b.column("content_hash"), pc.take(want_hash, rank)).to_numpy(False).all():
                 raise IntegrityError("a trajectory's content_hash changed between admission and materialization",
                                      hint="rerun pipeline admit")

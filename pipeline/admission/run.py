@@ -34,7 +34,6 @@ from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 
 from pipeline.admission import candidates as cand
 from pipeline.admission.config import AdmissionConfig, admission_config_hash
@@ -46,7 +45,7 @@ from pipeline.schema import table_spec
 LOCK_APP = "admission"
 MAX_ATTEMPTS = 5
 CRASH_ENV = "PIPELINE_ADMIT_CRASH_AFTER"  # test hook: snapshot_files | snapshots | snapshot_members
-PAUSE_ENV = "PIPELINE_ADMIT_PAUSE_S"      # test hook: sleep after deciding, before writing (races)
+PAUSE_ENV = "PIPELINE_ADMIT_PAUSE"        # test hook: after deciding, sleep SECONDS or until @EPOCH (races)
 
 
 @dataclass
@@ -97,6 +96,12 @@ def resolve_current_policy_version(lake, cfg: AdmissionConfig, explicit: int | N
 def _crash_point(step: str) -> None:
     if os.environ.get(CRASH_ENV) == step:
         os._exit(70)  # simulate a killed process: no cleanup, no exception handlers
+
+
+def _pause_point(attempt: int) -> None:
+    raw = os.environ.get(PAUSE_ENV)
+    if raw and attempt == 1:
+        time.sleep(max(0.0, float(raw[1:]) - time.time()) if raw.startswith("@") else float(raw))
 
 
 def _previous_baseline(lake, cfg: AdmissionConfig) -> float | None:
@@ -200,8 +205,7 @@ def admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: i
                                  admitted)
         if dry_run or not rows:
             return result
-        if os.environ.get(PAUSE_ENV):
-            time.sleep(float(os.environ[PAUSE_ENV]))
+        _pause_point(attempt)
         taken = lake.transaction_version("receipts", LOCK_APP)
         if taken is not None and taken >= rv + 1:
             continue  # another run decided groups since we read: start over
@@ -264,15 +268,19 @@ def _publish_snapshot(lake, cfg, chash, admitted, snapshot_id, run_id, tv, sourc
     return tokens, quality
 
 
+# Filters are applied in Arrow after reading the (small, scalar) columns rather
+# than pushed into the Delta dataset: pruning by file statistics buys nothing
+# for random ids and must never be able to hide a row from these checks.
 def _landed(lake, run_id: str) -> bool:
-    t = lake.read("receipts", columns=["admission_run_id"], filter=ds.field("admission_run_id") == run_id)
-    return t.num_rows > 0
+    t = lake.read("receipts", columns=["admission_run_id"])
+    return bool(pc.any(pc.equal(t.column("admission_run_id"), run_id)).as_py())
 
 
 def _check_decided_once(lake, group_ids: pa.ChunkedArray) -> None:
     """After our commit: every group we decided has exactly one receipt."""
     ids = group_ids.combine_chunks()
-    t = lake.read("receipts", columns=["group_id"], filter=ds.field("group_id").isin(ids))
+    t = lake.read("receipts", columns=["group_id"])
+    t = t.filter(pc.is_in(t.column("group_id"), value_set=ids))
     if t.num_rows != len(ids):
         counts = t.group_by("group_id").aggregate([("group_id", "count")])
         dup = counts.filter(pc.greater(counts.column("group_id_count"), 1)).column("group_id").to_pylist()

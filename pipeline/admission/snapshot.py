@@ -204,10 +204,10 @@ def verify_snapshot(lake, snapshot_id: str) -> dict[str, Any]:
         raise IntegrityError(f"snapshot {snapshot_id}: members hash to {recomputed}")
     row_sha = None
     if lake.exists("snapshots"):
-        import pyarrow.dataset as ds
+        import pyarrow.compute as pc
 
-        rows = lake.read("snapshots", columns=["snapshot_id", "manifest_sha256"],
-                         filter=ds.field("snapshot_id") == snapshot_id)
+        rows = lake.read("snapshots", columns=["snapshot_id", "manifest_sha256"])
+        rows = rows.filter(pc.equal(rows.column("snapshot_id"), snapshot_id))  # in Arrow: never pruned by stats
         if rows.num_rows:
             row_sha = rows.column("manifest_sha256")[0].as_py()
             if row_sha != snap.manifest_sha256:
