@@ -184,12 +184,14 @@ class Harness:
         self._finish_pending([e for e in episodes if e.pending is not None and not e.done])
         self._verify([e for e in episodes if e.state == "VERIFYING"])
         engine, version = self.engine_fn()
+        first = True
         while True:
             gen = [e for e in episodes if not e.done and e.state in ("CREATED", "GENERATING")]
             if not gen:
                 break
-            if self.follow_every_turn:
-                engine, version = self.engine_fn()
+            if self.follow_every_turn and not first:
+                engine, version = self.engine_fn()     # a newer policy samples the next turns
+            first = False
             self._generate(engine, version, gen)
             self._finish_pending([e for e in gen if e.pending is not None and not e.done])
             self._verify([e for e in gen if e.state == "VERIFYING"])

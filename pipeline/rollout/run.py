@@ -116,13 +116,21 @@ class _PolicyHolder:
         from pipeline.rollout.engine import make_engine
 
         if self.engine is None or self.cfg.follow_latest:
-            ref = resolve_policy(self.lake, None if self.cfg.follow_latest else self.cfg.policy)
-            if ref.checkpoint_id != self.checkpoint_id:
+            local = Path(self.cfg.policy)
+            if not self.cfg.follow_latest and local.is_dir():
+                # a user's HF directory (not published; counts as version 0)
+                hf_dir = local if (local / "config.json").exists() else local / "hf"
+                ckpt, version = str(hf_dir), 0
+            else:
+                ref = resolve_policy(self.lake, None if self.cfg.follow_latest or self.cfg.policy == "latest"
+                                     else self.cfg.policy)
+                hf_dir, ckpt, version = ref.hf_dir, ref.checkpoint_id, max(0, ref.policy_version)
+            if ckpt != self.checkpoint_id:
                 if self.engine is not None:
                     self.engine.close()
-                self.engine = make_engine(self.cfg.engine, ref.hf_dir, threads=self.cfg.threads)
-                self.checkpoint_id = ref.checkpoint_id
-                self.version = max(0, ref.policy_version)   # a plain HF directory counts as version 0
+                self.engine = make_engine(self.cfg.engine, hf_dir, threads=self.cfg.threads)
+                self.checkpoint_id = ckpt
+                self.version = version
         self.versions.add(self.version)
         return self.engine, self.version
 

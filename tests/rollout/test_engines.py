@@ -1,0 +1,82 @@
+"""Engines: log-probs of sampled tokens agree with a teacher-forced forward pass;
+per-sample seeds make samples reproducible and independent of the batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.rollout import vocab
+from pipeline.rollout.engine import Request, Sampling
+
+PROMPTS = ["37*45=", "12+88=", "r:40213=", "91-17="]
+
+
+def _requests(n=3):
+    return [Request(tuple([vocab.BOS_ID] + vocab.encode(p)), n=n, seed=100 + k) for k, p in enumerate(PROMPTS)]
+
+
+def _check_agreement(engine, model, requests, sampling, tol=1e-4):
+    from pipeline.rollout.hf import teacher_forced_logprobs
+
+    out = engine.generate(requests, sampling)
+    assert [len(cs) for cs in out] == [r.n for r in requests]
+    checked = 0
+    for r, cs in zip(requests, out):
+        for c in cs:
+            assert len(c.token_ids) == len(c.logprobs) >= 1
+            ref = teacher_forced_logprobs(model, list(r.context), c.token_ids)
+            assert max(abs(a - b) for a, b in zip(ref, c.logprobs)) < tol
+            assert all(lp <= 0 for lp in c.logprobs)
+            if c.finish == "stop":
+                assert c.token_ids[-1] in sampling.stop_ids
+            checked += len(c.token_ids)
+    return out, checked
+
+
+def test_hf_logprobs_match_forward_pass(policy_dir):
+    from pipeline.rollout.hf import HFEngine, load_model
+
+    eng = HFEngine(policy_dir, threads=1)
+    model = load_model(policy_dir)
+    # first turns (mixed prompt lengths: left padding) and a multi-turn continuation context
+    cont = vocab.encode("<bos>37*45=<call>37*45</call><obs>1665</obs>")
+    reqs = _requests() + [Request(tuple(cont), n=2, seed=7)]
+    _, checked = _check_agreement(eng, model, reqs, Sampling(temperature=1.0, max_new_tokens=12))
+    assert checked > 20
+
+
+def test_hf_samples_depend_only_on_their_seed(policy_dir):
+    from pipeline.rollout.hf import HFEngine
+
+    eng = HFEngine(policy_dir, threads=1)
+    s = Sampling(max_new_tokens=10)
+    alone = eng.generate([_requests()[2]], s)[0]
+    batched = eng.generate(_requests(), s)[2]
+    assert [c.token_ids for c in alone] == [c.token_ids for c in batched]
+    again = eng.generate(_requests(), s)
+    other = eng.generate([Request(r.context, r.n, r.seed + 1) for r in _requests()], s)
+    flat = lambda o: [c.token_ids for cs in o for c in cs]  # noqa: E731
+    assert flat(again) == flat(eng.generate(_requests(), s))
+    assert flat(other) != flat(again)
+    greedy = eng.generate(_requests(n=2), Sampling(temperature=0.0, max_new_tokens=10))
+    assert all(cs[0].token_ids == cs[1].token_ids for cs in greedy)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_logprobs_match_forward_pass(policy_dir):
+    pytest.importorskip("vllm")
+    from pipeline.rollout.hf import load_model
+    from pipeline.rollout.vllm_engine import VLLMEngine
+
+    eng = VLLMEngine(policy_dir)
+    try:
+        model = load_model(policy_dir)
+        cont = vocab.encode("<bos>37*45=<call>37*45</call><obs>1665</obs>")
+        reqs = _requests() + [Request(tuple(cont), n=2, seed=7)]
+        out, checked = _check_agreement(eng, model, reqs, Sampling(temperature=1.0, max_new_tokens=12))
+        assert checked > 20
+        again = eng.generate(reqs, Sampling(temperature=1.0, max_new_tokens=12))
+        assert [[c.token_ids for c in cs] for cs in out] == [[c.token_ids for c in cs] for cs in again]
+    finally:
+        eng.close()
