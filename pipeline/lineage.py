@@ -20,6 +20,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from pipeline import __version__
 
 PRODUCER = f"https://github.com/trajectory-lakehouse/pipeline/tree/{__version__}"
@@ -128,11 +130,20 @@ VERSION_COLUMNS = ["policy_version", "tokenizer_rev", "prompt_template_rev", "ha
                    "verifier_version", "task_version"]
 
 
+def _read_where(lake, name: str, columns: list[str] | None, column: str, values: list, *, version=None):
+    """Rows whose ``column`` is in ``values``. Filtered after the read, not pushed
+    down: deltalake 1.6.6's pyarrow dataset turns missing string min/max stats
+    into ``col >= null`` guarantees, and a pushed-down string filter then
+    matches nothing (measured on the trajectories and snapshots tables)."""
+    import pyarrow.compute as pc
+
+    t = lake.read(name, columns=columns, version=version)
+    return t.filter(pc.is_in(t.column(column), value_set=pa.array(values, t.schema.field(column).type)))
+
+
 def walk(lake, checkpoint_id: str, *, with_trajectories: bool = True, max_ancestors: int = 100) -> dict[str, Any]:
     """checkpoint -> parent chain; -> snapshots (row + manifest) -> member
     trajectories -> the versions they were produced with (counts)."""
-    import pyarrow.dataset as ds
-
     from pipeline.admission.snapshot import open_snapshot, read_snapshot_table
     from pipeline.errors import NotFoundError
 
@@ -159,7 +170,7 @@ def walk(lake, checkpoint_id: str, *, with_trajectories: bool = True, max_ancest
     snaps = []
     snap_rows = {}
     if lake.exists("snapshots") and row["snapshot_ids"]:
-        t = lake.read("snapshots", filter=ds.field("snapshot_id").isin(list(row["snapshot_ids"])))
+        t = _read_where(lake, "snapshots", None, "snapshot_id", list(row["snapshot_ids"]))
         snap_rows = {r["snapshot_id"]: r for r in t.to_pylist()}
     for sid in row["snapshot_ids"] or []:
         info: dict[str, Any] = {"snapshot_id": sid}
@@ -180,8 +191,7 @@ def walk(lake, checkpoint_id: str, *, with_trajectories: bool = True, max_ancest
             if with_trajectories and lake.exists("trajectories"):
                 traj_version = (info.get("source_versions") or {}).get("trajectories")
                 cols = ["trajectory_id"] + VERSION_COLUMNS
-                tt = lake.read("trajectories", columns=cols, version=traj_version,
-                               filter=ds.field("trajectory_id").isin(tids))
+                tt = _read_where(lake, "trajectories", cols, "trajectory_id", tids, version=traj_version)
                 info["trajectories_found"] = tt.num_rows
                 info["trajectories_table_version"] = traj_version
                 versions = _version_summary(tt.to_pylist(), VERSION_COLUMNS)

@@ -102,6 +102,18 @@ def load_members(lake, snapshot_id: str) -> tuple[Members, dict[str, Any]]:
     from pipeline.admission.snapshot import read_snapshot_table, verify_snapshot
 
     summary = verify_snapshot(lake, snapshot_id)
+    if lake.exists("snapshots"):
+        # the manifest must be the one the snapshots table published (checked here
+        # too: a pushed-down string filter can miss the row, see receipt_counts)
+        import pyarrow.compute as pc
+
+        rows = lake.read("snapshots", columns=["snapshot_id", "manifest_sha256"])
+        rows = rows.filter(pc.equal(rows.column("snapshot_id"), snapshot_id))
+        if rows.num_rows and rows.column("manifest_sha256")[0].as_py() != summary["manifest_sha256"]:
+            from pipeline.errors import IntegrityError
+
+            raise IntegrityError(f"snapshot {snapshot_id}: manifest.json differs from the one the snapshots table "
+                                 "published", hint="the snapshot's files were replaced; restore them")
     table = read_snapshot_table(lake, snapshot_id, verify=False, columns=COLUMNS)  # verified just above
     return members_from_table(table), summary
 
@@ -172,10 +184,12 @@ def receipt_counts(lake, snapshot_id: str) -> dict[str, int] | None:
     """group -> number of valid members from the admission receipts of this snapshot (None without receipts)."""
     if not lake.exists("receipts"):
         return None
-    import pyarrow.dataset as ds
+    import pyarrow.compute as pc
 
-    t = lake.read("receipts", columns=["group_id", "valid_members", "snapshot_id"],
-                  filter=ds.field("snapshot_id") == snapshot_id)
+    # filtered after the read: a pushed-down string filter can match nothing on
+    # deltalake 1.6.6 datasets whose files carry no string statistics
+    t = lake.read("receipts", columns=["group_id", "valid_members", "snapshot_id"])
+    t = t.filter(pc.equal(t.column("snapshot_id"), snapshot_id))
     if t.num_rows == 0:
         return None
     return {g: len(v or []) for g, v in zip(t.column("group_id").to_pylist(), t.column("valid_members").to_pylist())}

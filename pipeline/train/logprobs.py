@@ -46,16 +46,20 @@ def _row_stats(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, vocab_chunk: i
     zy = torch.zeros_like(m)                                                  # target logit [C]
     for v0 in range(0, V, step):
         z = h @ w[v0:v0 + step].to(h.dtype).T                                     # [C, Vc]
-        m_new = torch.maximum(m, z.max(-1).values)                            # [C]
-        scale = torch.exp(m - m_new)                                          # [C]
-        e = torch.exp(z - m_new[:, None])                                     # [C, Vc]
-        s = s * scale + e.sum(-1)
-        t = t * scale + (e * z).sum(-1)
-        m = m_new
         inside = (y >= v0) & (y < v0 + step)                                  # [C]
         if inside.any():
             idx = (y - v0).clamp(0, z.shape[1] - 1)
             zy = torch.where(inside, z.gather(-1, idx[:, None]).squeeze(-1), zy)
+        m_new = torch.maximum(m, z.max(-1).values)                            # [C]
+        scale = torch.exp(m - m_new)                                          # [C]
+        z.sub_(m_new[:, None])                                                # z - m, in place  [C, Vc]
+        e = torch.exp(z)                                                      # [C, Vc]
+        s_c = e.sum(-1)                                                       # [C]
+        # sum e*z without a third [C, Vc] buffer; z was shifted by m_new
+        t_c = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(-1) + m_new * s_c
+        s = s * scale + s_c
+        t = t * scale + t_c
+        m = m_new
     lse = m + torch.log(s)                                                    # [C]
     return lse, t / s, zy
 
@@ -95,12 +99,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
             g = g_logp[i:i + chunk, None]                                     # [C, 1]
             for v0 in range(0, V, step):
                 w = weight[v0:v0 + step].to(cdt)                              # [Vc, H]
-                z = h @ w.T                                                   # [C, Vc]
-                logp_all = z - lse                                            # [C, Vc]
-                p = torch.exp(logp_all)                                       # [C, Vc]
-                dz = -g * p                                                   # [C, Vc]
+                # two [C, Vc] buffers at most, updated in place
+                dz = h @ w.T                                                  # z  [C, Vc]
+                dz.sub_(lse)                                                  # log p
+                p = torch.exp(dz)                                             # [C, Vc]
                 if g_ent is not None:
-                    dz = dz - g_ent[i:i + chunk, None] * p * (logp_all + H)
+                    dz.add_(H).mul_(p).mul_(-g_ent[i:i + chunk, None])        # -h * p * (log p + H)
+                    dz.sub_(p.mul_(g))                                        # - g * p
+                else:
+                    dz = p.mul_(-g)
                 inside = (y >= v0) & (y < v0 + step)
                 if inside.any():
                     rows = torch.nonzero(inside).squeeze(-1)
