@@ -365,7 +365,7 @@ def _path_safe(v: str | None) -> str:
 
 
 def _stats_json(t: pa.Table, columns: list[str]) -> str:
-    """Delta file statistics (numRecords, nullCount; min/max for numbers and times)."""
+    """Delta file statistics (numRecords, nullCount; min/max for numbers, times and strings)."""
     import json
 
     import pyarrow.compute as pc
@@ -375,7 +375,10 @@ def _stats_json(t: pa.Table, columns: list[str]) -> str:
         col = t.column(name)
         nulls[name] = col.null_count
         typ = col.type
-        if (pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_timestamp(typ)) \
+        # strings too: delta-rs turns a column with a nullCount but no min/max into the fragment
+        # guarantee `col >= null`, which prunes the file from every filter on that column
+        if (pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_timestamp(typ)
+                or pa.types.is_string(typ) or pa.types.is_large_string(typ)) \
                 and col.null_count < len(col):
             mm = pc.min_max(col)
             lo, hi = mm["min"].as_py(), mm["max"].as_py()
