@@ -2,7 +2,8 @@
 real admission job decides them.
 
 At every admission run of the simulation, the groups that completed since the
-last run are turned into rows of the trajectories ingest contract (tiny token
+last run are turned into rows of the trajectories ingest contract (and their
+harness events: CREATED ... TERMINAL, timed along each trajectory) (tiny token
 arrays: a 4-token prompt, a 6-token response with one observation segment;
 token_policy_versions = the behaviour version on policy tokens, -1 on
 observation tokens), validated with ``validate_table`` (rejects go to
@@ -24,6 +25,7 @@ gate is a model of the real one, and this is the check that it still is.
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timezone
 from typing import Any, Sequence
 
@@ -31,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.config import config_hash
+from pipeline.errors import PipelineError
 from pipeline.sim.config import SimConfig
 from pipeline.sim.gate import EXPIRED, INFRA_FAILED, VALID, Decision, FreshnessGate
 
@@ -121,6 +124,67 @@ def trajectory_rows(sim, idx: Sequence[int], now: float) -> pa.Table:
     return t.append_column(spec.column("content_hash").arrow_field(), content_hashes(t))
 
 
+# (event_type, step_id, action_id, state after, fraction of the trajectory's duration) for a trajectory
+# that finishes: two model turns around one tool call, then verification (matches MASK above)
+LIFECYCLE = (
+    ("CREATED", 0, "", "CREATED", 0.0),
+    ("GENERATING", 0, "", "GENERATING", 0.0),
+    ("ACTION_COMMITTED", 0, "a0", "TOOL_WAITING", 0.40),
+    ("TOOL_WAITING", 0, "a0", "TOOL_WAITING", 0.40),
+    ("ACTION_EXECUTED", 0, "a0", "TOOL_WAITING", 0.55),
+    ("OBSERVATION_PERSISTED", 0, "a0", "GENERATING", 0.55),
+    ("GENERATING", 1, "", "GENERATING", 0.55),
+    ("VERIFYING", 1, "", "VERIFYING", 0.95),
+)
+
+
+def event_rows(sim, idx: Sequence[int]) -> pa.Table:
+    """The events a harness would have written for trajectories ``idx`` (schemas/events.yaml):
+    the full lifecycle for finished ones; for INFRA_FAILED / EXPIRED ones the events
+    up to the moment they died, then TERMINAL."""
+    from pipeline.schema import arrow_schema
+
+    cfg: SimConfig = sim.cfg
+    prefix = ids_prefix(cfg)
+    epoch = _epoch_us(cfg)
+    cols: dict[str, list] = {k: [] for k in ("episode_id", "step_id", "action_id", "event_type", "run_id",
+                                             "group_id", "worker_id", "policy_version", "state", "payload",
+                                             "created_at")}
+
+    def add(i, g, et, step, action, state, t_us, payload=None):
+        cols["episode_id"].append(f"{prefix}-t{i}")
+        cols["step_id"].append(step)
+        cols["action_id"].append(action)
+        cols["event_type"].append(et)
+        cols["run_id"].append(cfg.run_id)
+        cols["group_id"].append(f"{prefix}-g{g}")
+        cols["worker_id"].append(f"{prefix}-w{sim.worker[i]}")
+        cols["policy_version"].append(sim.version[i])
+        cols["state"].append(state)
+        cols["payload"].append(payload)
+        cols["created_at"].append(t_us)
+
+    for i in idx:
+        g = i // sim.G
+        start, end, status = sim.start[i], sim.end[i], sim.status[i]
+        full = sim.duration[i] if status == "ACCEPTED" else None
+        t0 = epoch + round(start * 1e6)
+        t_end = max(epoch + round(end * 1e6), t0)
+        step = 0
+        for et, step_id, action, state, frac in LIFECYCLE:
+            if full is None and frac > 0 and start + frac * sim.duration[i] >= end:
+                break  # died before this point
+            add(i, g, et, step_id, action, state, min(t0 + round(frac * sim.duration[i] * 1e6), t_end))
+            step = step_id
+        reward = sim.reward[i]
+        add(i, g, "TERMINAL", step, "", status, t_end,
+            json.dumps({"status": status, "reward": reward}, separators=(",", ":")))
+    schema = arrow_schema("events")
+    cols["created_at"] = pa.array(cols["created_at"], pa.timestamp("us", tz="UTC"))
+    return pa.table({f.name: pa.array(cols[f.name], f.type) if f.name != "created_at" else cols["created_at"]
+                     for f in schema}, schema=schema)
+
+
 def admission_config(cfg: SimConfig, **extra: Any):
     """The real AdmissionConfig with the simulation's gate settings."""
     from pipeline.admission.config import AdmissionConfig
@@ -143,6 +207,7 @@ class LakeGate:
         self.app_id = f"sim:{ids_prefix(cfg)}"
         self.seq = 0
         self.landed = 0
+        self.events = 0
         self.quarantined = 0
         self.snapshots: list[str] = []
         self.admission_run_ids: list[str] = []
@@ -167,6 +232,13 @@ class LakeGate:
             res = self.lake.append("trajectories", stamp_derived(checked.valid, ingest_id), command="simulate",
                                    config_hash=config_hash(self.cfg), app_id=self.app_id, txn_version=self.seq)
             self.landed += res.rows if res.landed else 0
+        events = validate_table(event_rows(sim, idx), table="events")
+        if events.rejects:
+            raise PipelineError(f"simulated events violate schemas/events.yaml: {events.rejects[:3]}",
+                                hint="a bug in pipeline/sim/lake_mode.py event_rows; please report it")
+        res = self.lake.append("events", events.valid, command="simulate", config_hash=config_hash(self.cfg),
+                               app_id=self.app_id, txn_version=self.seq)
+        self.events += res.rows if res.landed else 0
 
     def decide(self, sim, groups, members, now, current_version) -> list[Decision]:
         from pipeline.admission.run import admit
@@ -228,6 +300,7 @@ def simulate_in_lake(lake, cfg: SimConfig, *, quality: bool = False) -> dict[str
     summary["lake"] = {
         "uri": lake.uri,
         "landed": gate.landed,
+        "events": gate.events,
         "quarantined": gate.quarantined,
         "admission_runs": gate.seq,
         "snapshots": gate.snapshots,

@@ -42,8 +42,18 @@ def test_real_admission_decides_like_the_sim_gate_and_rerun_lands_nothing(lake):
     assert sum(s["num_members"] for s in snaps) == landed["admitted"]
     assert {r["snapshot_id"] for r in receipts if r["decision"] == "admit"} == set(info["snapshots"])
 
+    # the harness events of every landed trajectory: one TERMINAL each, carrying its status
+    ev = lake.read("events", columns=["episode_id", "event_type", "state"]).to_pylist()
+    assert info["events"] == len(ev)
+    terminal = {e["episode_id"]: e["state"] for e in ev if e["event_type"] == "TERMINAL"}
+    assert terminal == {r["trajectory_id"]: r["status"] for r in traj.to_pylist()}
+
     # SQL over the simulated lake: the health queries see the bias
     from pipeline.query.duck import query
+    from pipeline.resources import sql_path
+
+    lat = query(lake, sql_path("efficiency_latency").read_text(), params={"run_id": cfg.run_id})
+    assert set(lat.column("phase").to_pylist()) == {"generation", "tool", "verification"}
 
     t = query(lake, "SELECT difficulty, count(*) AS n FROM trajectories GROUP BY 1 ORDER BY 1")
     assert dict(zip(t.column("difficulty").to_pylist(), t.column("n").to_pylist())) == {
