@@ -20,9 +20,6 @@ import pandas as pd
 
 from pipeline.report.html import Note, Plot, Section, Table, render
 
-TRAIN_METRIC_COLUMNS = ("loss", "reward", "reward_mean", "kl", "entropy", "grad_norm", "clip_fraction",
-                        "tokens_per_s", "padding_ratio", "policy_lag")
-STEP_COLUMNS = ("step", "global_step")
 
 
 @dataclass(frozen=True)
@@ -195,7 +192,7 @@ def comparability(q: _Queries) -> Section:
                                               "mixed_rate": "mixed rate", "expected_mixed_rate": "expected mixed",
                                               "consistency_rate": "one configuration"}),
         title="Zero variance, mixed rate, consistency", xlabel="policy version", ylabel="share",
-        integer_x=True, ylim=(0, 1.02), dashed=[k for k in ("expected mixed",)])))
+        integer_x=True, ylim=(0, 1.02), dashed=["expected mixed"])))
     s.blocks.append(_table(df, caption="per policy version"))
     return s
 
@@ -360,23 +357,29 @@ def lineage(q: _Queries) -> Section:
 
 
 def training(q: _Queries) -> Section:
-    s = Section("training", "Training metrics", "Per-step metrics the trainer wrote to the metrics table.")
-    df = q.sql("SELECT * FROM metrics")
-    if isinstance(df, Exception):
-        s.blocks.append(Note("metrics: no data yet (no metrics table in this lake).", "empty"))
+    s = Section("training", "Training metrics",
+                "Per optimizer step, across training runs in the order their checkpoints were published "
+                "(sql/training.sql over the metrics table the trainer writes).")
+    df = q.get("training")
+    note = _problem(df, "metrics")
+    if note:
+        s.blocks.append(note)
         return s
-    if df.empty:
-        s.blocks.append(Note("metrics: no data yet.", "empty"))
-        return s
-    step = next((c for c in STEP_COLUMNS if c in df), None)
-    cols = [c for c in TRAIN_METRIC_COLUMNS if c in df and pd.api.types.is_numeric_dtype(df[c])]
-    if step is None or not cols:
-        s.blocks.append(Note(f"metrics: no step column or known metric columns in {list(df.columns)}.", "info"))
-        return s
-    d = df.sort_values(step)
-    for c in cols:
-        s.blocks.append(Plot(f"{c} per step", _lines({c: (d[step].tolist(), d[c].tolist())}, title=c,
-                                                     xlabel=step, ylabel=c, integer_x=True)))
+    groups = (("Loss", {"loss": "loss", "pg_loss": "policy-gradient loss"}, "loss"),
+              ("Reward and policy lag", {"reward_mean": "reward mean", "policy_lag": "policy lag (mean)"}, "value"),
+              ("KL and entropy", {"kl": "KL(pi || ref)", "approx_kl": "KL(old || pi)", "entropy": "entropy"},
+               "nats"),
+              ("Clipping and padding", {"clip_fraction": "clip fraction", "padding_ratio": "padding ratio"}, "share"),
+              ("Throughput", {"tokens_per_s": "tokens/s"}, "tokens/s"))
+    for title, cols, ylabel in groups:
+        series = {name: (df.step.tolist(), df[c].tolist()) for c, name in cols.items() if df[c].notna().any()}
+        if series:
+            s.blocks.append(Plot(title, _lines(series, title=f"{title} per step", xlabel="step (across runs)",
+                                               ylabel=ylabel, integer_x=True)))
+    last = df.groupby("checkpoint_id", sort=False).agg(
+        policy_version=("policy_version", "first"), steps=("global_step", "size"), loss=("loss", "last"),
+        reward_mean=("reward_mean", "last"), kl=("kl", "last"), tokens_per_s=("tokens_per_s", "mean")).reset_index()
+    s.blocks.append(_table(last, caption="per training run (last step; mean tokens/s)"))
     return s
 
 

@@ -39,12 +39,13 @@ def _axes(title: str, xlabel: str, ylabel: str):
 
 def lines(series: Mapping[str, tuple[Sequence, Sequence]], *, title: str, xlabel: str, ylabel: str,
           integer_x: bool = False, ylim: tuple[float, float] | None = None, dashed: Sequence[str] = ()) -> bytes:
-    """One line per ``label -> (x, y)``; None/NaN y values leave gaps."""
+    """One line per ``label -> (x, y)``; None/NaN y values leave gaps; labels ending
+    in one of ``dashed`` are drawn dashed (reference curves)."""
     fig, ax = _axes(title, xlabel, ylabel)
     for label, (x, y) in series.items():
         ys = [float("nan") if v is None else float(v) for v in y]
         ax.plot(list(x), ys, marker="o", markersize=3, linewidth=1.5, label=label,
-                linestyle="--" if label in dashed else "-")
+                linestyle="--" if any(label.endswith(d) for d in dashed) else "-")
     if integer_x:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     else:

@@ -40,6 +40,8 @@ class HealthLakeSpec:
     checkpoints: bool = True
     receipts: bool = True
     events: bool = True
+    metrics: bool = True          # per-step training metrics of every checkpoint after version 0
+    steps_per_checkpoint: int = 8
 
 
 def _ids(prefix: str, idx: np.ndarray) -> pa.Array:
@@ -142,6 +144,10 @@ def build_health_lake(lake, spec: HealthLakeSpec = HealthLakeSpec()) -> dict[str
         ck = _checkpoints(spec, snaps_by_version)
         lake.append("checkpoints", ck, command="synth", app_id="synth-health-ck", txn_version=0)
         counts["checkpoints"] = ck.num_rows
+        if spec.metrics:
+            mt = _metrics(spec, ck)
+            lake.append("metrics", mt, command="synth", app_id="synth-health-metrics", txn_version=0)
+            counts["metrics"] = mt.num_rows
     if spec.events:
         ev = _events(rows, spec)
         for j, off in enumerate(range(0, ev.num_rows, 1_000_000)):
@@ -196,7 +202,9 @@ def _admit(rows: pa.Table, length: np.ndarray, spec: HealthLakeSpec):
         "max_queue_wait_ms": pd.array(g.w_max.to_numpy(), dtype="Int64"),
         "difficulty": g.difficulty.to_numpy(dtype=object), "length_bucket": g.length_bucket.to_numpy(dtype=object),
         "tool_call_bucket": [None] * n, "reward_std_bucket": [None] * n,
-        "checks": [[("min_valid_members", "pass" if k >= 2 else "fail")] for k in g.n_ok],
+        "checks": [[("min_valid_members", "pass" if k >= 2 else f"fail:{k} < 2"),
+                    ("reward_spread", "skip" if k < 2 else "pass" if d == "admit" else "fail:max == min")]
+                   for k, d in zip(g.n_ok, g.decision)],
         "decision": g.decision.to_numpy(dtype=object),
         "snapshot_id": [s if isinstance(s, str) else None for s in g.snap],
         "decided_at": [now + timedelta(hours=int(v)) for v in g.ver],
@@ -242,6 +250,33 @@ def _checkpoints(spec: HealthLakeSpec, snaps: dict[tuple[str, int], str]) -> pa.
         })
         parent = cid
     return pa.Table.from_pylist(rows, schema=table_spec("checkpoints").arrow_schema())
+
+
+def _metrics(spec: HealthLakeSpec, ck: pa.Table) -> pa.Table:
+    """Per-step metrics shaped like schemas/metrics.yaml: loss falls, reward rises."""
+    rng = np.random.default_rng(spec.seed + 5)
+    rows = []
+    for cid, snaps, v, created in zip(ck.column("checkpoint_id").to_pylist(), ck.column("snapshot_ids").to_pylist(),
+                                      ck.column("policy_version").to_pylist(), ck.column("created_at").to_pylist()):
+        if not snaps:
+            continue
+        for step in range(spec.steps_per_checkpoint):
+            prog = (v - 1) * spec.steps_per_checkpoint + step
+            rows.append({
+                "checkpoint_id": cid, "snapshot_id": snaps[-1], "run_id": f"train-{cid}", "global_step": step,
+                "epoch": 0, "loss": float(1.0 / (1 + 0.1 * prog) + rng.normal(0, 0.02)),
+                "pg_loss": float(0.9 / (1 + 0.1 * prog)), "kl": float(0.01 * (1 + 0.05 * prog)),
+                "entropy": float(2.0 - 0.03 * prog), "reward_mean": float(0.2 + 0.01 * prog + rng.normal(0, 0.02)),
+                "advantage_mean": 0.0, "clip_fraction": float(abs(rng.normal(0.05, 0.01))),
+                "clip_frac_high": 0.03, "clip_frac_low": 0.02, "approx_kl": float(0.001 * (1 + 0.1 * step)),
+                "ratio_p05": 0.9, "ratio_p50": 1.0, "ratio_p95": 1.1, "mismatch_kl": 1e-6,
+                "grad_norm": float(abs(rng.normal(1.0, 0.2))), "lr": 1e-5, "tokens": 4096, "sequences": 64,
+                "micro_batches": 4, "padding_ratio": float(abs(rng.normal(0.1, 0.02))),
+                "tokens_per_s": float(abs(rng.normal(2000, 100))), "step_seconds": 2.0,
+                "policy_lag": float(rng.uniform(0, 1)), "policy_lag_max": 1,
+                "created_at": created - timedelta(seconds=10 * (spec.steps_per_checkpoint - step)),
+            })
+    return pa.Table.from_pylist(rows, schema=table_spec("metrics").arrow_schema())
 
 
 def _events(rows: pa.Table, spec: HealthLakeSpec) -> pa.Table:

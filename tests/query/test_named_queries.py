@@ -21,6 +21,7 @@ HEALTH_QUERIES = (
     "comparability", "comparability_groups", "efficiency", "efficiency_latency", "efficiency_failures",
     "quality", "quality_over_time", "quality_components", "quality_pass_at_k",
     "freshness", "freshness_lag", "freshness_rejections", "lineage", "lineage_summary", "lineage_trajectory",
+    "receipts_latest", "training",
 )
 KEYS = ["run_id", "policy_version"]
 
@@ -89,7 +90,8 @@ def health(tmp_path_factory):
     df["valid"] = (~df.status.isin(["INFRA_FAILED", "EXPIRED"])) & df.verdict.isin(["PASS", "FAIL"]) \
         & df.reward.notna()
     df["passed"] = df.valid & (df.verdict == "PASS")
-    tables = {name: lake.read(name).to_pandas() for name in ("events", "receipts", "snapshot_members", "checkpoints")}
+    tables = {name: lake.read(name).to_pandas()
+              for name in ("events", "receipts", "snapshot_members", "checkpoints", "metrics")}
     return lake, df, tables
 
 
@@ -524,6 +526,43 @@ def test_lineage_trajectory_equals_reference(health):
     assert_same(got, want, ["checkpoint_id"])
     assert (got.relation == "inherited").any() and (got.relation == "direct").any()
     assert run_named(lake, "lineage_trajectory", trajectory_id="no-such").empty
+
+
+# -- receipts and training --------------------------------------------------------------------------
+
+
+def test_receipts_latest_equals_reference(health):
+    lake, _, tables = health
+    r = tables["receipts"].sort_values(["decided_at", "group_id"], ascending=[False, True])
+
+    def reasons(m):
+        counts: dict[str, int] = {}
+        for _, why in (m or []):
+            counts[why] = counts.get(why, 0) + 1
+        return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or None
+
+    want = pd.DataFrame({"group_id": r.group_id, "decision": r.decision, "valid": r.valid_members.map(len),
+                         "reasons": r.excluded_members.map(reasons).astype(object),
+                         "failed_checks": r.checks.map(lambda m: ", ".join(
+                             f"{k}: {v}" for k, v in sorted(m) if v not in ("pass", "skip")) or None).astype(object)})
+    got = run_named(lake, "receipts_latest", limit=100_000)
+    assert got.group_id.tolist() == want.group_id.tolist()      # newest first, ties by group_id
+    assert_same(got, want, ["group_id"])
+    assert want.reasons.notna().any() and want.failed_checks.notna().any()
+    assert run_named(lake, "receipts_latest").group_id.tolist() == want.group_id.head(25).tolist()
+
+
+def test_training_equals_reference(health):
+    lake, _, tables = health
+    m = tables["metrics"].merge(tables["checkpoints"][["checkpoint_id", "policy_version", "created_at"]],
+                                on="checkpoint_id", how="left", suffixes=("", "_ck"))
+    m = m.sort_values(["policy_version", "created_at_ck", "checkpoint_id", "global_step"]).reset_index(drop=True)
+    want = m.assign(step=np.arange(len(m)))[["step", "checkpoint_id", "policy_version", "global_step", "loss",
+                                              "reward_mean", "kl", "entropy", "tokens_per_s"]]
+    got = run_named(lake, "training")
+    assert_same(got, want, ["step"])
+    one = run_named(lake, "training", checkpoint_id="ck-0002")
+    assert set(one.checkpoint_id) == {"ck-0002"} and len(one) == (m.checkpoint_id == "ck-0002").sum()
 
 
 # -- the CLI ----------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ def console_errors(stderr: str) -> list[str]:
             or "net::ERR_" in ln]
 
 
+PLOTS = 21        # plots the full synthetic lake gives (see test_report_has_every_section_and_plot)
 BLANK_STD = 20.0  # grey-level std of a screenshot below which it counts as blank
 
 
@@ -60,11 +61,11 @@ def test_report_has_every_section_and_plot(full_lake, tmp_path):
     res = write_report(full_lake, out)
     text = out.read_text()
     assert res["errors"] == []
-    # quality 4, comparability 2, efficiency 5, freshness 4, lineage 1; only the metrics table is missing
-    assert res["plots"] == 16 and text.count('<img ') == 16
-    assert res["no_data"] == ["metrics: no data yet (no metrics table in this lake)."]
+    # quality 4, comparability 2, efficiency 5, freshness 4, lineage 1, training 5
+    assert res["plots"] == PLOTS and text.count('<img ') == PLOTS
+    assert res["no_data"] == []
     for title in ("Quality", "Comparability", "Efficiency", "Freshness", "Latest receipts",
-                  "Lineage of the newest checkpoint"):
+                  "Lineage of the newest checkpoint", "Training metrics"):
         assert f"<h2>{title}</h2>" in text
     assert "ck-0003" in text                       # the newest checkpoint's lineage
     assert "stale_policy x1" in text               # receipts show reasons
@@ -94,7 +95,7 @@ def test_report_renders_in_headless_chromium(full_lake, tmp_path):
     assert console_errors(d.stderr) == []
     assert 'data-images-checked="yes"' in d.stdout
     decoded = re.findall(r'data-decoded="(\w+)"', d.stdout)
-    assert len(decoded) == 16 and set(decoded) == {"yes"}
+    assert len(decoded) == PLOTS and set(decoded) == {"yes"}
 
 
 @pytest.mark.slow
@@ -120,7 +121,8 @@ def test_report_on_an_empty_lake_says_no_data_yet(lake, tmp_path):
     text = (tmp_path / "empty.html").read_text()
     assert res["errors"] == [] and res["plots"] == 0
     assert "no data yet" in text
-    assert {"trajectories: no data yet.", "receipts: no data yet.", "checkpoints: no data yet."} <= set(res["no_data"])
+    assert {"trajectories: no data yet.", "receipts: no data yet.", "checkpoints: no data yet.",
+            "metrics: no data yet."} <= set(res["no_data"])
 
 
 def test_report_with_trajectories_only(lake, tmp_path):
@@ -145,7 +147,7 @@ def test_report_cli_and_run_filter(full_lake, tmp_path, capsys):
     out = tmp_path / "cli.html"
     assert main(["report", "--lake", full_lake.uri, "--out", str(out), "--run-id", "run-0", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert res["out"] == str(out.resolve()) and res["plots"] == 16 and out.exists()
+    assert res["out"] == str(out.resolve()) and res["plots"] == PLOTS and out.exists()
     assert main(["report", "--lake", full_lake.uri, "--out", str(tmp_path / "none.html"), "--run-id", "nope"]) == 0
     text_out = capsys.readouterr().out
     assert "no data: trajectories: no data yet." in text_out

@@ -1,0 +1,32 @@
+-- Training metrics per optimizer step across checkpoints: loss, reward, KL, entropy, clipping, throughput, policy lag.
+--
+-- Answers: how did each training run behave, step by step, in the order the
+-- checkpoints were published? From the metrics table (one row per optimizer
+-- step, written by pipeline train) joined to checkpoints for the policy
+-- version each run produced. global_step restarts at 0 in every run; step
+-- numbers the rows across runs (ordered by policy_version, checkpoint
+-- created_at, checkpoint_id, global_step; runs whose checkpoint row is missing
+-- come last).
+--
+-- Parameters:
+-- @param checkpoint_id = NULL   one checkpoint's run (NULL: every run)
+--
+-- Columns:
+--   step                 0-based position across runs
+--   checkpoint_id, policy_version (produced by the run), global_step, epoch
+--   loss, pg_loss, reward_mean, advantage_mean, kl, approx_kl, entropy
+--   clip_fraction, grad_norm, lr, tokens_per_s, padding_ratio, policy_lag, policy_lag_max, created_at
+SELECT
+    row_number() OVER (ORDER BY c.policy_version NULLS LAST, c.created_at NULLS LAST, m.checkpoint_id, m.global_step)
+        - 1 AS step,
+    m.checkpoint_id,
+    c.policy_version,
+    m.global_step,
+    m.epoch,
+    m.loss, m.pg_loss, m.reward_mean, m.advantage_mean, m.kl, m.approx_kl, m.entropy,
+    m.clip_fraction, m.grad_norm, m.lr, m.tokens_per_s, m.padding_ratio, m.policy_lag, m.policy_lag_max,
+    m.created_at
+FROM metrics AS m
+LEFT JOIN checkpoints AS c USING (checkpoint_id)
+WHERE $checkpoint_id::VARCHAR IS NULL OR m.checkpoint_id = $checkpoint_id::VARCHAR
+ORDER BY step
