@@ -145,6 +145,11 @@ def export_hf(lm: torch.nn.Module, parent_hf: Path, out: Path) -> None:
             shutil.copy2(p, out / p.name)
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in lm.state_dict().items()}
     lm.save_pretrained(str(out), state_dict=state, safe_serialization=True)
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("dtype") != "float32":    # save_pretrained records the module's (training) dtype
+        cfg["dtype"] = "float32"
+        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def write_final(strategy, root: Path, *, client_state: dict[str, Any], train_config: dict[str, Any],

@@ -60,6 +60,11 @@ class TrainResult:
     seconds: float = 0.0
     lineage_run_id: str | None = None
 
+    @property
+    def hf_dir(self) -> Path:
+        """The exported policy (what rollout engines load)."""
+        return Path(self.path) / "hf"
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -243,3 +243,52 @@ def test_two_processes_match_one_up_to_reduction_order(tlake, tlake2):
     for r, s in zip(m, m1):
         assert r["loss"] == pytest.approx(s["loss"], rel=1e-4, abs=1e-6)
         assert r["tokens"] == s["tokens"]
+
+
+@pytest.mark.parametrize("sets", [
+    {"precision": "bf16", "zero_stage": 1, "activation_checkpointing": True},
+    {"ratio_level": "sequence", "clip_low": 3e-4, "clip_high": 4e-4, "agg": "seq-mean-token-mean", "kl_coef": 0.1,
+     "kl_kind": "k3", "entropy_coef": 0.01},
+    {"old_logprobs": "rollout", "policy_loss": "reinforce", "agg": "seq-mean-token-sum-norm", "vocab_chunk": 100,
+     "logprob_chunk": 7},
+    {"zero_stage": 2, "offload": True, "kl_coef": 0.05, "kl_reference": "tiny-v0", "old_logprobs": "rollout",
+     "clip_high": 0.28, "warmup_steps": 2},
+], ids=["bf16-zero1-actckpt", "gspo-kl-entropy", "reinforce-rollout-vocabchunk", "zero2-offload-ref"])
+def test_config_variants_train_and_publish(tlake, sets):
+    import math
+
+    lake, sid = tlake
+    cfg = TrainConfig(lr=1e-3, micro_batch_tokens=256, grad_accum=2, max_steps=2, **sets)
+    res = train_snapshot(lake, sid, cfg, progress=False)
+    assert res.policy_version == 1 and res.global_step == 2
+    m = lake.read("metrics").to_pylist()
+    assert len(m) == 2 and all(math.isfinite(r["loss"]) and r["tokens"] > 0 for r in m)
+    if cfg.kl_coef > 0:
+        assert all(r["kl"] is not None and r["kl"] >= 0 for r in m)
+    if cfg.warmup_steps:
+        assert m[0]["lr"] < m[1]["lr"]
+
+
+def test_tampered_snapshot_is_refused(tlake):
+    lake, sid = tlake
+    f = Path(lake.uri) / "snapshots" / sid / "members.parquet"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="members.parquet"):
+        train_snapshot(lake, sid, CFG, progress=False)
+    assert lake.read("checkpoints").num_rows == 1
+
+
+def test_cli_errors_say_what_to_do(tlake, capsys):
+    from pipeline.cli import main
+
+    lake, sid = tlake
+    assert main(["train", "--lake", lake.uri, "--batch-snapshot", "0" * 64]) == 2
+    err = capsys.readouterr().err
+    assert "not found" in err and "hint" in err
+    assert main(["train", "--lake", lake.uri, "--batch-snapshot", sid, "--set", "zero_stage=3"]) == 2
+    assert "ZeRO-3" in capsys.readouterr().err
+    assert main(["train", "--lake", lake.uri, "--batch-snapshot", sid, "--set", "nope=1"]) == 2
+    assert main(["train", "--lake", lake.uri, "--batch-snapshot", sid, "--resume", "--json"]) == 2
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["kind"] == "NotFoundError"
