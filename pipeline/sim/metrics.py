@@ -38,7 +38,7 @@ def summarize(sim) -> dict[str, Any]:
     end = np.asarray(sim.end, float)
     start = np.asarray(sim.start, float)
     version = np.asarray(sim.version, np.int64)
-    reason = np.asarray([r if r is not None else None for r in sim.reason], object)
+    reason = np.asarray(sim.reason, object)
     g_dec = np.asarray([d or "" for d in sim.g_decision], object)
     t_dec = np.repeat(g_dec, G) if n else np.zeros(0, object)
     g_decided_at = np.asarray(sim.g_decided_at, float)

@@ -12,8 +12,6 @@ with one snapshots row and one snapshot_members row per admitted member.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import signal
 import subprocess
