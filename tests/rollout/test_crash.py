@@ -66,3 +66,19 @@ def test_sigkill_between_execution_and_observation(lake, policy_dir, tmp_path):
         assert keys[(eid, int(aid[1:]), aid, "ACTION_EXECUTED")] == 1
     total, resumed, _ = restarted.stdout.split("SUMMARY")[1].split()
     assert int(resumed) >= len(dangling)
+
+
+@pytest.mark.slow
+def test_two_worker_processes_share_one_lake(lake, policy_dir):
+    from pipeline.rollout.run import RolloutConfig, run_rollout
+
+    s = run_rollout(lake, RolloutConfig(policy=str(policy_dir), groups=5, group_size=3, seed=2, run_id="multi",
+                                        workers=2, spool_fsync=False))
+    assert s.workers == 2 and s.trajectories == s.landed == 15
+    rows = lake.read("trajectories", columns=["trajectory_id", "group_id", "ingest_id"]).to_pylist()
+    assert len({r["trajectory_id"] for r in rows}) == 15 and len({r["group_id"] for r in rows}) == 5
+    # one app id per worker, each with its own batch sequence
+    assert lake.transaction_version("trajectories", "multi/w0") == 0
+    assert lake.transaction_version("trajectories", "multi/w1") == 0
+    workers = {r["ingest_id"].split(":")[1] for r in rows}
+    assert workers == {"multi/w0", "multi/w1"}

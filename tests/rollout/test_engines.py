@@ -64,7 +64,7 @@ def test_hf_samples_depend_only_on_their_seed(policy_dir):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_logprobs_match_forward_pass(policy_dir):
+def test_vllm_logprobs_match_forward_pass(policy_dir, lake):
     pytest.importorskip("vllm")
     from pipeline.rollout.hf import load_model
     from pipeline.rollout.vllm_engine import VLLMEngine
@@ -78,5 +78,31 @@ def test_vllm_logprobs_match_forward_pass(policy_dir):
         assert checked > 20
         again = eng.generate(reqs, Sampling(temperature=1.0, max_new_tokens=12))
         assert [[c.token_ids for c in cs] for cs in out] == [[c.token_ids for c in cs] for cs in again]
+        # the harness on vLLM: multi-turn trajectories that pass the lake's validation
+        from pipeline.rollout.envs import get_env
+        from pipeline.rollout.harness import Harness
+        from pipeline.rollout.spool import Spool, ship
+
+        env = get_env("arithmetic-tool")
+        spool = Spool(lake.uri + "/_spool", "w-vllm", fsync=False)
+        h = Harness(env, lambda: (eng, 0), spool, run_id="vllm", worker_id="w-vllm",
+                    sampling=Sampling(max_new_tokens=16))
+        h.run([h.new_episode(episode_id=f"v-{i}", group_id=f"v-{i // 4}", group_size=4, task=env.reset(i // 4),
+                             seed=i, policy_version=0) for i in range(16)])
+        rep = ship(lake, spool)
+        assert rep.trajectories == 16 and rep.quarantined == 0
+        rows = lake.read("trajectories", columns=["prompt_ids", "response_ids", "response_logprobs",
+                                                  "loss_mask"]).to_pylist()
+        for r in rows:   # behaviour log-probs of every policy token (across turns) match the forward pass
+            full = teacher_forced_logprobs_masked(model, r)
+            assert max(abs(a - b) for a, b in full) < 1e-4
     finally:
         eng.close()
+
+
+def teacher_forced_logprobs_masked(model, row):
+    """(engine log-prob, forward-pass log-prob) for every policy token of a multi-turn row."""
+    from pipeline.rollout.hf import teacher_forced_logprobs
+
+    ref = teacher_forced_logprobs(model, row["prompt_ids"], row["response_ids"])
+    return [(a, b) for a, b, m in zip(row["response_logprobs"], ref, row["loss_mask"]) if m == 1]

@@ -59,6 +59,13 @@ def test_multi_turn_masks_are_exact(lake, policy_dir):
         from pipeline.rollout.envs.arithmetic import calculate
 
         assert obs == "err" or obs == str(calculate(call))
+    # behaviour log-probs of every policy token, in every turn, equal a teacher-forced pass over the whole row
+    from pipeline.rollout.hf import load_model, teacher_forced_logprobs
+
+    model = load_model(policy_dir)
+    for r in multi[:8]:
+        ref = teacher_forced_logprobs(model, r["prompt_ids"], r["response_ids"])
+        assert max(abs(a - b) for a, b, m in zip(r["response_logprobs"], ref, r["loss_mask"]) if m) < 1e-4
     # versions carried on every row
     r = rows[0]
     assert r["tokenizer_rev"] == vocab.TOKENIZER_REV and r["harness_version"] and r["env_version"]
