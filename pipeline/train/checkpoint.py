@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from pipeline.errors import IntegrityError, NotFoundError
-from pipeline.policy_store import HF_SUBDIR, hash_dir, verify_dir
+from pipeline.policy_store import HF_SUBDIR, hash_dir
 
 LATEST = "latest"
 FINAL_TAG = "final"
@@ -175,10 +175,3 @@ def write_final(strategy, root: Path, *, client_state: dict[str, Any], train_con
 def weight_hashes(files: dict[str, str]) -> dict[str, str]:
     """The hf/ weight files among a checkpoint's file hashes."""
     return {k: v for k, v in files.items() if k.startswith(f"{HF_SUBDIR}/") and k.endswith(WEIGHT_SUFFIXES)}
-
-
-def verify_published(root: Path, files: dict[str, str], checkpoint_id: str) -> None:
-    """Rehash a published checkpoint against its row before any pickle is read."""
-    if not (root / LATEST).is_file():
-        raise IntegrityError(f"checkpoint {checkpoint_id} has no '{LATEST}' pointer: it was never completed")
-    verify_dir(root, files, what=f"checkpoint {checkpoint_id}")

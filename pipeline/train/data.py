@@ -223,6 +223,7 @@ def collate(m: Members, idx: tuple[int, ...] | list[int], *, need: tuple[str, ..
         for k in need:
             src = {"old": m.old_logprobs, "ref": m.ref_logprobs, "rollout": m.rollout_logprobs}[k][i]
             extra[k][b, :R[b]] = src * mk
+    _check_layout(m, idx, input_ids, rows, targets, mask, P, R)
     out = {
         "input_ids": torch.from_numpy(input_ids),
         "rows": torch.from_numpy(np.concatenate(rows)),
@@ -237,3 +238,22 @@ def collate(m: Members, idx: tuple[int, ...] | list[int], *, need: tuple[str, ..
     for k in need:
         out[k] = torch.from_numpy(extra[k])
     return out
+
+
+def _check_layout(m: Members, idx, input_ids: np.ndarray, rows: list[np.ndarray], targets: list[np.ndarray],
+                  mask: np.ndarray, P: list[int], R: list[int]) -> None:
+    """Before any forward: every loss position predicts a response token of its
+    own row (never a prompt or padding token), and the mask is zero on padding
+    and on observation tokens."""
+    L = input_ids.shape[1]
+    flat = input_ids.reshape(-1)
+    for b, i in enumerate(idx):
+        r = rows[b]
+        lo, hi = b * L + P[b], b * L + P[b] + R[b]          # flat span of row b's response tokens
+        if len(r) and (r.min() + 1 < lo or r.max() + 1 >= hi or not np.array_equal(flat[r + 1], targets[b])):
+            raise _fail(m, i, "a loss position does not predict one of its own response tokens (layout bug)")
+        if mask[b, R[b]:].any():
+            raise _fail(m, i, "loss mask is non-zero on padding")
+        tv = m.token_versions[i]
+        if tv is not None and mask[b, :R[b]][tv < 0].any():
+            raise _fail(m, i, "loss mask is non-zero on an observation token")

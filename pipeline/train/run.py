@@ -3,6 +3,7 @@
     pipeline train --batch-snapshot SNAPSHOT_ID                      # one process, CPU or one GPU
     pipeline train --batch-snapshot SNAPSHOT_ID --nproc 2            # torchrun, gloo on CPU / nccl on GPUs
     pipeline train --batch-snapshot SNAPSHOT_ID --resume             # continue a killed run
+    deepspeed --num_gpus 2 -m pipeline.train.worker JOB.json        # any launcher: see pipeline/train/worker.py
 
 The driver is a short list of named steps:
  1. identify the run (snapshot + parent + config + world size -> checkpoint id);
