@@ -60,12 +60,25 @@ CHECKS: tuple[CheckSpec, ...] = (
 CHECK_NAMES = tuple(c.name for c in CHECKS)
 
 
-def _counts(reasons: list[str], prefix_filter: Callable[[str], bool]) -> str:
-    out: dict[str, int] = {}
-    for r in reasons:
-        if prefix_filter(r):
-            out[r] = out.get(r, 0) + 1
-    return ",".join(f"{k}={v}" for k, v in sorted(out.items()))
+def reason_details(group_index: np.ndarray, reasons: np.ndarray, n_groups: int) -> dict[str, np.ndarray]:
+    """Outcome of each member-level check per group: ``fail:<reason>=<n>,...``
+    (reasons sorted) for groups with such exclusions, else ``pass``.
+    ``group_index``/``reasons`` cover the excluded members only."""
+    out = {name: np.full(n_groups, "pass", dtype=object) for name in MEMBER_REASONS}
+    if len(reasons) == 0:
+        return out
+    pairs: dict[tuple[int, str], int] = {}
+    for g, r in zip(group_index.tolist(), reasons.tolist()):
+        pairs[(g, r)] = pairs.get((g, r), 0) + 1
+    parts: dict[tuple[str, int], list[str]] = {}
+    for (g, r), n in sorted(pairs.items()):
+        for name, pred in MEMBER_REASONS.items():
+            if pred(r):
+                parts.setdefault((name, g), []).append(f"{r}={n}")
+                break
+    for (name, g), items in parts.items():
+        out[name][g] = "fail:" + ",".join(items)
+    return out
 
 
 MEMBER_REASONS = {
@@ -76,40 +89,57 @@ MEMBER_REASONS = {
 }
 
 
-def gate_outcome(cfg: AdmissionConfig, values: list[float | None]) -> str:
+def gate_outcomes(cfg: AdmissionConfig, values: list[np.ndarray], n_groups: int) -> np.ndarray:
+    """``update_if`` outcome per group from each gate's aggregate (NaN = no value)."""
     gates = cfg.gates
     if not gates:
-        return "skip"
-    bad = []
+        return np.full(n_groups, "skip", dtype=object)
+    ok = np.ones(n_groups, bool)
+    oks = []
     for g, v in zip(gates, values):
-        if v is None or (isinstance(v, float) and np.isnan(v)) or not OPS[g.op](float(v), g.value):
-            bad.append(f"{g.agg}({g.component})={'null' if v is None else format(float(v), 'g')}"
-                       f" not {g.op} {g.value:g}")
-    return "fail:" + "; ".join(bad) if bad else "pass"
-
-
-def group_outcomes(cfg: AdmissionConfig, *, group_baseline: bool, reasons: list[str], arrived: int,
-                   group_size: int, n_valid: int, min_valid_ok: bool, spread_ok: bool,
-                   gate_values: list[float | None]) -> dict[str, str]:
-    """Outcome of every check but bucket_cap (decided later, across groups)."""
-    out: dict[str, str] = {}
-    for name, pred in MEMBER_REASONS.items():
-        detail = _counts(reasons, pred)
-        out[name] = f"fail:{detail}" if detail else "pass"
-    out["complete"] = "pass" if arrived >= group_size else f"fail:{arrived}/{group_size} arrived"
-    out["min_valid_members"] = "pass" if min_valid_ok else f"fail:{n_valid} < {cfg.min_valid_members}"
-    if not group_baseline:
-        out["reward_spread"] = "skip"
-    else:
-        out["reward_spread"] = "pass" if spread_ok else "fail:no reward spread among valid members"
-    out["update_if"] = gate_outcome(cfg, gate_values)
-    out["bucket_cap"] = "skip"
+        v = np.asarray(v, np.float64)
+        with np.errstate(invalid="ignore"):
+            passed = ~np.isnan(v) & OPS[g.op](v, g.value)
+        oks.append(passed)
+        ok &= passed
+    out = np.full(n_groups, "pass", dtype=object)
+    for i in np.flatnonzero(~ok):
+        bad = [f"{g.agg}({g.component})={'null' if np.isnan(v[i]) else format(float(v[i]), 'g')} not {g.op} {g.value:g}"
+               for g, v, passed in zip(gates, values, oks) if not passed[i]]
+        out[i] = "fail:" + "; ".join(bad)
     return out
 
 
-def decide(cfg: AdmissionConfig, outcomes: dict[str, str]) -> str:
-    """The first failing blocking check's decision, else ``admit``."""
-    for spec in CHECKS:
-        if spec.decision and outcomes.get(spec.name, "skip").startswith("fail") and spec.blocking(cfg):
-            return spec.decision
-    return "admit"
+def group_outcomes(cfg: AdmissionConfig, *, group_baseline: bool, excluded_group: np.ndarray,
+                   excluded_reason: np.ndarray, arrived: np.ndarray, group_size: np.ndarray, n_valid: np.ndarray,
+                   min_valid_ok: np.ndarray, spread_ok: np.ndarray, gate_values: list[np.ndarray]
+                   ) -> dict[str, np.ndarray]:
+    """Outcome of every check per group (bucket_cap: ``skip``; decided across groups later)."""
+    n = len(arrived)
+    out = reason_details(excluded_group, excluded_reason, n)
+    complete = np.full(n, "pass", dtype=object)
+    for i in np.flatnonzero(arrived < group_size):
+        complete[i] = f"fail:{arrived[i]}/{group_size[i]} arrived"
+    out["complete"] = complete
+    mv = np.full(n, "pass", dtype=object)
+    for i in np.flatnonzero(~min_valid_ok):
+        mv[i] = f"fail:{n_valid[i]} < {cfg.min_valid_members}"
+    out["min_valid_members"] = mv
+    if group_baseline:
+        out["reward_spread"] = np.where(spread_ok, "pass", "fail:no reward spread among valid members").astype(object)
+    else:
+        out["reward_spread"] = np.full(n, "skip", dtype=object)
+    out["update_if"] = gate_outcomes(cfg, gate_values, n)
+    out["bucket_cap"] = np.full(n, "skip", dtype=object)
+    return out
+
+
+def decide(cfg: AdmissionConfig, outcomes: dict[str, np.ndarray]) -> np.ndarray:
+    """Per group: the first failing blocking check's decision, else ``admit``."""
+    n = len(next(iter(outcomes.values())))
+    decision = np.full(n, "admit", dtype=object)
+    for spec in reversed(CHECKS):  # earlier checks overwrite later ones
+        if spec.decision and spec.blocking(cfg) and spec.name in outcomes:
+            failed = np.array([o.startswith("fail") for o in outcomes[spec.name]], bool)
+            decision[failed] = spec.decision
+    return decision

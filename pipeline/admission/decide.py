@@ -32,19 +32,25 @@ def bucket_label(value, edges) -> str | None:
     """``<e0``, ``e_i-e_{i+1}`` (half-open) or ``>=e_last``; None for a null value."""
     if value is None or (isinstance(value, float) and np.isnan(value)):
         return None
+    return bucket_labels(np.array([value], np.float64), edges)[0]
+
+
+def bucket_labels(values: np.ndarray, edges) -> np.ndarray:
+    """Vectorized ``bucket_label`` (NaN -> None)."""
+    values = np.asarray(values, np.float64)
     if not edges:
-        return "all"
-    if value < edges[0]:
-        return f"<{edges[0]:g}"
-    for lo, hi in zip(edges, edges[1:]):
-        if lo <= value < hi:
-            return f"{lo:g}-{hi:g}"
-    return f">={edges[-1]:g}"
+        labels = np.array(["all"], dtype=object)
+        out = labels[np.zeros(len(values), np.int64)]
+    else:
+        names = [f"<{edges[0]:g}"] + [f"{lo:g}-{hi:g}" for lo, hi in zip(edges, edges[1:])] + [f">={edges[-1]:g}"]
+        out = np.array(names, dtype=object)[np.searchsorted(np.asarray(edges, np.float64), values, side="right")]
+    out[np.isnan(values)] = None
+    return out
 
 
 @dataclass
 class Decisions:
-    receipts: list[dict]            # receipt rows, minus admission_run_id / snapshot_id / decided_at
+    receipts: pa.Table              # receipts columns minus admission_run_id / snapshot_id / decided_at
     admitted: pa.Table              # snapshot_members columns minus snapshot_id (sorted group, trajectory)
     counts: dict[str, int] = field(default_factory=dict)
     baseline: float | None = None   # reinforce_batch_norm running baseline to carry forward
@@ -57,110 +63,133 @@ def admitted_schema() -> pa.Schema:
     return pa.schema([f for f in spec.arrow_schema() if f.name != "snapshot_id"])
 
 
+def receipt_core_schema() -> pa.Schema:
+    from pipeline.schema import table_spec
+
+    skip = {"admission_run_id", "snapshot_id", "decided_at"}
+    return pa.schema([f for f in table_spec("receipts").arrow_schema() if f.name not in skip])
+
+
+def _np(col: pa.ChunkedArray | pa.Array, dtype, fill) -> np.ndarray:
+    """Arrow column -> numpy ``dtype`` with nulls as ``fill``."""
+    if col.null_count == 0:
+        return np.asarray(col.to_numpy(zero_copy_only=False) if isinstance(col, pa.Array)
+                          else col.to_numpy(), dtype)
+    mask = np.asarray(col.is_null().to_numpy(zero_copy_only=False), bool)
+    out = np.array(col.cast(pa.float64()).fill_null(0).to_numpy(zero_copy_only=False)
+                     if dtype is np.float64 else col.fill_null(0 if dtype is not bool else False)
+                     .to_numpy(zero_copy_only=False), dtype)
+    out[mask] = fill
+    return out
+
+
 def finalize(members: pa.Table, groups: pa.Table, cfg: AdmissionConfig, *, config_hash: str,
              current_policy_version: int, previous_baseline: float | None = None) -> Decisions:
+    import pyarrow.compute as pc
+
     members = members.sort_by([("group_id", "ascending"), ("trajectory_id", "ascending")])
     groups = groups.sort_by([("group_id", "ascending")])
-    m = {c: members.column(c).to_pylist() for c in
-         ("trajectory_id", "group_id", "content_hash", "reward", "reason", "policy_lag", "response_len",
-          "num_tool_calls", "difficulty")}
-    g = groups.to_pylist()
-    gate_cols = [f"gate_{i}" for i in range(len(cfg.gates))]
-    group_baseline = ESTIMATORS[cfg.advantage].group_baseline
-    gid_m = m["group_id"]
-    receipts: list[dict] = []
-    adm_idx: list[int] = []        # member rows admitted
-    adm_group: list[int] = []      # their receipt index
-    std_bucket_of: dict[int, str | None] = {}
-    cap_used: dict[str, int] = {}
-    start = 0
-    n = len(gid_m)
-    for gi, row in enumerate(g):
-        gid = row["group_id"]
-        end = start
-        while end < n and gid_m[end] == gid:
-            end += 1
-        if end == start:
-            raise AssertionError(f"group {gid} has no member rows (engine output out of order)")
-        idx = range(start, end)
-        start = end
-        reasons = [m["reason"][i] for i in idx if m["reason"][i] is not None]
-        valid = [i for i in idx if m["reason"][i] is None]
-        rewards = np.array([m["reward"][i] for i in valid], np.float64)
-        mean = float(np.mean(rewards)) if rewards.size else None
-        std = float(np.sqrt(np.mean((rewards - mean) ** 2))) if rewards.size else None
-        outcomes = group_outcomes(
-            cfg, group_baseline=group_baseline, reasons=reasons, arrived=row["arrived_members"],
-            group_size=row["group_size"], n_valid=row["n_valid"], min_valid_ok=bool(row["min_valid_ok"]),
-            spread_ok=bool(row["spread_ok"]), gate_values=[row[c] for c in gate_cols])
-        labels = {
-            "difficulty": row["difficulty"],
-            "length_bucket": bucket_label(row["max_response_len"], cfg.length_edges),
-            "tool_call_bucket": bucket_label(row["max_tool_calls"], cfg.tool_call_edges),
-            "reward_std_bucket": bucket_label(std, cfg.reward_std_edges),
-        }
-        decision = decide(cfg, outcomes)
-        if cfg.bucket_caps:
-            outcomes["bucket_cap"] = "pass"
-            if decision == "admit":
-                over = [k for k in sorted(cfg.bucket_caps)
-                        if labels.get(k.split(":", 1)[0]) == k.split(":", 1)[1]
-                        and cap_used.get(k, 0) >= cfg.bucket_caps[k]]
-                if over:
-                    outcomes["bucket_cap"] = "fail:" + ",".join(f"{k} cap {cfg.bucket_caps[k]}" for k in over)
-                    decision = decide(cfg, outcomes)
-                else:
-                    for k in cfg.bucket_caps:
-                        if labels.get(k.split(":", 1)[0]) == k.split(":", 1)[1]:
-                            cap_used[k] = cap_used.get(k, 0) + 1
-        rec = {
-            "group_id": gid,
-            "config_hash": config_hash,
-            "current_policy_version": int(current_policy_version),
-            "run_id": row["run_id"],
-            "task_id": row["task_id"],
-            **{f"ref_{f}": row[f"ref_{f}"] for f in REF_FIELDS},
-            "group_size": row["group_size"],
-            "arrived_members": row["arrived_members"],
-            "valid_members": [m["trajectory_id"][i] for i in valid],
-            "excluded_members": [(m["trajectory_id"][i], m["reason"][i]) for i in idx
-                                 if m["reason"][i] is not None],
-            "reward_mean": mean,
-            "reward_std": std,
-            "policy_lag": row["policy_lag"],
-            "max_queue_wait_ms": row["max_queue_wait_ms"],
-            **labels,
-            "checks": [(k, outcomes[k]) for k in CHECK_NAMES],
-            "decision": decision,
-        }
-        receipts.append(rec)
-        if decision == "admit":
-            std_bucket_of[len(receipts) - 1] = labels["reward_std_bucket"]
-            adm_idx.extend(valid)
-            adm_group.extend([len(receipts) - 1] * len(valid))
-    if start != n:
+    n_groups = groups.num_rows
+    gidx = np.asarray(pc.index_in(members.column("group_id"), value_set=groups.column("group_id").combine_chunks())
+                      .to_numpy(zero_copy_only=False))
+    if members.num_rows and (np.isnan(gidx.astype(np.float64)).any()):
         raise AssertionError("member rows of groups missing from the group table")
-    rewards = np.array([m["reward"][i] for i in adm_idx], np.float64)
-    codes = np.unique(np.array(adm_group, np.int64), return_inverse=True)[1] if adm_group else np.zeros(0, np.int64)
+    gidx = gidx.astype(np.int64)
+    if n_groups and np.bincount(gidx, minlength=n_groups).min() == 0:
+        raise AssertionError("a group has no member rows (engine output out of order)")
+    valid = np.asarray(pc.is_null(members.column("reason")).to_numpy(zero_copy_only=False), bool)   # [M]
+    reward = _np(members.column("reward"), np.float64, 0.0)                                          # [M]
+    # reward mean / population std over valid members, one fixed order for every engine
+    cnt = np.bincount(gidx[valid], minlength=n_groups).astype(np.float64)                           # [G]
+    mean = np.bincount(gidx[valid], weights=reward[valid], minlength=n_groups) / np.maximum(cnt, 1)
+    dev = reward[valid] - mean[gidx[valid]]
+    std = np.sqrt(np.bincount(gidx[valid], weights=dev * dev, minlength=n_groups) / np.maximum(cnt, 1))
+    has = cnt > 0
+    mean_arr = pa.array(np.where(has, mean, 0.0), pa.float64(), mask=~has)
+    std_arr = pa.array(np.where(has, std, 0.0), pa.float64(), mask=~has)
+    reasons = np.asarray(members.column("reason").to_numpy(zero_copy_only=False), dtype=object)
+    group_baseline = ESTIMATORS[cfg.advantage].group_baseline
+    gate_values = [_np(groups.column(f"gate_{i}"), np.float64, np.nan) for i in range(len(cfg.gates))]
+    outcomes = group_outcomes(
+        cfg, group_baseline=group_baseline, excluded_group=gidx[~valid], excluded_reason=reasons[~valid],
+        arrived=_np(groups.column("arrived_members"), np.int64, 0),
+        group_size=_np(groups.column("group_size"), np.int64, 0), n_valid=_np(groups.column("n_valid"), np.int64, 0),
+        min_valid_ok=_np(groups.column("min_valid_ok"), bool, False),
+        spread_ok=_np(groups.column("spread_ok"), bool, False), gate_values=gate_values)
+    labels = {
+        "difficulty": np.asarray(groups.column("difficulty").to_numpy(zero_copy_only=False), dtype=object),
+        "length_bucket": bucket_labels(_np(groups.column("max_response_len"), np.float64, np.nan), cfg.length_edges),
+        "tool_call_bucket": bucket_labels(_np(groups.column("max_tool_calls"), np.float64, np.nan),
+                                          cfg.tool_call_edges),
+        "reward_std_bucket": bucket_labels(np.where(has, std, np.nan), cfg.reward_std_edges),
+    }
+    decision = decide(cfg, outcomes)
+    if cfg.bucket_caps:  # in group_id order, per run
+        outcomes["bucket_cap"] = np.full(n_groups, "pass", dtype=object)
+        used: dict[str, int] = {}
+        caps = [(k, k.split(":", 1)[0], k.split(":", 1)[1], v) for k, v in sorted(cfg.bucket_caps.items())]
+        for i in np.flatnonzero(decision == "admit"):
+            hit = [(k, cap) for k, fld, lab, cap in caps if labels[fld][i] == lab]
+            over = [(k, cap) for k, cap in hit if used.get(k, 0) >= cap]
+            if over:
+                outcomes["bucket_cap"][i] = "fail:" + ",".join(f"{k} cap {cap}" for k, cap in over)
+            else:
+                for k, _ in hit:
+                    used[k] = used.get(k, 0) + 1
+        decision = decide(cfg, outcomes)
+    tids = members.column("trajectory_id").combine_chunks()
+    valid_off = np.concatenate([[0], np.cumsum(np.bincount(gidx[valid], minlength=n_groups))]).astype(np.int32)
+    excl = ~valid
+    excl_off = np.concatenate([[0], np.cumsum(np.bincount(gidx[excl], minlength=n_groups))]).astype(np.int32)
+    k = len(CHECK_NAMES)
+    check_items = np.stack([outcomes[c] for c in CHECK_NAMES], axis=1).ravel()                      # [G*k]
+    ref = {f"ref_{f}": groups.column(f"ref_{f}") for f in REF_FIELDS}
+    schema = receipt_core_schema()
+    cols = {
+        "group_id": groups.column("group_id"),
+        "config_hash": pa.array([config_hash] * n_groups, pa.string()),
+        "current_policy_version": pa.array(np.full(n_groups, int(current_policy_version), np.int64)),
+        "run_id": groups.column("run_id"), "task_id": groups.column("task_id"), **ref,
+        "group_size": groups.column("group_size"), "arrived_members": groups.column("arrived_members"),
+        "valid_members": pa.ListArray.from_arrays(pa.array(valid_off), tids.filter(pa.array(valid))),
+        "excluded_members": pa.MapArray.from_arrays(
+            pa.array(excl_off), tids.filter(pa.array(excl)),
+            pa.array(reasons[excl].tolist(), pa.string())),
+        "reward_mean": mean_arr, "reward_std": std_arr,
+        "policy_lag": groups.column("policy_lag"), "max_queue_wait_ms": groups.column("max_queue_wait_ms"),
+        **{name: pa.array(v.tolist(), pa.string()) for name, v in labels.items()},
+        "checks": pa.MapArray.from_arrays(pa.array(np.arange(0, n_groups * k + 1, k, dtype=np.int32)),
+                                          pa.array(list(CHECK_NAMES) * n_groups, pa.string()),
+                                          pa.array(check_items.tolist(), pa.string())),
+        "decision": pa.array(decision.tolist(), pa.string()),
+    }
+    receipts = pa.table({f.name: cols[f.name] for f in schema}).cast(schema)
+    # admitted members: valid members of admitted groups
+    adm = valid & (decision[gidx] == "admit") if members.num_rows else np.zeros(0, bool)            # [M]
+    rewards = reward[adm]
+    codes = np.unique(gidx[adm], return_inverse=True)[1].astype(np.int64) if adm.any() else np.zeros(0, np.int64)
     baseline = running_baseline(previous_baseline, rewards, cfg.baseline_momentum) \
         if cfg.advantage == "reinforce_batch_norm" else None
     adv = compute_advantages(cfg.advantage, rewards, codes, eps=cfg.eps, scaling=cfg.advantage_scaling,
                              baseline=baseline)
+    sel = pa.array(adm)
+    std_bucket = labels["reward_std_bucket"][gidx[adm]]
     admitted = pa.table({
-        "trajectory_id": [m["trajectory_id"][i] for i in adm_idx],
-        "group_id": [m["group_id"][i] for i in adm_idx],
-        "content_hash": [m["content_hash"][i] for i in adm_idx],
-        "advantage": adv,
-        "reward": rewards,
-        "policy_lag": [m["policy_lag"][i] for i in adm_idx],
-        "difficulty": [m["difficulty"][i] for i in adm_idx],
-        "length_bucket": [bucket_label(m["response_len"][i], cfg.length_edges) for i in adm_idx],
-        "tool_call_bucket": [bucket_label(m["num_tool_calls"][i], cfg.tool_call_edges) for i in adm_idx],
-        "reward_std_bucket": [std_bucket_of[r] for r in adm_group],
+        "trajectory_id": tids.filter(sel),
+        "group_id": members.column("group_id").filter(sel),
+        "content_hash": members.column("content_hash").filter(sel),
+        "advantage": pa.array(adv, pa.float64()),
+        "reward": pa.array(rewards, pa.float64()),
+        "policy_lag": members.column("policy_lag").filter(sel),
+        "difficulty": members.column("difficulty").filter(sel),
+        "length_bucket": pa.array(bucket_labels(_np(members.column("response_len").filter(sel), np.float64, np.nan),
+                                                cfg.length_edges).tolist(), pa.string()),
+        "tool_call_bucket": pa.array(bucket_labels(_np(members.column("num_tool_calls").filter(sel), np.float64,
+                                                       np.nan), cfg.tool_call_edges).tolist(), pa.string()),
+        "reward_std_bucket": pa.array(std_bucket.tolist(), pa.string()),
     }, schema=admitted_schema())
-    counts: dict[str, int] = {}
-    for r in receipts:
-        counts[r["decision"]] = counts.get(r["decision"], 0) + 1
+    values, counts_ = np.unique(decision.astype(str), return_counts=True) if n_groups else ([], [])
+    counts = {str(v): int(c) for v, c in zip(values, counts_)}
     return Decisions(receipts, admitted, counts, baseline)
 
 

@@ -57,23 +57,29 @@ def _spill(dataset, admitted: pa.Table, path: str, batch_rows: int) -> tuple[int
 
 
 def _parts(path: str, admitted: pa.Table, snapshot_id: str, batch_rows: int) -> Iterator[pa.Table]:
-    """Pass 2: the spill in rank order, joined with the decision columns."""
+    """Pass 2: the spill in rank order, joined with the decision columns.
+
+    The spill is memory-mapped afresh for every output part: ``take`` copies
+    the part's rows out, and closing the map releases the pages it touched,
+    so resident memory stays at about one part however big the snapshot."""
     with pa.memory_map(path, "r") as src:
-        spill = pa.ipc.open_file(src).read_all()
-        order = np.argsort(spill.column(RANK).to_numpy(), kind="stable")
-        for lo in range(0, len(order), batch_rows):
-            idx = order[lo:lo + batch_rows]
-            t = spill.take(pa.array(idx))
-            dec = admitted.take(t.column(RANK))
-            cols: dict[str, Any] = {"snapshot_id": pa.array([snapshot_id] * t.num_rows, pa.string())}
-            for c in ("trajectory_id", "group_id", "content_hash", "advantage", "reward", "policy_lag",
-                      "difficulty", "length_bucket", "tool_call_bucket", "reward_std_bucket"):
-                cols[c] = dec.column(c)
-            for c in SOURCE:
-                if c not in cols:
-                    cols[c] = t.column(c)
-            yield pa.table(cols)
-            del t, dec
+        ranks = pa.ipc.open_file(src).read_all().column(RANK).to_numpy()
+    order = np.argsort(ranks, kind="stable")
+    del ranks
+    for lo in range(0, len(order), batch_rows):
+        idx = order[lo:lo + batch_rows]
+        with pa.memory_map(path, "r") as src:
+            t = pa.ipc.open_file(src).read_all().take(pa.array(idx))
+        dec = admitted.take(t.column(RANK))
+        cols: dict[str, Any] = {"snapshot_id": pa.array([snapshot_id] * t.num_rows, pa.string())}
+        for c in ("trajectory_id", "group_id", "content_hash", "advantage", "reward", "policy_lag",
+                  "difficulty", "length_bucket", "tool_call_bucket", "reward_std_bucket"):
+            cols[c] = dec.column(c)
+        for c in SOURCE:
+            if c not in cols:
+                cols[c] = t.column(c)
+        yield pa.table(cols)
+        del t, dec
 
 
 def materialize(lake, version: int, admitted: pa.Table, *, snapshot_id: str, batch_rows: int,

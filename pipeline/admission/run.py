@@ -194,11 +194,9 @@ def admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: i
                                                admitted.column("content_hash").to_pylist()), chash, cfg.advantage)
                        if admitted.num_rows else None)
         source_versions = {"trajectories": int(tv), "receipts": int(rv)}
-        target = _target_report(target_groups, n_admit_groups, len(dec.receipts))
-        decided_at = datetime.now(timezone.utc)
-        rows = [dict(r, admission_run_id=run_id, snapshot_id=snapshot_id if r["decision"] == "admit" else None,
-                     decided_at=decided_at) for r in dec.receipts]
-        receipts = pa.Table.from_pylist(rows, schema=receipts_schema) if rows else receipts_schema.empty_table()
+        target = _target_report(target_groups, n_admit_groups, dec.receipts.num_rows)
+        receipts = _stamp(dec.receipts, run_id, snapshot_id, receipts_schema)
+        rows = receipts.num_rows
         result = AdmissionResult(run_id, snapshot_id, current, chash, engine, dry_run, receipts, dict(dec.counts),
                                  n_admit_groups, admitted.num_rows, 0, source_versions,
                                  {"candidates": qsummary, "candidate_rows": n_cands}, target, attempt, timings,
@@ -225,6 +223,18 @@ def admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: i
         return result
     raise PipelineError(f"admission could not commit after {MAX_ATTEMPTS} attempts (other admission runs kept "
                         "winning the receipts commit)", hint="rerun pipeline admit")
+
+
+def _stamp(core: pa.Table, run_id: str, snapshot_id: str | None, schema: pa.Schema) -> pa.Table:
+    """Receipt rows from finalize's core columns plus this run's id, snapshot and time."""
+    n = core.num_rows
+    admitted = pc.equal(core.column("decision"), "admit")
+    cols = {c: core.column(c) for c in core.column_names}
+    cols["admission_run_id"] = pa.array([run_id] * n, pa.string())
+    cols["snapshot_id"] = pc.if_else(admitted, pa.scalar(snapshot_id, pa.string()), pa.scalar(None, pa.string())) \
+        if n else pa.array([], pa.string())
+    cols["decided_at"] = pa.array([datetime.now(timezone.utc)] * n, pa.timestamp("us", tz="UTC"))
+    return pa.table({f.name: cols[f.name] for f in schema}).cast(schema)
 
 
 def _publish_snapshot(lake, cfg, chash, admitted, snapshot_id, run_id, tv, source_versions, current,

@@ -274,3 +274,16 @@ def test_target_groups_report(lake):
     # 1 of 2 decided groups admitted: 4 missing at rate 0.5 -> sample 8 more groups
     assert res.target == {"target_groups": 5, "admitted_groups": 1, "missing_groups": 4,
                           "observed_admit_rate": 0.5, "groups_to_sample": 8}
+
+
+def test_running_mean_baseline_is_carried_between_snapshots(lake):
+    cfg = AdmissionConfig(quality=False, advantage="reinforce_batch_norm", min_valid_members=1,
+                          baseline_momentum=0.5)
+    first = [traj(f"m{k}", f"p{k}", group_size=1, reward=float(k < 3)) for k in range(4)]   # mean .75
+    res1, _ = run(lake, first, cfg)
+    second = [traj(f"n{k}", f"q{k}", group_size=1, reward=float(k < 1)) for k in range(4)]  # mean .25
+    res2, _ = run(lake, second, cfg)
+    # baseline b2 = .5 * .75 + .5 * .25 = .5; batch std of (1,0,0,0) = sqrt(.1875)
+    adv = dict(zip(res2.members.column("trajectory_id").to_pylist(), res2.members.column("advantage").to_pylist()))
+    s = math.sqrt(0.1875)
+    assert adv["n0"] == pytest.approx(0.5 / (s + 1e-6)) and adv["n1"] == pytest.approx(-0.5 / (s + 1e-6))
