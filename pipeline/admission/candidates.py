@@ -58,14 +58,17 @@ def _list_min_nonneg(arr: pa.Array) -> np.ndarray:
     if n == 0:
         return out
     offsets = np.asarray(arr.offsets, np.int64)                           # [n+1]
-    values = np.asarray(arr.values.fill_null(-1), np.int64)[offsets[0]:offsets[-1]]
+    vals = arr.values
+    if vals.null_count:
+        vals = vals.fill_null(-1)
+    values = vals.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]  # [T] int32, no copy
     offsets = offsets - offsets[0]
-    big = np.iinfo(np.int64).max
+    big = np.iinfo(values.dtype).max
     v = np.where(values >= 0, values, big)                               # [T]
     lens = np.diff(offsets)
     nonempty = lens > 0
-    if v.size:
-        mins = np.minimum.reduceat(v, offsets[:-1][nonempty]) if nonempty.any() else np.empty(0, np.int64)
+    if v.size and nonempty.any():
+        mins = np.minimum.reduceat(v, offsets[:-1][nonempty]).astype(np.int64)
         out[nonempty] = np.where(mins == big, -1, mins)
     if arr.null_count:
         out[np.asarray(arr.is_null())] = -1

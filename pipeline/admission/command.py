@@ -14,12 +14,17 @@ from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from pipeline.admission.config import AdmissionConfig
     from pipeline.cli import add_config_options, common
+    from pipeline.config import describe
 
+    keys = "\n".join(f"  {name} (default {default!r}): {help_}" for name, default, help_ in describe(AdmissionConfig))
     p = common(sub.add_parser(
         "admit", help="run admission: receipts per group, one immutable snapshot of the admitted members",
         description="Decide every complete (or timed-out) undecided group with the checks in sql/admission_*.sql; "
-                    "write one receipt per group and materialize one content-addressed snapshot."))
+                    "write one receipt per group and materialize one content-addressed snapshot.",
+        epilog="config keys (--config FILE / --set key=value):\n" + keys,
+        formatter_class=argparse.RawDescriptionHelpFormatter))
     add_config_options(p)
     p.add_argument("--current-policy-version", type=int, default=None, metavar="V",
                    help="measure freshness against V (default: newest published policy, else newest in trajectories)")
