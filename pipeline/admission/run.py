@@ -211,7 +211,7 @@ def admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: i
             t1 = time.perf_counter()
             result.num_tokens, result.quality["snapshot"] = _publish_snapshot(
                 lake, cfg, chash, admitted, snapshot_id, run_id, tv, source_versions, current,
-                n_admit_groups, dec.baseline, command)
+                n_admit_groups, dec.baseline, command, qsummary)
             timings["materialize_s"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         res = lake.append("receipts", receipts, command=command, config_hash=chash, app_id=LOCK_APP,
@@ -238,7 +238,7 @@ def _stamp(core: pa.Table, run_id: str, snapshot_id: str | None, schema: pa.Sche
 
 
 def _publish_snapshot(lake, cfg, chash, admitted, snapshot_id, run_id, tv, source_versions, current,
-                      n_groups, baseline, command) -> tuple[int, dict[str, Any]]:
+                      n_groups, baseline, command, candidate_quality) -> tuple[int, dict[str, Any]]:
     from pipeline.admission.materialize import materialize
     from pipeline.config import config_dict
 
@@ -265,7 +265,8 @@ def _publish_snapshot(lake, cfg, chash, admitted, snapshot_id, run_id, tv, sourc
         "advantage_estimator": cfg.advantage, "current_policy_version": current, "num_groups": n_groups,
         "num_members": admitted.num_rows, "num_tokens": tokens, "path": snapshot_dir(snapshot_id),
         "manifest_sha256": snap.manifest_sha256, "source_versions": list(source_versions.items()),
-        "quality_json": json.dumps(quality, sort_keys=True, default=str),
+        "quality_json": json.dumps({"candidates": candidate_quality, "snapshot": quality}, sort_keys=True,
+                                   default=str),
         "created_at": datetime.now(timezone.utc),
     }
     lake.append("snapshots", pa.Table.from_pylist([row], schema=table_spec("snapshots").arrow_schema()),

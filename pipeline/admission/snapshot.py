@@ -150,7 +150,15 @@ def write_snapshot_stream(lake, parts: Iterable[pa.Table | pa.RecordBatch], *, s
         with fs.open_output_stream(f"{tmp}/{MANIFEST}") as f:
             f.write(mbytes)
         try:
-            fs.move(tmp, f"{root}/{rel}")
+            if lake.is_local:
+                fs.move(tmp, f"{root}/{rel}")  # atomic directory rename
+            else:
+                # object stores have no directory rename: copy the data, then the
+                # manifest, whose presence marks the snapshot complete
+                if _try_open(lake, snapshot_id) is not None:
+                    raise OSError("published concurrently")
+                fs.copy_file(f"{tmp}/{DATA_FILE}", f"{root}/{rel}/{DATA_FILE}")
+                fs.copy_file(f"{tmp}/{MANIFEST}", f"{root}/{rel}/{MANIFEST}")
         except OSError:
             # another writer published this id first: its files are the snapshot
             if _try_open(lake, snapshot_id) is None:

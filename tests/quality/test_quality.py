@@ -65,6 +65,8 @@ def test_admission_excludes_failing_rows_and_stores_the_validation(lake):
     assert dict(rec["checks"])["quality"] == "fail:quality:expect_column_values_to_be_in_set(status)=1"
     assert rec["decision"] == "admit" and rec["valid_members"] == ["q0", "q1", "q3"]
     stored = json.loads(lake.read("snapshots", columns=["quality_json"]).column(0)[0].as_py())
-    assert stored["suite"] == "snapshot_members" and stored["success"] is True and stored["rows"] == 3
+    assert stored["snapshot"]["suite"] == "snapshot_members" and stored["snapshot"]["success"] is True
+    assert stored["snapshot"]["rows"] == 3
+    assert stored["candidates"]["suite"] == "trajectories" and stored["candidates"]["success"] is False
     assert res.quality["candidates"]["failed"] == [
         {"expectation": "expect_column_values_to_be_in_set", "column": "status", "unexpected_count": 1}]
