@@ -83,8 +83,8 @@ def _rollout(args: argparse.Namespace) -> None:
         + f"\n  status: {', '.join(f'{k} {v}' for k, v in sorted(r['statuses'].items()))}"
         + f"\n  verdict: {', '.join(f'{k} {v}' for k, v in sorted(r['verdicts'].items()))}"
         + f"\n  reward mean {_fmt(r['reward_mean'])}, success {_fmt(r['success_rate'])}"
-        + f"\n  {r['generated_tokens']} generated tokens in {r['seconds']:.1f}s ({r['tokens_per_s']:.0f} tokens/s), "
-          f"{r['tool_executions']} tool calls"))
+        + f"\n  {r['generated_tokens']} generated tokens, {r['tokens_per_s']:.0f} tokens/s "
+          f"({r['rollout_seconds']:.1f}s rolling out, {r['seconds']:.1f}s in total), {r['tool_executions']} tool calls"))
 
 
 def _fmt(x: float | None) -> str:

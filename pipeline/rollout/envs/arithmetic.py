@@ -26,7 +26,7 @@ import random
 import re
 from pathlib import Path
 
-from pipeline.rollout.envs.base import Task, ToolError, Verification, register_env, split_of
+from pipeline.rollout.envs.base import Task, Verification, register_env, split_of
 
 _EXPR = re.compile(r"^\d{1,6}([+\-*]\d{1,6}){0,4}$")
 _INT = re.compile(r"^-?\d{1,9}$")
