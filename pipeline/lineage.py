@@ -41,7 +41,7 @@ def lineage_file(lake) -> Path:
         return Path(lake.uri) / DEFAULT_FILE
     from pipeline.policy_store import local_checkpoint_dir
 
-    return local_checkpoint_dir(lake, "_lineage").parent.parent / DEFAULT_FILE
+    return local_checkpoint_dir(lake, "_lineage").parent / DEFAULT_FILE   # per-lake cache dir
 
 
 def _user_configured() -> bool:

@@ -25,15 +25,24 @@ import torch
 from pipeline.errors import IntegrityError, MissingExtraError, NotFoundError
 
 
-def single_process_env() -> None:
-    """Set the env a launcher would, for one process, if no launcher did."""
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def single_process_env() -> list[str]:
+    """Set the env a launcher would, for one process, if no launcher did.
+    Returns the keys it set (the caller removes them afterwards, so an
+    in-process caller, e.g. the demo, does not leak a fake launcher env into
+    engines it starts later)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return
+        return []
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    values = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    added = [k for k in LAUNCHER_ENV if k not in os.environ]
+    os.environ.update({k: values[k] for k in added})
+    return added
 
 
 def _import_deepspeed():

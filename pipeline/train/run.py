@@ -160,18 +160,30 @@ def _launch(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume
 
 def _train(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume: bool, force: bool,
            progress: bool | None, crash_at: str | None) -> TrainResult:
+    from pipeline.train.ds_adapter import single_process_env
+
+    t_start = time.perf_counter()
+    added_env = single_process_env()
+    try:
+        return _train_in_env(lake, snapshot_id, cfg, from_checkpoint=from_checkpoint, resume=resume, force=force,
+                             progress=progress, crash_at=crash_at, t_start=t_start)
+    finally:
+        for k in added_env:   # the process group stays up; the fake launcher env does not
+            os.environ.pop(k, None)
+
+
+def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume: bool, force: bool,
+                  progress: bool | None, crash_at: str | None, t_start: float) -> TrainResult:
     import torch
 
     from pipeline import lineage
     from pipeline.policy_store import local_checkpoint_dir, resolve_policy
     from pipeline.train import checkpoint as ck
     from pipeline.train.data import check_members, load_members, receipt_counts
-    from pipeline.train.ds_adapter import DeepSpeedStrategy, single_process_env
+    from pipeline.train.ds_adapter import DeepSpeedStrategy
     from pipeline.train.model import PolicyLogprobs, load_causal_lm
     from pipeline.train.packing import plan_steps
 
-    t_start = time.perf_counter()
-    single_process_env()
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     torch.set_num_threads(cfg.threads)
