@@ -65,6 +65,9 @@ class TrainConfig:
     logprob_chunk: int = field(default=1024, metadata={"help": "rows per chunk of the log-prob head"})
     vocab_chunk: int = field(default=0, metadata={"help": "vocabulary columns per chunk (0 = whole vocabulary)"})
     shuffle: bool = field(default=True, metadata={"help": "shuffle micro-batch order each epoch (seeded)"})
+    carry_optimizer: bool = field(default=True, metadata={
+        "help": "start from the parent checkpoint's optimizer state (AdamW moments) when it was trained by this "
+                "trainer with the same zero_stage, precision, offload and world size; else a fresh optimizer"})
     save_every: int = field(default=0, metadata={
         "help": "save a resumable state every N optimizer steps (0 = only the final checkpoint)"})
 

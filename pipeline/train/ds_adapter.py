@@ -165,17 +165,26 @@ class DeepSpeedStrategy:
         """Model, optimizer and scheduler state (every rank calls this)."""
         self.engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=True)
 
-    def load(self, directory: Path, tag: str) -> dict[str, Any]:
-        """Restore model, optimizer and scheduler; returns the client state.
-        DeepSpeed only warns and returns (None, None) on a missing checkpoint:
-        here that is an error, never a silent fresh start."""
+    def load(self, directory: Path, tag: str, *, scheduler: bool = True) -> dict[str, Any]:
+        """Restore model, optimizer and (unless ``scheduler=False``) LR scheduler;
+        returns the client state. DeepSpeed only warns and returns (None, None)
+        on a missing checkpoint: here that is an error, never a silent fresh start."""
         if not (Path(directory) / tag).is_dir():
             raise NotFoundError(f"DeepSpeed state {directory}/{tag} does not exist")
-        path, client_state = self.engine.load_checkpoint(str(directory), tag=tag)
+        path, client_state = self.engine.load_checkpoint(str(directory), tag=tag,
+                                                         load_lr_scheduler_states=scheduler)
         if path is None:
             raise IntegrityError(f"DeepSpeed could not load {directory}/{tag}",
                                  hint="the checkpoint is incomplete; rerun without --resume to start over")
         return dict(client_state or {})
+
+    def reset_lr(self) -> None:
+        """After loading another run's optimizer state: this run's LR schedule, from its start."""
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["initial_lr"] = base
+            group["lr"] = base * self.scheduler.lr_lambdas[0](0)
+        self.scheduler.last_epoch = 0
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     def train(self) -> None:
         self.engine.train()

@@ -248,6 +248,7 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
         loss_kind = cfg.policy_loss
         if loss_kind == "auto":
             loss_kind = "reinforce" if int(members.group_size.max()) == 1 else "ppo"
+        optimizer_from = _carry_optimizer(strategy, cfg, lake, parent, world_size) if cfg.carry_optimizer else None
         _prepass(strategy, members, cfg, lake, parent)
 
         steps = plan_steps(members.lengths, budget_tokens=cfg.micro_batch_tokens, grad_accum=cfg.grad_accum,
@@ -294,7 +295,8 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
         global_step = len(steps)
         client_state = _client_state(checkpoint_id, snapshot_id, global_step, samples_seen,
                                      steps[-1].epoch if steps else 0, rows)
-        train_config = config_dict(cfg) | {"policy_loss_resolved": loss_kind, "norm_len_resolved": norm_len}
+        train_config = config_dict(cfg) | {"policy_loss_resolved": loss_kind, "norm_len_resolved": norm_len,
+                                           "optimizer_from": optimizer_from}
         if crash_at == "publish":
             _crash_while_publishing(strategy, final, client_state, train_config, lm, parent)
         ck.write_final(strategy, final, client_state=client_state, train_config=train_config, lm=lm,
@@ -328,6 +330,32 @@ def _client_state(checkpoint_id: str, snapshot_id: str, global_step: int, sample
     the snapshot, config and seed, so the step index is the whole cursor."""
     return {"checkpoint_id": checkpoint_id, "snapshot_id": snapshot_id, "global_step": global_step,
             "samples_seen": samples_seen, "epoch": epoch, "metrics": rows}
+
+
+def _carry_optimizer(strategy, cfg: TrainConfig, lake, parent, world_size: int) -> str | None:
+    """Load the parent's DeepSpeed state (weights + AdamW moments; not its LR
+    schedule) when the parent is a checkpoint of this trainer with a compatible
+    layout. The parent's files were hash-verified by resolve_policy. Returns the
+    parent id when carried, None for a fresh optimizer (the initial policy, a
+    plain HF directory, or a different zero_stage/precision/offload/world size)."""
+    from pipeline.train.checkpoint import FINAL_TAG, LATEST
+
+    root = parent.path
+    if parent.policy_version < 0 or not (root / LATEST).is_file() or not (root / "ds" / FINAL_TAG).is_dir():
+        return None
+    pcfg = json.loads((root / "train_config.json").read_text())
+    prow = [r for r in lake.read("checkpoints", columns=["checkpoint_id", "world_size"]).to_pylist()
+            if r["checkpoint_id"] == parent.checkpoint_id]
+    same = (pcfg.get("zero_stage"), pcfg.get("precision"), pcfg.get("offload")) == (
+        cfg.zero_stage, cfg.precision, cfg.offload) and prow and int(prow[0]["world_size"]) == world_size
+    if not same:
+        if strategy.is_rank_0():
+            print(f"note: fresh optimizer: parent {parent.checkpoint_id} was trained with another "
+                  "zero_stage/precision/offload/world size", file=sys.stderr)
+        return None
+    strategy.load(root / "ds", FINAL_TAG, scheduler=False)
+    strategy.reset_lr()
+    return parent.checkpoint_id
 
 
 def _prepass(strategy, members, cfg: TrainConfig, lake, parent) -> None:

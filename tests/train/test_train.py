@@ -292,3 +292,29 @@ def test_cli_errors_say_what_to_do(tlake, capsys):
     assert main(["train", "--lake", lake.uri, "--batch-snapshot", sid, "--set", "nope=1"]) == 2
     assert main(["train", "--lake", lake.uri, "--batch-snapshot", sid, "--resume", "--json"]) == 2
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["kind"] == "NotFoundError"
+
+
+def test_next_snapshot_continues_the_parents_optimizer(tlake, tlake2):
+    from pipeline.train.fixtures import publish_synthetic_snapshot
+
+    results = {}
+    for name, (lake, sid), carry in (("carry", tlake, True), ("fresh", tlake2, False)):
+        cfg = TrainConfig(lr=3e-3, micro_batch_tokens=256, max_steps=3, carry_optimizer=carry)
+        first = train_snapshot(lake, sid, cfg, progress=False)
+        sid2 = publish_synthetic_snapshot(lake, 24, seed=8, median_len=20, prompt_len=6)
+        second = train_snapshot(lake, sid2, cfg, progress=False)        # parent: the newest = first
+        assert second.parent_checkpoint_id == first.checkpoint_id and second.policy_version == 2
+        tc = json.loads((Path(second.path) / "train_config.json").read_text())
+        assert tc["optimizer_from"] == (first.checkpoint_id if carry else None)
+        m = [r for r in lake.read("metrics").to_pylist() if r["checkpoint_id"] == second.checkpoint_id]
+        assert m[0]["lr"] == pytest.approx(3e-3)                         # this run's LR, not the parent's state
+        results[name] = (first, second)
+    assert _weights(results["carry"][0]) == _weights(results["fresh"][0])   # config differs only in the flag
+    assert _weights(results["carry"][1]) != _weights(results["fresh"][1])   # AdamW moments carried over
+
+    # a different layout cannot reuse the state: fresh optimizer, said so
+    lake, _ = tlake
+    sid3 = publish_synthetic_snapshot(lake, 16, seed=9, median_len=20, prompt_len=6)
+    third = train_snapshot(lake, sid3, TrainConfig(lr=3e-3, micro_batch_tokens=256, max_steps=1, zero_stage=1),
+                           progress=False)
+    assert json.loads((Path(third.path) / "train_config.json").read_text())["optimizer_from"] is None
