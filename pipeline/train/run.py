@@ -197,8 +197,11 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
         for c in consumers:
             # the same run (same snapshot, parent, config, world size) already published: a no-op,
             # even though "the newest policy" is now that run's own output
-            if c["checkpoint_id"] == run_identity(snapshot_id, c["parent_checkpoint_id"] or "", cfg, world_size)[1]:
-                return _published_result(lake, c["checkpoint_id"], snapshot_id)
+            key, cid = run_identity(snapshot_id, c["parent_checkpoint_id"] or "", cfg, world_size)
+            if c["checkpoint_id"] == cid:
+                if rank == 0:   # killed after the publishing commit, before the cleanup
+                    shutil.rmtree(local_checkpoint_dir(lake, f"_runs/{key[:24]}"), ignore_errors=True)
+                return _published_result(lake, cid, snapshot_id)
         c = consumers[0]
         raise ConflictError(f"snapshot {snapshot_id} was already consumed by checkpoint {c['checkpoint_id']} "
                             f"(policy version {c['policy_version']})",
