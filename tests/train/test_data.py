@@ -64,8 +64,6 @@ def test_group_count_must_match_receipt(payload):
 
 
 def test_collate_layout_by_hand():
-    import pyarrow as pa
-
     from pipeline.train.data import Members
 
     # member 0: prompt [5, 6], response [7, 8, 9] with mask [1, 0, 1] (8 is an observation)

@@ -101,7 +101,6 @@ def test_exported_policy_loads_in_transformers_and_generates(tlake):
     assert out.shape == (1, ids.shape[1] + 5)
     # the export carries the trained weights, not the parent's
     from safetensors.torch import load_file
-    from pipeline.train.model import PolicyLogprobs  # noqa: F401  (import check: no deepspeed needed)
 
     sd = load_file(str(hf / "model.safetensors"))
     assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items() if k in sd)
