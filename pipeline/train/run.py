@@ -285,7 +285,7 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
             rows.append(row)
             if bar is not None:
                 bar.set_postfix(loss=f"{row['loss']:.4f}", reward=f"{row['reward_mean']:.3f}",
-                                kl=f"{row['approx_kl']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
+                                kl_old=f"{row['approx_kl']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
                 bar.update(1)
             done = step.index + 1
             if cfg.save_every and done % cfg.save_every == 0 and done < len(steps):
