@@ -7,14 +7,17 @@ import argparse
 
 def register(sub: argparse._SubParsersAction) -> None:
     from pipeline.cli import add_config_options, common
+    from pipeline.config import describe
+    from pipeline.train.config import TrainConfig
 
+    keys = "\n".join(f"  {name} (default {default!r}): {help_}" for name, default, help_ in describe(TrainConfig))
     p = common(sub.add_parser(
         "train", help="train the policy on one snapshot with DeepSpeed; publish the next policy version",
-        description="Trains on exactly the snapshot's own files (verified first), writes "
-                    "<lake>/checkpoints/<id>/ (DeepSpeed state, RNG, data cursor, config, hf/ export, 'latest' last) "
-                    "and publishes it as the next policy version with lineage. Config keys: "
-                    "python -c 'from pipeline.config import describe; from pipeline.train.config import TrainConfig; "
-                    "print(*describe(TrainConfig), sep=chr(10))'"))
+        description="Trains on exactly the snapshot's own files (verified first), writes\n"
+                    "<lake>/checkpoints/<id>/ (DeepSpeed state, RNG, data cursor, config, hf/ export, 'latest' last)\n"
+                    "and publishes it as the next policy version, with a metrics row per step and lineage.",
+        epilog="config keys (--config FILE / --set key=value):\n" + keys,
+        formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--batch-snapshot", required=True, metavar="ID", help="snapshot id (pipeline admit prints it)")
     add_config_options(p)
     p.add_argument("--from-checkpoint", default=None, metavar="ID",
