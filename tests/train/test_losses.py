@@ -54,7 +54,7 @@ def test_clip_higher_dapo():
     # clip_high = 0.6: r = 1.5 < 1.6 is no longer clipped: seq 0 token 0 contributes -1.5
     logp, old = _inputs()
     loss, m = L.policy_loss(logp, old, ADV, MASK, clip_low=0.2, clip_high=0.6, agg="token-mean")
-    assert float(loss) == pytest.approx((-1.5 - 0.5 - 1.0 + 1.1 + 2.0) / 5, abs=1e-12)  # 0.02
+    assert float(loss.detach()) == pytest.approx((-1.5 - 0.5 - 1.0 + 1.1 + 2.0) / 5, abs=1e-12)  # 0.02
     assert m["clip_frac_high"] == 0.0
 
 
@@ -63,7 +63,7 @@ def test_clip_low_counts_negative_advantages():
     logp = torch.log(torch.tensor([[0.5, 1.0]], dtype=torch.float64)).requires_grad_(True)
     mask = torch.ones(1, 2, dtype=torch.float64)
     loss, m = L.policy_loss(logp, torch.zeros(1, 2, dtype=torch.float64), -mask, mask, clip_low=0.2, clip_high=0.2)
-    assert float(loss) == pytest.approx((0.8 + 1.0) / 2)
+    assert float(loss.detach()) == pytest.approx((0.8 + 1.0) / 2)
     assert m["clip_frac_low"] == pytest.approx(0.5)
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.5]], dtype=torch.float64))
@@ -77,7 +77,7 @@ def test_gspo_sequence_ratio():
     loss, _ = L.policy_loss(logp, old, ADV, MASK, clip_low=0.2, clip_high=0.2, ratio_level="sequence",
                             agg="seq-mean-token-mean")
     s0, s1 = 0.75 ** (1 / 3), 2.2 ** 0.5
-    assert float(loss) == pytest.approx((-s0 + s1) / 2, abs=1e-12)
+    assert float(loss.detach()) == pytest.approx((-s0 + s1) / 2, abs=1e-12)
     loss.backward()
     # GSPO gradient: -A s_i / |y_i| / B per token of sequence i
     expected = torch.tensor([[-s0 / 3 / 2] * 3, [s1 / 2 / 2, s1 / 2 / 2, 0.0]], dtype=torch.float64)
@@ -90,7 +90,7 @@ def test_gspo_clips_whole_sequences():
     adv = torch.tensor([[1.0], [1.0]], dtype=torch.float64) * MASK
     loss, m = L.policy_loss(logp, old, adv, MASK, clip_low=0.2, clip_high=0.2, ratio_level="sequence",
                             agg="seq-mean-token-mean")
-    assert float(loss) == pytest.approx((-(0.75 ** (1 / 3)) - 1.2) / 2, abs=1e-12)
+    assert float(loss.detach()) == pytest.approx((-(0.75 ** (1 / 3)) - 1.2) / 2, abs=1e-12)
     assert m["clip_frac_high"] == pytest.approx(2 / 5)
     loss.backward()
     assert torch.all(logp.grad[1] == 0)
@@ -121,7 +121,7 @@ def test_reinforce_no_ratio():
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
     adv = torch.tensor([[1.0], [-1.0]], dtype=torch.float64) * mask
     loss, _ = L.POLICY_LOSSES["reinforce"](logp, None, adv, mask, agg="token-mean")
-    assert float(loss) == pytest.approx((1 + 2 - 0.5) / 3)
+    assert float(loss.detach()) == pytest.approx((1 + 2 - 0.5) / 3)
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-1 / 3, -1 / 3], [1 / 3, 0.0]], dtype=torch.float64))
 
