@@ -61,7 +61,7 @@ def _pair(name: str, hf_dir: Path, n_prompts: int, n: int, repeat: int) -> Resul
     hf_s, hf_tok = _measure(hf, reqs, sampling, repeat)
     hf.close()
     t0 = time.perf_counter()
-    vl = VLLMEngine(hf_dir)
+    vl = VLLMEngine(hf_dir, threads=1)
     vl_start = time.perf_counter() - t0
     vl_s, vl_tok = _measure(vl, reqs, sampling, repeat)
     vl.close()
@@ -71,12 +71,11 @@ def _pair(name: str, hf_dir: Path, n_prompts: int, n: int, repeat: int) -> Resul
         ratio=vl_rate / hf_rate, target=None, higher_is_better=True,
         measured=f"vLLM {vl_rate:,.0f} tok/s ({vl_tok} tokens in {vl_s:.2f}s; start-up {vl_start:.1f}s)",
         baseline=f"transformers {hf_rate:,.0f} tok/s ({hf_tok} tokens in {hf_s:.2f}s; start-up {hf_start:.1f}s)",
-        note="torch 1 thread; vLLM CPU with its own OpenMP threads")
+        note="1 thread each")
 
 
 def run(quick: bool = False) -> list[Result]:
     from pipeline.lake.delta import Lake
-    from pipeline.rollout import hf as hfmod
     from pipeline.rollout.policy import init_policy
 
     n_prompts, n, repeat = (8, 4, 1) if quick else (64, 8, 3)
@@ -84,9 +83,15 @@ def run(quick: bool = False) -> list[Result]:
         ref = init_policy(Lake(Path(tmp) / "lake"), warm_start_steps=30 if quick else 300)
         results = [_pair("policy v0 (hidden 64, 2 layers)", ref.hf_dir, n_prompts, n, repeat)]
         if not quick:
-            big = Path(tmp) / "big"
-            model = hfmod.build_model(hfmod.Arch(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                                                 num_attention_heads=8), seed=0)
-            hfmod.save_policy(model, big)
-            results.append(_pair("random Llama (hidden 256, 4 layers)", big, n_prompts, n, repeat))
+            results.append(_big(Path(tmp), n_prompts, n, repeat))
     return results
+
+
+def _big(tmp: Path, n_prompts: int, n: int, repeat: int) -> Result:
+    from pipeline.rollout import hf as hfmod
+
+    big = tmp / "big"
+    model = hfmod.build_model(hfmod.Arch(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                                         num_attention_heads=8), seed=0)
+    hfmod.save_policy(model, big)
+    return _pair("random Llama (hidden 256, 4 layers)", big, n_prompts, n, repeat)

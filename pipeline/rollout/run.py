@@ -284,11 +284,21 @@ def run_rollout(lake, cfg: RolloutConfig | None = None, **overrides: Any) -> Rol
     if cfg.workers == 1:
         return run_worker(lake, cfg, 0)
     import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    from pipeline.errors import PipelineError
 
     t0 = time.perf_counter()
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(cfg.workers) as pool:
-        parts = pool.starmap(_worker_main, [(lake.uri, config_dict(cfg), w) for w in range(cfg.workers)])
+    # spawn: no forked torch/OpenMP state; a killed worker raises instead of hanging the pool
+    with ProcessPoolExecutor(cfg.workers, mp_context=mp.get_context("spawn")) as pool:
+        futures = [pool.submit(_worker_main, lake.uri, config_dict(cfg), w) for w in range(cfg.workers)]
+        try:
+            parts = [f.result() for f in futures]
+        except BrokenProcessPool:
+            raise PipelineError(f"a rollout worker of run {cfg.run_id} died",
+                                hint=f"rerun with --run-id {cfg.run_id} to resume: finished trajectories are "
+                                     "kept, interrupted ones are completed from the spool") from None
     return _merge(cfg, parts, time.perf_counter() - t0)
 
 

@@ -44,7 +44,11 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.3) -> None:
         vllm = _import_vllm()
         if threads:
+            # our thread count, not vLLM's auto-binding to the cores of a NUMA node (workers would share them)
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            import torch
+
+            torch.set_num_threads(threads)
         self.hf_dir = Path(hf_dir)
         import json
 

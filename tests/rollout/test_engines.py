@@ -60,6 +60,9 @@ def test_hf_samples_depend_only_on_their_seed(policy_dir):
     assert flat(other) != flat(again)
     greedy = eng.generate(_requests(n=2), Sampling(temperature=0.0, max_new_tokens=10))
     assert all(cs[0].token_ids == cs[1].token_ids for cs in greedy)
+    # a tiny nucleus keeps only the top token: sampling becomes greedy
+    nucleus = eng.generate(_requests(n=2), Sampling(temperature=1.0, top_p=1e-6, max_new_tokens=10))
+    assert flat(nucleus) == flat(greedy)
 
 
 @pytest.mark.slow
