@@ -210,3 +210,19 @@ def test_shipping_is_exactly_once_and_quarantines_bad_rows(lake, tmp_path):
     assert (again.trajectories, again.skipped) == (0, 1)
     assert lake.read("trajectories", columns=["trajectory_id"]).num_rows == 3
     assert lake.transaction_version("trajectories", "w-ship") == 0
+
+
+def test_follow_latest_switches_engine_to_newest_published_policy(lake, published):
+    from pipeline.rollout.run import _PolicyHolder
+
+    published(0, "p0")
+    holder = _PolicyHolder(lake, RolloutConfig(follow_latest=True))
+    eng0, v0 = holder()
+    assert v0 == 0 and holder() == (eng0, 0)                 # nothing new: same engine, no reload
+    published(1, "p1")
+    eng1, v1 = holder()
+    assert v1 == 1 and eng1 is not eng0 and holder.checkpoint_id == "p1"
+    pinned = _PolicyHolder(lake, RolloutConfig(policy="0"))
+    assert pinned()[1] == 0
+    holder.close()
+    pinned.close()
