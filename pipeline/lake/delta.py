@@ -12,6 +12,7 @@ from __future__ import annotations
 import getpass
 import os
 import socket
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -364,6 +365,9 @@ def _path_safe(v: str | None) -> str:
     return "h" + hashlib.sha256(v.encode()).hexdigest()[:16]
 
 
+STATS_PREFIX = 64
+
+
 def _stats_json(t: pa.Table, columns: list[str]) -> str:
     """Delta file statistics (numRecords, nullCount; min/max for numbers, times and strings)."""
     import json
@@ -386,7 +390,15 @@ def _stats_json(t: pa.Table, columns: list[str]) -> str:
                 lo = lo.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
                 hi = hi.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
             elif pa.types.is_floating(typ) and not (math.isfinite(lo) and math.isfinite(hi)):
-                continue
+                # JSON has no inf/NaN, and leaving min/max out would prune the file:
+                # widen to the finite extremes
+                lo, hi = -sys.float_info.max, sys.float_info.max
+            elif isinstance(lo, str):
+                # bounded stats (a quarantine raw_row can be megabytes): a prefix is a valid
+                # minimum; a prefix followed by the highest code point a valid maximum
+                lo = lo[:STATS_PREFIX]
+                if len(hi) > STATS_PREFIX:
+                    hi = hi[:STATS_PREFIX] + "\U0010ffff"
             mins[name], maxs[name] = lo, hi
     return json.dumps({"numRecords": t.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls})
 

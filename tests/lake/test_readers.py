@@ -60,3 +60,37 @@ def test_sql_output_formats_and_params(lake, tmp_path, make_traj, capsys):
 
 def test_sql_on_a_new_lake_has_empty_views(lake, capsys):
     assert _sql(capsys, lake, "SELECT count(*) AS n FROM receipts")["rows"] == [{"n": 0}]
+
+
+def test_filtered_reads_find_rows_despite_long_strings_nulls_and_non_finite_floats(lake, make_traj):
+    """Delta file stats drive file pruning: every scalar column must carry bounds
+    that contain its values (a file without them is pruned from every filter)."""
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+
+    from pipeline.lake.ingest import stamp_derived
+
+    t = make_traj(6, seed=5)
+    long_ids = [f"{'x' * 200}-{i}" for i in range(6)]
+    t = t.set_column(0, "trajectory_id", pa.array(long_ids))
+    t = t.set_column(t.schema.get_field_index("difficulty"), "difficulty", pa.nulls(6, pa.string()))
+    lake.append("trajectories", stamp_derived(t, "x"), command="t")
+    assert lake.read("trajectories", columns=["trajectory_id"],
+                     filter=ds.field("trajectory_id") == long_ids[5]).num_rows == 1
+    assert lake.read("trajectories", columns=["trajectory_id"], filter=ds.field("difficulty").is_null()).num_rows == 6
+    import math
+    from datetime import datetime, timezone
+
+    from pipeline.schema import arrow_schema
+
+    row = {"step": 0, "loss": math.inf}  # a diverged training step is still findable
+    schema = arrow_schema("metrics")
+    full = {f.name: None for f in schema}
+    full.update({k: v for k, v in row.items() if k in full})
+    for f in schema:
+        if not f.nullable and full[f.name] is None:
+            full[f.name] = (datetime.now(timezone.utc) if pa.types.is_timestamp(f.type) else
+                            "x" if pa.types.is_string(f.type) else 0)
+    lake.append("metrics", pa.Table.from_pylist([full], schema=schema), command="t")
+    if "loss" in schema.names:
+        assert lake.read("metrics", columns=["loss"], filter=ds.field("loss") > 1.0).num_rows == 1
