@@ -79,3 +79,58 @@ def test_demo_cli_json(tmp_path):
     again = subprocess.run([sys.executable, "-m", "pipeline", "demo", "--lake", str(tmp_path / "lk")],
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "already holds a policy" in again.stderr
+
+
+@pytest.mark.slow
+def test_async_kill_worker_and_trainer_then_restart_loses_and_duplicates_nothing(lake):
+    """The async pieces are separate processes meeting in the lake: SIGKILL the
+    rollout worker and the trainer mid-run, restart them, and count."""
+    import signal
+    import time
+
+    from pipeline.admission.config import AdmissionConfig
+    from pipeline.admission.run import admit
+    from pipeline.rollout.policy import init_policy
+
+    init_policy(lake, seed=0)
+    groups, g = 24, 4
+    worker_cmd = [sys.executable, "-m", "pipeline", "rollout", "--lake", lake.uri, "--groups", str(groups),
+                  "--group-size", str(g), "--seed", "5", "--run-id", "async-kill", "--follow-latest",
+                  "--set", "flush_rows=8", "--set", "groups_per_wave=4"]
+    worker = subprocess.Popen(worker_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if lake.exists("trajectories") and lake.read("trajectories", columns=["trajectory_id"]).num_rows >= 8:
+            break
+        assert worker.poll() is None, worker.stderr.read()[-2000:]
+        time.sleep(0.2)
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    landed_before = lake.read("trajectories", columns=["trajectory_id"]).num_rows
+    assert 0 < landed_before < groups * g, "the worker was killed mid-run"
+
+    a = admit(lake, AdmissionConfig(), command="test")
+    assert a.snapshot_id
+    train_cmd = [sys.executable, "-m", "pipeline", "train", "--batch-snapshot", a.snapshot_id, "--lake", lake.uri,
+                 "--set", "epochs=2", "--no-progress"]
+    trainer = subprocess.Popen(train_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(3.0)
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    rerun = subprocess.run(train_cmd + ["--json"], capture_output=True, text=True, timeout=600)
+    if rerun.returncode != 0 and "--resume" in rerun.stderr:
+        rerun = subprocess.run(train_cmd + ["--resume", "--json"], capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+
+    done = subprocess.run(worker_cmd, capture_output=True, text=True, timeout=900)  # same run id: resume
+    assert done.returncode == 0, done.stderr[-2000:]
+    ids = query(lake, "SELECT trajectory_id FROM trajectories WHERE run_id = 'async-kill'").column(0)
+    assert len(ids) == groups * g and pc.count_distinct(ids).as_py() == groups * g, "nothing lost or duplicated"
+    versions = query(lake, "SELECT policy_version FROM checkpoints ORDER BY 1").column(0).to_pylist()
+    assert versions == [0, 1], "the killed trainer published exactly once"
+    admit(lake, AdmissionConfig(), command="test")
+    dup = query(lake, "SELECT trajectory_id FROM snapshot_members GROUP BY 1 HAVING count(*) > 1")
+    assert dup.num_rows == 0
+    followed = query(lake, """SELECT count(*) FROM trajectories WHERE run_id = 'async-kill'
+                              AND list_max(token_policy_versions) >= 1""").column(0)[0].as_py()
+    assert followed > 0, "after the restart the worker followed the newly published version"
