@@ -106,6 +106,29 @@ def _admission_cfg(cfg: DemoConfig):
     return load_config(AdmissionConfig, None, {"max_policy_lag": cfg.max_policy_lag})
 
 
+def _train(lake, snapshot_id: str, cfg: DemoConfig, iteration: int):
+    """Train on one snapshot. With the vLLM engine the trainer runs in its own
+    process: vLLM re-creates torch.distributed's default process group in this
+    one, which invalidates the groups DeepSpeed cached from an earlier step."""
+    from types import SimpleNamespace
+
+    from pipeline.train.run import train_snapshot
+
+    tcfg = _train_cfg(cfg, iteration)
+    if cfg.engine != "vllm":
+        return train_snapshot(lake, snapshot_id, tcfg, progress=False)
+    cmd = [sys.executable, "-m", "pipeline", "train", "--batch-snapshot", snapshot_id, "--lake", lake.uri,
+           "--json", "--no-progress"] + [a for k in ("lr", "epochs", "seed")
+                                         for a in ("--set", f"{k}={getattr(tcfg, k)}")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        from pipeline.errors import PipelineError
+
+        raise PipelineError(f"training on {snapshot_id} failed: {proc.stderr.strip()[-1500:]}")
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    return SimpleNamespace(checkpoint_id=res["checkpoint_id"], policy_version=res["policy_version"])
+
+
 def _evaluate(lake, cfg: DemoConfig) -> tuple[int, float]:
     from pipeline.policy_store import resolve_policy
     from pipeline.rollout.evaluate import evaluate
@@ -182,7 +205,6 @@ def run_demo(lake, cfg: DemoConfig, *, out=print) -> dict[str, Any]:
 def _run_sync(lake, cfg: DemoConfig, lines: list[IterationLine], out) -> dict[str, Any]:
     from pipeline.admission.run import admit
     from pipeline.rollout.run import run_rollout
-    from pipeline.train.run import train_snapshot
 
     idle = busy = 0.0
     lags: Counter = Counter()
@@ -196,7 +218,7 @@ def _run_sync(lake, cfg: DemoConfig, lines: list[IterationLine], out) -> dict[st
         idle += t1 - t0  # the trainer waits for rollouts and admission
         r = None
         if a.snapshot_id:
-            r = train_snapshot(lake, a.snapshot_id, _train_cfg(cfg, k))
+            r = _train(lake, a.snapshot_id, cfg, k)
             if a.members is not None:
                 lags.update(a.members.column("policy_lag").to_pylist())
         busy += time.perf_counter() - t1
@@ -211,7 +233,6 @@ def _run_async(lake, cfg: DemoConfig, lines: list[IterationLine], out) -> dict[s
     """Rollout worker in its own process (following the newest policy between
     groups), trainer here; they meet only through the lake."""
     from pipeline.admission.run import admit
-    from pipeline.train.run import train_snapshot
 
     stop = Path(lake.uri) / "_demo" / f"stop-{os.getpid()}" if lake.is_local else Path(f".demo-stop-{os.getpid()}")
     stop.parent.mkdir(parents=True, exist_ok=True)
@@ -237,7 +258,7 @@ def _run_async(lake, cfg: DemoConfig, lines: list[IterationLine], out) -> dict[s
             idle += t1 - t0
             r = None
             for snap in snaps:  # every admitted snapshot is trained on, in order
-                r = train_snapshot(lake, snap.snapshot_id, _train_cfg(cfg, k))
+                r = _train(lake, snap.snapshot_id, cfg, k)
                 if snap.members is not None:
                     lags.update(snap.members.column("policy_lag").to_pylist())
             busy += time.perf_counter() - t1
