@@ -17,7 +17,6 @@ imports torch/transformers/tokenizers).
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -225,7 +224,3 @@ def warm_start(model: LlamaForCausalLM, sequences: list[list[int]], masks: list[
     model.eval()
     return {"loss": loss_val, "steps": steps, "seconds": time.perf_counter() - t0}
 
-
-def threads_from_env() -> int | None:
-    v = os.environ.get("PIPELINE_THREADS")
-    return int(v) if v else None
