@@ -35,10 +35,11 @@ class PolicyRef:
     policy_version: int
     path: Path                  # local checkpoint directory
     file_sha256: dict[str, str]
+    hf_path: Path | None = None  # set for a user's plain HF directory (no checkpoint around it)
 
     @property
     def hf_dir(self) -> Path:
-        return self.path / HF_SUBDIR
+        return self.hf_path if self.hf_path is not None else self.path / HF_SUBDIR
 
 
 def checkpoint_rel(checkpoint_id: str) -> str:
@@ -111,7 +112,7 @@ def resolve_policy(lake, spec: str | int | None = None, *, verify: bool = True) 
         p = Path(spec)
         if p.is_dir():
             hf = p if (p / "config.json").exists() else p / HF_SUBDIR
-            return PolicyRef(checkpoint_id=p.name, policy_version=-1, path=hf.parent if hf != p else p, file_sha256={})
+            return PolicyRef(checkpoint_id=p.name, policy_version=-1, path=p, file_sha256={}, hf_path=hf)
     rows = _rows(lake)
     if not rows:
         raise NotFoundError(f"no published policy in lake {lake.uri}", hint="run: pipeline policy init")
