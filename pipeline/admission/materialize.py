@@ -2,11 +2,14 @@
 the Delta version admission read into the snapshot's own files.
 
 Memory stays bounded at any batch size (VERIFIED.md: whole-table reads of
-token lists are the memory danger). Pass 1 streams only the admitted rows
-(a ``trajectory_id`` filter, ``batch_rows`` at a time) into an uncompressed
-Arrow IPC spill file, tagging each with its rank in (group_id, trajectory_id)
-order; pass 2 memory-maps the spill and writes it out in rank order, part by
-part, through ``snapshot.write_snapshot_stream``.
+token lists are the memory danger). It is an external merge sort: pass 1
+streams only the admitted rows (a ``trajectory_id`` filter, ``batch_rows`` at
+a time), sorts each batch by its rank in (group_id, trajectory_id) order and
+appends it as one sorted run to an uncompressed Arrow IPC spill file; pass 2
+produces the output ``batch_rows`` ranks at a time by slicing each run's
+contiguous share of that rank window out of a fresh memory map, so every
+spill page is touched once and released with its window, and writes the parts
+through ``snapshot.write_snapshot_stream``.
 """
 
 from __future__ import annotations
@@ -28,15 +31,19 @@ SOURCE = ("trajectory_id", "content_hash", "run_id", "task_id", "group_size", "p
 RANK = "__rank"
 
 
-def _spill(dataset, admitted: pa.Table, path: str, batch_rows: int) -> tuple[int, int]:
-    """Pass 1: admitted rows -> IPC file with their rank. Returns (rows, response tokens)."""
+def _spill(dataset, admitted: pa.Table, path: str, batch_rows: int) -> tuple[int, int, list[np.ndarray]]:
+    """Pass 1: admitted rows -> IPC file of sorted runs. Returns (rows, response tokens, run ranks)."""
     ids = admitted.column("trajectory_id").combine_chunks()
     want_hash = admitted.column("content_hash").combine_chunks()
     # The id filter runs on each batch in Arrow: ids are random, file statistics
     # could prune nothing, and a row must never be hidden by them.
-    scanner = dataset.scanner(columns=list(SOURCE), batch_size=batch_rows)
+    # Modest readahead: token payload batches are large (VERIFIED.md: whole-table
+    # reads are the memory danger); pyarrow's defaults buffer up to 16 x 4.
+    scanner = dataset.scanner(columns=list(SOURCE), batch_size=batch_rows, batch_readahead=4,
+                              fragment_readahead=2)
     schema = scanner.projected_schema.append(pa.field(RANK, pa.int64()))
     rows = tokens = 0
+    runs: list[np.ndarray] = []
     with pa.OSFile(path, "wb") as f, pa.ipc.new_file(f, schema) as w:
         for b in scanner.to_batches():
             if b.num_rows == 0:
@@ -50,31 +57,41 @@ def _spill(dataset, admitted: pa.Table, path: str, batch_rows: int) -> tuple[int
             if not pc.equal(b.column("content_hash"), pc.take(want_hash, rank)).to_numpy(False).all():
                 raise IntegrityError("a trajectory's content_hash changed between admission and materialization",
                                      hint="rerun pipeline admit")
-            w.write_batch(pa.RecordBatch.from_arrays(list(b.columns) + [rank.cast(pa.int64())], schema=schema))
+            r = rank.cast(pa.int64()).to_numpy()
+            order = np.argsort(r, kind="stable")
+            run = pa.RecordBatch.from_arrays(list(b.columns) + [pa.array(r)], schema=schema).take(pa.array(order))
+            w.write_batch(run)
+            runs.append(r[order])
             rows += b.num_rows
             tokens += int(pc.sum(pc.list_value_length(b.column("response_ids"))).as_py() or 0)
-    return rows, tokens
+    return rows, tokens, runs
 
 
-def _parts(path: str, admitted: pa.Table, snapshot_id: str, batch_rows: int) -> Iterator[pa.Table]:
-    """Pass 2: the spill in rank order, joined with the decision columns.
-
-    The spill is memory-mapped afresh for every output part: ``take`` copies
-    the part's rows out, and closing the map releases the pages it touched,
-    so resident memory stays at about one part however big the snapshot."""
-    with pa.memory_map(path, "r") as src:
-        ranks = pa.ipc.open_file(src).read_all().column(RANK).to_numpy()
-    order = np.argsort(ranks, kind="stable")
-    del ranks
-    for lo in range(0, len(order), batch_rows):
-        idx = order[lo:lo + batch_rows]
+def _parts(path: str, runs: list[np.ndarray], admitted: pa.Table, snapshot_id: str,
+           batch_rows: int) -> Iterator[pa.Table]:
+    """Pass 2: merge the sorted runs window by window, joined with the decision columns."""
+    total = sum(len(r) for r in runs)
+    for lo in range(0, total, batch_rows):
+        hi = lo + batch_rows
         with pa.memory_map(path, "r") as src:
-            t = pa.ipc.open_file(src).read_all().take(pa.array(idx))
-        dec = admitted.take(t.column(RANK))
+            reader = pa.ipc.open_file(src)
+            pieces, ranks = [], []
+            for i, r in enumerate(runs):
+                a, z = np.searchsorted(r, lo), np.searchsorted(r, hi)
+                if z > a:
+                    pieces.append(reader.get_batch(i).slice(a, z - a))
+                    ranks.append(r[a:z])
+            window = pa.Table.from_batches(pieces).combine_chunks()                  # copies: window-sized
+            del pieces
+        t = window.take(pa.array(np.argsort(np.concatenate(ranks), kind="stable")))
+        del window
+        dec = admitted.slice(lo, t.num_rows)  # admitted is in rank order
         cols: dict[str, Any] = {"snapshot_id": pa.array([snapshot_id] * t.num_rows, pa.string())}
         for c in ("trajectory_id", "group_id", "content_hash", "advantage", "reward", "policy_lag",
                   "difficulty", "length_bucket", "tool_call_bucket", "reward_std_bucket"):
             cols[c] = dec.column(c)
+        if not t.column("trajectory_id").equals(dec.column("trajectory_id")):
+            raise AssertionError("materialization merge out of order")
         for c in SOURCE:
             if c not in cols:
                 cols[c] = t.column(c)
@@ -90,12 +107,12 @@ def materialize(lake, version: int, admitted: pa.Table, *, snapshot_id: str, bat
     spill_dir = spill_dir or os.environ.get("PIPELINE_SPILL_DIR") or None
     with tempfile.TemporaryDirectory(prefix="admit-spill-", dir=spill_dir) as tmp:
         path = os.path.join(tmp, "payload.arrow")
-        rows, tokens = _spill(dataset, admitted, path, batch_rows)
+        rows, tokens, runs = _spill(dataset, admitted, path, batch_rows)
         if rows != admitted.num_rows:
             raise IntegrityError(f"materialization found {rows} of {admitted.num_rows} admitted trajectories "
                                  f"in trajectories@{version}", hint="rerun pipeline admit")
         extra = dict(manifest_extra)
         extra["num_tokens"] = tokens
-        snap = write_snapshot_stream(lake, _parts(path, admitted, snapshot_id, batch_rows),
+        snap = write_snapshot_stream(lake, _parts(path, runs, admitted, snapshot_id, batch_rows),
                                      snapshot_id=snapshot_id, manifest_extra=extra)
     return snap, tokens
