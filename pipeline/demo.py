@@ -107,26 +107,9 @@ def _admission_cfg(cfg: DemoConfig):
 
 
 def _train(lake, snapshot_id: str, cfg: DemoConfig, iteration: int):
-    """Train on one snapshot. With the vLLM engine the trainer runs in its own
-    process: vLLM re-creates torch.distributed's default process group in this
-    one, which invalidates the groups DeepSpeed cached from an earlier step."""
-    from types import SimpleNamespace
-
     from pipeline.train.run import train_snapshot
 
-    tcfg = _train_cfg(cfg, iteration)
-    if cfg.engine != "vllm":
-        return train_snapshot(lake, snapshot_id, tcfg, progress=False)
-    cmd = [sys.executable, "-m", "pipeline", "train", "--batch-snapshot", snapshot_id, "--lake", lake.uri,
-           "--json", "--no-progress"] + [a for k in ("lr", "epochs", "seed")
-                                         for a in ("--set", f"{k}={getattr(tcfg, k)}")]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        from pipeline.errors import PipelineError
-
-        raise PipelineError(f"training on {snapshot_id} failed: {proc.stderr.strip()[-1500:]}")
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    return SimpleNamespace(checkpoint_id=res["checkpoint_id"], policy_version=res["policy_version"])
+    return train_snapshot(lake, snapshot_id, _train_cfg(cfg, iteration), progress=False)
 
 
 def _evaluate(lake, cfg: DemoConfig) -> tuple[int, float]:

@@ -83,6 +83,29 @@ def ds_config(*, zero_stage: int, precision: str, offload: bool, max_grad_norm: 
     }
 
 
+def _drop_stale_groups() -> None:
+    """Forget process groups DeepSpeed cached against an earlier default group.
+
+    DeepSpeed caches its world / data-parallel groups in module globals. If
+    something else in the process tore torch.distributed down and set it up
+    again in between (vLLM's in-process engine does), those groups are no longer
+    registered and the next ``deepspeed.initialize`` fails with "Group ... is not
+    registered". Unregistered ones are dropped so DeepSpeed recreates them."""
+    from deepspeed.utils import groups
+    from torch.distributed import distributed_c10d as c10d
+
+    registered = c10d._world.pg_group_ranks
+    for name in dir(groups):
+        if not (name.startswith("_") and name.endswith("_GROUP")):
+            continue
+        value = getattr(groups, name)
+        if isinstance(value, dict):
+            if any(g not in registered for g in value.values()):
+                setattr(groups, name, {})
+        elif value is not None and not isinstance(value, (int, str)) and value not in registered:
+            setattr(groups, name, None)
+
+
 class DeepSpeedStrategy:
     """DeepSpeed engine + torch AdamW + linear-warmup LR, behind a narrow interface."""
 
@@ -92,6 +115,7 @@ class DeepSpeedStrategy:
         single_process_env()
         if not torch.distributed.is_initialized():
             ds.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+        _drop_stale_groups()
         self.max_grad_norm = max_grad_norm
         opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
         warm = max(warmup_steps, 0)
