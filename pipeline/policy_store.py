@@ -1,6 +1,6 @@
 """Policy versions, published through the ``checkpoints`` table.
 
-A policy version is a checkpoint directory ``<lake>/checkpoints/<checkpoint_id>/``
+A policy version is a checkpoint directory ``<lake>/_checkpoints/<checkpoint_id>/``
 holding at least ``hf/`` (a Hugging Face model directory: config.json,
 model.safetensors, tokenizer files) that the rollout engines and the trainer
 load. Publication = appending the checkpoints row (with the sha256 of every
@@ -43,7 +43,7 @@ class PolicyRef:
 
 
 def checkpoint_rel(checkpoint_id: str) -> str:
-    return f"checkpoints/{checkpoint_id}"
+    return f"_checkpoints/{checkpoint_id}"
 
 
 def local_checkpoint_dir(lake, checkpoint_id: str) -> Path:

@@ -76,3 +76,28 @@ def test_double_start_of_the_admission_job_yields_one_snapshot(demo_lake, tmp_pa
                            capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
     assert query(lake, "SELECT count(*) FROM snapshots").column(0)[0].as_py() == 1
+
+
+@pytest.mark.slow
+def test_snapshot_and_checkpoint_files_survive_a_full_vacuum_of_every_table(demo_lake, tmp_path):
+    """Payload files live outside every Delta table's directory (<lake>/_snapshots,
+    <lake>/_checkpoints), so even a full vacuum (which deletes every file in a table
+    directory that the log does not reference) cannot touch them."""
+    from deltalake import DeltaTable
+
+    from pipeline.admission.snapshot import verify_snapshot
+    from pipeline.policy_store import resolve_policy
+    from pipeline.schema import TABLES
+
+    dst = tmp_path / "lake"
+    shutil.copytree(demo_lake.uri, dst)
+    lake = Lake(dst)
+    a = admit(lake, AdmissionConfig())
+    r = train_snapshot(lake, a.snapshot_id, TrainConfig(epochs=1), progress=False)
+    for name in TABLES + ("metrics",):
+        if lake.exists(name):
+            DeltaTable(lake.table_uri(name)).vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False,
+                                                    full=True)
+    assert verify_snapshot(lake, a.snapshot_id)["ok"]
+    ref = resolve_policy(lake)  # rehashes every file of the newest checkpoint
+    assert ref.checkpoint_id == r.checkpoint_id and (ref.hf_dir / "config.json").exists()

@@ -2,8 +2,8 @@
 
 A snapshot is a directory of its own files under the lake root::
 
-    <lake>/snapshots/<snapshot_id>/members.parquet   schemas/snapshot_payload.yaml
-    <lake>/snapshots/<snapshot_id>/manifest.json     written last
+    <lake>/_snapshots/<snapshot_id>/members.parquet   schemas/snapshot_payload.yaml
+    <lake>/_snapshots/<snapshot_id>/manifest.json     written last
 
 ``manifest.json`` lists the sha256 of every data file, the member count, the
 admission config and estimator. The ``snapshots`` table row (committed after
@@ -46,7 +46,7 @@ def compute_snapshot_id(members: Iterable[tuple[str, str]], config_hash: str, es
 
 def snapshot_dir(snapshot_id: str) -> str:
     """Directory of a snapshot relative to the lake root."""
-    return f"snapshots/{snapshot_id}"
+    return f"_snapshots/{snapshot_id}"
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def write_snapshot_stream(lake, parts: Iterable[pa.Table | pa.RecordBatch], *, s
         return existing
     schema = table_spec("snapshot_payload").arrow_schema()
     fs, root = lake.filesystem()
-    tmp = f"{root}/snapshots/.tmp-{snapshot_id[:16]}-{uuid.uuid4().hex[:8]}"
+    tmp = f"{root}/_snapshots/.tmp-{snapshot_id[:16]}-{uuid.uuid4().hex[:8]}"
     fs.create_dir(tmp, recursive=True)
     rows = 0
     last_key: tuple[str, str] | None = None

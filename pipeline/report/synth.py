@@ -242,7 +242,7 @@ def _checkpoints(spec: HealthLakeSpec, snaps: dict[tuple[str, int], str]) -> pa.
         cid = f"ck-{v:04d}"
         rows.append({
             "checkpoint_id": cid, "parent_checkpoint_id": parent, "snapshot_ids": used, "policy_version": v,
-            "path": f"checkpoints/{cid}", "train_config_hash": "t" * 64,
+            "path": f"_checkpoints/{cid}", "train_config_hash": "t" * 64,
             "train_config_json": json.dumps({"lr": 1e-5}), "code_version": "synth", "seed": spec.seed,
             "world_size": 1, "global_step": 10 * v, "samples_seen": 100 * v,
             "metrics_json": json.dumps({"loss": 1.0 / (v + 1)}), "file_sha256": [("model.safetensors", "0" * 64)],

@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     i = common(psub.add_parser(
         "init", help="build the tokenizer + tiny Llama, warm-start it, publish policy version 0",
         description="Build the char tokenizer and a tiny Llama from PolicyInitConfig, run a short supervised "
-                    "warm start on synthetic demonstrations, save it in HF format under <lake>/checkpoints/ and "
+                    "warm start on synthetic demonstrations, save it in HF format under <lake>/_checkpoints/ and "
                     "publish it as policy version 0."))
     i.add_argument("--seed", type=int, default=None)
     i.add_argument("--warm-start-steps", type=int, default=None)

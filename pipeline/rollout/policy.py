@@ -2,7 +2,7 @@
 
 Builds the char tokenizer and a tiny Llama from a config, runs a short
 supervised warm start on synthetic demonstrations of the built-in tasks, saves
-the Hugging Face directory under ``<lake>/checkpoints/<id>/hf/`` and publishes
+the Hugging Face directory under ``<lake>/_checkpoints/<id>/hf/`` and publishes
 it as policy version 0 (pipeline.policy_store).
 
 Why a warm start with *mixed* demonstrations: GRPO learns only from groups

@@ -1,6 +1,6 @@
 """Checkpoint directories the trainer writes and reads.
 
-Resumable state of a run in progress (``<lake>/checkpoints/_runs/<run_key>/``)::
+Resumable state of a run in progress (``<lake>/_checkpoints/_runs/<run_key>/``)::
 
     run.json                    what is being trained (snapshot, parent, config)
     ds/<tag>/...                DeepSpeed: model, optimizer, scheduler (+ client_state: data cursor, metrics)
@@ -8,7 +8,7 @@ Resumable state of a run in progress (``<lake>/checkpoints/_runs/<run_key>/``)::
     manifest-<tag>.json         sha256 of every file of <tag>
     latest                      the tag, written atomically and last
 
-A published checkpoint (``<lake>/checkpoints/<checkpoint_id>/``)::
+A published checkpoint (``<lake>/_checkpoints/<checkpoint_id>/``)::
 
     ds/final/...  rng/final/...  cursor.json  train_config.json
     hf/           config.json, model.safetensors, tokenizer files: the next policy version

@@ -14,7 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = common(sub.add_parser(
         "train", help="train the policy on one snapshot with DeepSpeed; publish the next policy version",
         description="Trains on exactly the snapshot's own files (verified first), writes\n"
-                    "<lake>/checkpoints/<id>/ (DeepSpeed state, RNG, data cursor, config, hf/ export, 'latest' last)\n"
+                    "<lake>/_checkpoints/<id>/ (DeepSpeed state, RNG, data cursor, config, hf/ export, 'latest' last)\n"
                     "and publishes it as the next policy version, with a metrics row per step and lineage.",
         epilog="config keys (--config FILE / --set key=value):\n" + keys,
         formatter_class=argparse.RawDescriptionHelpFormatter))

@@ -92,9 +92,9 @@ def test_crash_between_writes_converges_to_the_same_snapshot(tmp_path, make_traj
     assert _assert_one_decision_per_group(lake, 20) == dry.snapshot_id
     assert verify_snapshot(lake, rerun.snapshot_id)["registered"]
     # one snapshot directory (temporary ones are dot-named and removed)
-    names = [d.name for d in (tmp_path / "lake" / "snapshots").iterdir() if (d / "manifest.json").exists()]
+    names = [d.name for d in (tmp_path / "lake" / "_snapshots").iterdir() if (d / "manifest.json").exists()]
     assert names == [dry.snapshot_id]
-    assert not [d for d in (tmp_path / "lake" / "snapshots").iterdir() if d.name.startswith(".tmp-")]
+    assert not [d for d in (tmp_path / "lake" / "_snapshots").iterdir() if d.name.startswith(".tmp-")]
 
 
 def test_new_data_after_a_decision_makes_a_new_snapshot(lake, make_traj):

@@ -51,7 +51,7 @@ def test_snapshot_survives_append_compact_vacuum_and_copy(tmp_path, make_traj, c
 def test_verify_detects_tampering(lake, make_traj):
     lake.append("trajectories", stamp_derived(make_traj(40, seed=1), "i1"), command="test")
     sid = admit(lake, CFG).snapshot_id
-    path = lake.uri + f"/snapshots/{sid}/members.parquet"
+    path = lake.uri + f"/_snapshots/{sid}/members.parquet"
     data = bytearray(open(path, "rb").read())
     data[100] ^= 0xFF
     open(path, "wb").write(bytes(data))

@@ -100,7 +100,7 @@ def assert_converged(lake: Lake, snapshot_id: str, members: int, decisions: dict
     assert sm.num_rows == members and set(sm.column("snapshot_id").to_pylist()) == {snapshot_id}
     assert len(set(sm.column("trajectory_id").to_pylist())) == members
     assert verify_snapshot(lake, snapshot_id)["ok"]
-    on_disk = sorted(p.name for p in (Path(lake.uri) / "snapshots").iterdir()
+    on_disk = sorted(p.name for p in (Path(lake.uri) / "_snapshots").iterdir()
                      if p.is_dir() and not p.name.startswith((".", "_")) and len(p.name) == 64)
     assert on_disk == [snapshot_id]
 

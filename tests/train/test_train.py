@@ -134,7 +134,7 @@ KILL_CFG = TrainConfig(lr=0.003, micro_batch_tokens=256, grad_accum=1, epochs=4,
 def test_sigkill_mid_run_then_resume_equals_uninterrupted(tlake, tlake2):
     lake, sid = tlake
     proc = subprocess.Popen(_cli(lake, sid, KILL_SETS), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    runs = Path(lake.uri) / "checkpoints" / "_runs"
+    runs = Path(lake.uri) / "_checkpoints" / "_runs"
     killed_at = None
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
@@ -189,13 +189,13 @@ def test_drill_crash_while_publishing(tlake, tlake2):
     lake, sid = tlake
     p = subprocess.run([sys.executable, "-c", DRILL, lake.uri, sid], env=_env(), capture_output=True, text=True)
     assert p.returncode == 137, p.stderr[-3000:]
-    half = list((Path(lake.uri) / "checkpoints").glob("ck-*/hf/model.safetensors"))
+    half = list((Path(lake.uri) / "_checkpoints").glob("ck-*/hf/model.safetensors"))
     assert len(half) == 1 and not (half[0].parent.parent / "latest").exists()
     ref = resolve_policy(lake, None)                                # workers still get version 0, verified
     assert (ref.checkpoint_id, ref.policy_version) == ("tiny-v0", 0)
 
     # a corrupted resumable state is refused, never silently replaced by a fresh start
-    runs = list((Path(lake.uri) / "checkpoints" / "_runs").iterdir())
+    runs = list((Path(lake.uri) / "_checkpoints" / "_runs").iterdir())
     assert len(runs) == 1
     victim = sorted(p for p in (runs[0] / "ds").rglob("*.pt"))[0]
     good = victim.read_bytes()
@@ -233,7 +233,7 @@ def test_two_processes_match_one_up_to_reduction_order(tlake, tlake2):
     assert one.global_step == two.global_step
     a = load_file(str(Path(one.path) / "hf" / "model.safetensors"))
     b = load_file(str(Path(two.path) / "hf" / "model.safetensors"))
-    parent = load_file(str(Path(lake.uri) / "checkpoints" / "tiny-v0" / "hf" / "model.safetensors"))
+    parent = load_file(str(Path(lake.uri) / "_checkpoints" / "tiny-v0" / "hf" / "model.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4)
     assert any(not torch.equal(a[k], parent[k]) for k in a)
@@ -270,7 +270,7 @@ def test_config_variants_train_and_publish(tlake, sets):
 
 def test_tampered_snapshot_is_refused(tlake):
     lake, sid = tlake
-    f = Path(lake.uri) / "snapshots" / sid / "members.parquet"
+    f = Path(lake.uri) / "_snapshots" / sid / "members.parquet"
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))
