@@ -40,7 +40,6 @@ def run(quick: bool = False) -> list[Result]:
     root = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
     try:
         files = _make_inputs(root, n)
-        tokens = sum(pq.read_metadata(f).num_rows for f in files)
         in_bytes = sum(f.stat().st_size for f in files)
 
         def plain():

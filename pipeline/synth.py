@@ -43,7 +43,6 @@ def make_trajectories(n: int, *, seed: int = 0, group_size: int = 4, run_id: str
     tpv = np.where(mask == 1, policy_version, -1).astype(np.int32)
     prompt = rng.integers(3, 30000, n * prompt_len, dtype=np.int32)
     poff = np.arange(0, (n + 1) * prompt_len, prompt_len, dtype=np.int32)
-    off32 = offsets.astype(np.int32) if total < 2**31 else None
 
     def lst(values, offs=offsets):
         if total >= 2**31:

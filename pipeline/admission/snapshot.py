@@ -19,7 +19,6 @@ snapshot_id = sha256 over the members sorted by trajectory_id, one line each
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 from dataclasses import dataclass
 from typing import Any, Iterable

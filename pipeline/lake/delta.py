@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import math
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.dataset as ds
-from deltalake import CommitProperties, DeltaTable, Transaction, WriterProperties, write_deltalake
+from deltalake import CommitProperties, DeltaTable, Transaction, WriterProperties
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
 
 from pipeline import __version__
@@ -260,7 +260,7 @@ class Lake:
         from deltalake.transaction import AddAction
 
         fs, _ = self.filesystem()
-        base = self.table_uri(name := spec.name)
+        base = self.table_uri(spec.name)
         base_path = base if self.is_local else base.split("://", 1)[1]
         parts = list(spec.partition_by)
         scalar = [c.name for c in spec.columns if not c.is_list and not pa.types.is_map(c.arrow_type)
@@ -419,5 +419,3 @@ def _metadata(command: str, config_hash: str | None) -> dict[str, str]:
         meta["pipeline.config_hash"] = config_hash
     return meta
 
-
-WriteMode = Literal["append"]

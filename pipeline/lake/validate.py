@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.lake.contenthash import content_hashes
-from pipeline.schema import ColumnSpec, Invariant, TableSpec, table_spec
+from pipeline.schema import ColumnSpec, Invariant, table_spec
 
 
 @dataclass(frozen=True)

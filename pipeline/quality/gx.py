@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.errors import MissingExtraError
-from pipeline.quality.suites import ExpectationSpec, suite_for
+from pipeline.quality.suites import suite_for
 
 
 @dataclass

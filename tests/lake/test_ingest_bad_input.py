@@ -5,7 +5,7 @@ trajectories table version unchanged."""
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -14,7 +14,6 @@ import pytest
 
 from pipeline.errors import InputFileError
 from pipeline.lake.ingest import ingest_files
-from pipeline.synth import make_trajectories
 
 
 def _write(path, table):
