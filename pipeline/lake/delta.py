@@ -182,10 +182,28 @@ class Lake:
         return self.table(name).history(limit)
 
     # -- writes -----------------------------------------------------------
-    def append(self, name: str, data: pa.Table, *, command: str, config_hash: str | None = None,
+    def stage(self, name: str, data: pa.Table) -> list:
+        """Write ``data`` as data files of table ``name`` without committing them;
+        pass the result to ``append(..., staged=...)``. Until that commit lands the
+        files are invisible (vacuum removes them if it never does)."""
+        spec = table_spec(name)
+        return self._write_data_files(spec, data.select(spec.names).cast(spec.arrow_schema()))
+
+    def discard(self, name: str, staged: list) -> None:
+        """Best-effort removal of staged files that will not be committed."""
+        fs, _ = self.filesystem()
+        base = self.table_uri(name) if self.is_local else self.table_uri(name).split("://", 1)[1]
+        for action in staged:
+            try:
+                fs.delete_file(f"{base}/{action.path}")
+            except (FileNotFoundError, OSError):
+                pass
+
+    def append(self, name: str, data: pa.Table | None, *, command: str, config_hash: str | None = None,
                app_id: str | None = None, txn_version: int = 0,
                extra_transactions: list[str] | None = None,
-               extra_metadata: dict[str, str] | None = None) -> AppendResult:
+               extra_metadata: dict[str, str] | None = None,
+               staged: list | None = None, rows: int | None = None) -> AppendResult:
         """Append ``data`` to ``name`` exactly once per ``(app_id, txn_version)``.
 
         Retries ``CommitFailedError``. Any other failure after the write may have
@@ -193,18 +211,23 @@ class Lake:
         landed before trying again, never blindly re-appending. Without an
         ``app_id`` a one-off id is used, so ambiguity is still resolvable.
         ``extra_transactions`` are further app ids (version 0) recorded in the
-        same commit (ingest records one per source file).
+        same commit (ingest records one per source file). ``staged`` commits files
+        written earlier with :meth:`stage` instead of writing ``data``.
         """
         self.ensure(name)
         spec = table_spec(name)
-        data = data.select(spec.names).cast(spec.arrow_schema())
+        if staged is None:
+            data = data.select(spec.names).cast(spec.arrow_schema())
+            rows = data.num_rows
+        elif rows is None:
+            raise ValueError("append(staged=...) needs rows=")
         app_id = app_id or f"write-{uuid.uuid4().hex}"
         meta = _metadata(command, config_hash)
         meta.update({"pipeline.app_id": app_id, "pipeline.txn_version": str(txn_version)})
         meta.update(extra_metadata or {})
         last_exc: Exception | None = None
         ambiguous = False  # an earlier attempt failed in a way that may have committed
-        actions = None
+        actions = staged
         for attempt in range(MAX_ATTEMPTS):
             # Check and write against the SAME table snapshot: delta-rs then refuses
             # (ConcurrentTransaction) a commit racing another with our app id, which
@@ -216,7 +239,7 @@ class Lake:
                     # committed by someone else with this app id (or before this call)
                     return AppendResult(name, False, 0, None, app_id, txn_version)
                 # our own earlier attempt committed before failing: done
-                return AppendResult(name, True, data.num_rows, self.version(name), app_id, txn_version)
+                return AppendResult(name, True, rows, self.version(name), app_id, txn_version)
             try:
                 if actions is None:  # data files are immutable: write once, commit as often as needed
                     actions = self._write_data_files(spec, data)
@@ -233,7 +256,7 @@ class Lake:
                            if t != app_id],
                     ),
                 )
-                return AppendResult(name, True, data.num_rows, self.version(name), app_id, txn_version)
+                return AppendResult(name, True, rows, self.version(name), app_id, txn_version)
             except CommitFailedError as exc:
                 last_exc = exc
             except Exception as exc:  # ambiguous: the commit may have landed
@@ -242,9 +265,9 @@ class Lake:
             time.sleep(min(0.05 * 2**attempt, 2.0))
         landed = self.transaction_version(name, app_id)
         if landed is not None and landed >= txn_version:
-            return AppendResult(name, True, data.num_rows, self.version(name), app_id, txn_version)
+            return AppendResult(name, True, rows, self.version(name), app_id, txn_version)
         raise CommitError(
-            f"could not append {data.num_rows} rows to {name} after {MAX_ATTEMPTS} attempts: {last_exc}",
+            f"could not append {rows} rows to {name} after {MAX_ATTEMPTS} attempts: {last_exc}",
             hint=f"retry with the same transaction id ({app_id}, {txn_version}); it lands at most once",
         )
 

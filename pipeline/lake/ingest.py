@@ -219,16 +219,44 @@ def _tid(raw: pa.Table, raw_lines: list[str] | None, row: int) -> str | None:
 
 
 # -- the wrapper --------------------------------------------------------------------------
+def precheck(path: str, data: bytes) -> None:
+    """Cheap structural check (Parquet footer, Arrow IPC schema) so a corrupt or
+    truncated file fails the command before anything is written."""
+    fmt = detect_format(Path(path), data[:8])
+    try:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            pq.ParquetFile(pa.BufferReader(data)).metadata
+        elif fmt == "ipc":
+            try:
+                pa.ipc.open_file(pa.BufferReader(data)).schema
+            except pa.ArrowInvalid:
+                pa.ipc.open_stream(pa.BufferReader(data)).schema
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+        raise InputFileError(f"{path}: not a readable {fmt} file ({exc})",
+                             hint="the file is corrupt or truncated; re-export it") from None
+
+
 def ingest_files(lake, paths: Iterable[str | os.PathLike[str]], *, command: str = "ingest",
                  progress: bool = False) -> IngestReport:
-    """Validate every file, then land valid rows (one commit) and quarantine the
-    rest (one commit). Raises InputFileError before writing if a file is unreadable."""
+    """Land valid rows (one commit) and quarantine the rest (one commit).
+
+    Every file is fingerprinted and structurally checked first: an unreadable
+    file raises InputFileError before anything is written. Then, file by file in
+    input order, rows are parsed, validated and deduplicated (against the table
+    and the files before it: the first occurrence of an id wins), and their data
+    files are staged on a writer thread while the next file is validated. The
+    staged files become visible in one trajectories commit at the end; if
+    anything fails first, they are removed and no table version is written.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
     ingest_id = f"ingest-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
     report = IngestReport(ingest_id=ingest_id)
-    sources: list[_Source] = []
-    paths = [str(p) for p in paths]
+    heads: list[tuple[str, str, bytes]] = []
     seen_fp: set[str] = set()
-    for path in paths:  # read + validate everything first: nothing written on a bad file
+    for path in [str(p) for p in paths]:
         data, fp = read_bytes(path)
         report.files += 1
         # A file whose rows landed before (its transaction is in the trajectories
@@ -239,68 +267,79 @@ def ingest_files(lake, paths: Iterable[str | os.PathLike[str]], *, command: str 
             report.skipped_files.append(path)
             report.duplicates += n
             continue
-        raw, lines, pre, fp = read_file(path, data)
-        report.rows_read += raw.num_rows
+        precheck(path, data)
         seen_fp.add(fp)
-        sources.append(_Source(path, fp, raw, lines, validate_table(raw, pre_rejected=pre)))
-        del data
+        heads.append((path, fp, data))
+    if not heads:
+        return report
     lake.ensure("trajectories")
     lake.ensure("quarantine")
-    landed_txn = {s.fingerprint for s in sources
-                  if lake.transaction_version("trajectories", f"ingest:{s.fingerprint}") is not None}
-    quarantined_txn = {s.fingerprint for s in sources
-                       if lake.transaction_version("quarantine", f"ingest:{s.fingerprint}") is not None}
-    fresh = [s for s in sources if s.fingerprint not in landed_txn]
-    for s in sources:
-        if s.fingerprint in landed_txn:
-            report.skipped_files.append(s.path)
-            report.duplicates += s.validated.valid.num_rows
-    # one batch for dedupe: rows of all fresh files, in file order
-    valid = pa.concat_tables([s.validated.valid for s in fresh]) if fresh else None
-    origin = [(k, int(r)) for k, s in enumerate(fresh) for r in s.validated.valid_rows]
-    extra_rejects: dict[int, list[tuple[int, str, str, str | None]]] = {}
-    to_land = None
-    if valid is not None and valid.num_rows:
-        existing = pa.table({"trajectory_id": pa.array([], pa.string()), "content_hash": pa.array([], pa.string())})
-        if lake.version("trajectories"):
-            existing = lake.read("trajectories", columns=["trajectory_id", "content_hash"])
-        new, dup, conflict = dedupe(valid, existing)
-        report.duplicates += int(dup.sum())
-        for i in np.flatnonzero(conflict):
-            k, row = origin[i]
-            tid = valid.column("trajectory_id")[int(i)].as_py()
-            extra_rejects.setdefault(k, []).append((row, "conflict",
-                f"trajectory_id {tid!r} already exists (or repeats in this input) with different content "
-                f"(content_hash {valid.column('content_hash')[int(i)].as_py()[:12]}…); ids are idempotency keys: "
-                f"use a new id for new content", tid))
-        if new.any():  # filter copies every token list: skip it when nothing is dropped
-            to_land = stamp_derived(valid if new.all() else valid.filter(pa.array(new)), ingest_id)
+    quarantined_txn = {fp for _, fp, _ in heads
+                       if lake.transaction_version("quarantine", f"ingest:{fp}") is not None}
+    existing = pa.table({"trajectory_id": pa.array([], pa.string()), "content_hash": pa.array([], pa.string())})
+    if lake.version("trajectories"):
+        existing = lake.read("trajectories", columns=["trajectory_id", "content_hash"])
+    staged: list = []
+    futures = []
+    landed = 0
     q_tables = []
-    for k, s in enumerate(fresh):
-        if s.fingerprint in quarantined_txn:
-            continue
-        rej = [(r.row, r.code, r.message, _tid(s.raw, s.raw_lines, r.row)) for r in s.validated.rejects]
-        rej += extra_rejects.get(k, [])
-        if rej:
-            q_tables.append(quarantine_rows(sorted(rej), raw=s.raw, raw_lines=s.raw_lines, source=s.path,
-                                            fingerprint=s.fingerprint, ingest_id=ingest_id))
+    try:
+        with ThreadPoolExecutor(max_workers=1) as writer:
+            for k in range(len(heads)):
+                path, fp, data = heads[k]
+                heads[k] = (path, fp, b"")  # release the bytes as we go
+                raw, lines, pre, _ = read_file(path, data)
+                del data
+                report.rows_read += raw.num_rows
+                validated = validate_table(raw, pre_rejected=pre)
+                valid = validated.valid
+                rej = [(r.row, r.code, r.message, _tid(raw, lines, r.row)) for r in validated.rejects]
+                if valid.num_rows:
+                    new, dup, conflict = dedupe(valid, existing)
+                    report.duplicates += int(dup.sum())
+                    for i in np.flatnonzero(conflict):
+                        tid = valid.column("trajectory_id")[int(i)].as_py()
+                        rej.append((int(validated.valid_rows[i]), "conflict",
+                                    f"trajectory_id {tid!r} already exists (or repeats in this input) with different "
+                                    f"content (content_hash {valid.column('content_hash')[int(i)].as_py()[:12]}…); "
+                                    f"ids are idempotency keys: use a new id for new content", tid))
+                    if new.any():  # filter copies every token list: skip it when nothing is dropped
+                        to_land = stamp_derived(valid if new.all() else valid.filter(pa.array(new)), ingest_id)
+                        existing = pa.concat_tables([existing, to_land.select(["trajectory_id", "content_hash"])],
+                                                    promote_options="permissive")
+                        landed += to_land.num_rows
+                        futures.append(writer.submit(lake.stage, "trajectories", to_land))
+                if rej and fp not in quarantined_txn:
+                    q_tables.append(quarantine_rows(sorted(rej), raw=raw, raw_lines=lines, source=path,
+                                                    fingerprint=fp, ingest_id=ingest_id))
+                del raw, lines, validated, valid
+            for f in futures:
+                staged.extend(f.result())
+    except BaseException:
+        for f in futures:
+            if f.done() and not f.exception():
+                staged.extend(f.result())
+        lake.discard("trajectories", staged)
+        raise
+    txns = [f"ingest:{fp}" for _, fp, _ in heads]
     quarantine = pa.concat_tables(q_tables) if q_tables else None
-    txns = [f"ingest:{s.fingerprint}" for s in fresh]
-    if quarantine is not None and quarantine.num_rows:
-        res = lake.append("quarantine", quarantine, command=command, app_id=_batch_app_id(txns), txn_version=0,
-                          extra_transactions=[t for t in txns])
-        report.quarantined = quarantine.num_rows
-        report.quarantine_version = res.version
-        for code in quarantine.column("reason_code").to_pylist():
-            report.reasons[code] = report.reasons.get(code, 0) + 1
-    if to_land is not None:
-        res = lake.append("trajectories", to_land, command=command, app_id=_batch_app_id(txns), txn_version=0,
-                          extra_transactions=txns)
-        report.landed = to_land.num_rows if res.landed else 0
-        report.trajectories_version = res.version
-    elif fresh:
-        # nothing new to land, but remember the files so re-ingest is a no-op
-        pass
+    try:
+        if quarantine is not None and quarantine.num_rows:
+            res = lake.append("quarantine", quarantine, command=command, app_id=_batch_app_id(txns), txn_version=0,
+                              extra_transactions=txns)
+            report.quarantined = quarantine.num_rows
+            report.quarantine_version = res.version
+            for code in quarantine.column("reason_code").to_pylist():
+                report.reasons[code] = report.reasons.get(code, 0) + 1
+        if staged:
+            res = lake.append("trajectories", None, command=command, app_id=_batch_app_id(txns), txn_version=0,
+                              extra_transactions=txns, staged=staged, rows=landed)
+            report.landed = landed if res.landed else 0
+            report.trajectories_version = res.version
+    except BaseException:
+        if staged and lake.transaction_version("trajectories", _batch_app_id(txns)) is None:
+            lake.discard("trajectories", staged)
+        raise
     return report
 
 
