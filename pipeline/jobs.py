@@ -138,6 +138,12 @@ class JobLock:
         if self._create():
             return True
         held = self._read()
+        if held is None and self.lake.is_local:
+            # created but never written (the holder died in between): judge by its age
+            try:
+                held = {"expires": (Path(self.lake.uri) / self.rel).stat().st_mtime + self.lease_s}
+            except FileNotFoundError:
+                return self._create()
         if held is not None and held.get("expires", 0) < time.time():
             self._delete()  # an expired lease: the holder died; the job itself is idempotent
             return self._create()
@@ -151,13 +157,16 @@ class JobLock:
 
 # -- running ---------------------------------------------------------------------------------
 def next_untrained_snapshot(lake) -> str | None:
-    """The oldest snapshot that no published checkpoint lists in snapshot_ids."""
+    """The oldest admitted snapshot (one a receipt points to: a run that lost an
+    admission race can leave a registered snapshot no receipt names) that no
+    published checkpoint lists in snapshot_ids."""
     from pipeline.query.duck import query
 
     t = query(lake, """
         SELECT s.snapshot_id FROM snapshots s
-        WHERE s.num_members > 0 AND s.snapshot_id NOT IN (
-            SELECT unnest(snapshot_ids) FROM checkpoints)
+        WHERE s.num_members > 0
+          AND s.snapshot_id IN (SELECT snapshot_id FROM receipts WHERE snapshot_id IS NOT NULL)
+          AND s.snapshot_id NOT IN (SELECT unnest(snapshot_ids) FROM checkpoints)
         ORDER BY s.created_at, s.snapshot_id LIMIT 1""")
     return t.column(0)[0].as_py() if t.num_rows else None
 
@@ -176,8 +185,17 @@ def resolve_args(lake, spec: JobSpec, *, now: float | None = None) -> list[str] 
 
 
 def run_job(lake, spec: JobSpec) -> dict[str, Any]:
-    """Run one job once, in a subprocess, under its lease lock."""
+    """Run one job once, in a subprocess, under its lease lock. Never raises:
+    a failure is a result with status "error" (the scheduler keeps going)."""
     started = datetime.now(timezone.utc)
+    try:
+        return _run_job(lake, spec, started)
+    except Exception as exc:  # a flaky store, a failing lookup: report it, schedule the next run
+        return {"job": spec.name, "status": "error", "reason": f"{type(exc).__name__}: {exc}",
+                "started_at": started.isoformat()}
+
+
+def _run_job(lake, spec: JobSpec, started: datetime) -> dict[str, Any]:
     lock = JobLock(lake, spec.name, spec.lease)
     if not lock.acquire():
         return {"job": spec.name, "status": "skipped", "reason": "already running (lease held)",

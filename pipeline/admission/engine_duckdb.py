@@ -56,7 +56,7 @@ def run(lake, candidates: pa.Table, quality_rejects: pa.Table, cfg: AdmissionCon
     """-> (members, groups) per pipeline/admission/decide.py's contract."""
     from pipeline.query.duck import connect
 
-    con = connect(lake)
+    con = connect(lake, tables=set())  # the checks read only the registered tables below
     try:
         con.register("candidates", candidates)
         con.register("quality_rejects", quality_rejects)

@@ -103,7 +103,7 @@ def count_rows(path: str | os.PathLike[str], data: bytes) -> int:
         return pq.ParquetFile(pa.BufferReader(data)).metadata.num_rows
     if fmt == "ipc":
         return read_file(path, data)[0].num_rows
-    return sum(1 for ln in data.splitlines() if ln.strip())
+    return sum(1 for ln in data.split(b"\n") if ln.strip())
 
 
 def read_file(path: str | os.PathLike[str], data: bytes | None = None
@@ -336,6 +336,8 @@ def ingest_files(lake, paths: Iterable[str | os.PathLike[str]], *, command: str 
                               extra_transactions=txns, staged=staged, rows=landed)
             report.landed = landed if res.landed else 0
             report.trajectories_version = res.version
+            if not res.landed:  # the same batch landed concurrently: our copies are garbage
+                lake.discard("trajectories", staged)
     except BaseException:
         if staged and lake.transaction_version("trajectories", _batch_app_id(txns)) is None:
             lake.discard("trajectories", staged)

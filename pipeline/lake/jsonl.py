@@ -78,18 +78,38 @@ def _convert(v: Any, t: pa.DataType, name: str) -> Any:
     raise _Bad("wrong_type", f"{name}: unsupported type {t}")
 
 
+def _split_lines(data: bytes) -> tuple[list[str], dict[int, str]]:
+    """Non-blank lines split on \\n only (str.splitlines also splits on U+2028 and
+    other characters JSON strings may contain raw), decoded strictly: an invalid
+    UTF-8 line is kept (as its repr) and reported, never silently replaced."""
+    lines, bad = [], {}
+    for raw in data.split(b"\n"):
+        raw = raw.rstrip(b"\r")
+        if not raw.strip():
+            continue
+        try:
+            lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            bad[len(lines)] = str(exc)
+            lines.append(raw.decode("utf-8", errors="backslashreplace"))
+    return lines, bad
+
+
 def parse_jsonl(data: bytes, path: Path | str, table: str = "trajectories") -> tuple[pa.Table, list[str], list[Reject]]:
     spec = table_spec(table)
     cols: list[ColumnSpec] = spec.ingest_columns
     derived = {c.name for c in spec.derived_columns}
     names = {c.name for c in cols}
-    lines = [ln for ln in data.decode("utf-8", errors="replace").splitlines() if ln.strip()]
+    lines, undecodable = _split_lines(data)
     values: dict[str, list[Any]] = {c.name: [] for c in cols}
     present: dict[str, np.ndarray] = {c.name: np.zeros(len(lines), bool) for c in cols}
     rejects: list[Reject] = []
     for i, line in enumerate(lines):
         row_bad: Reject | None = None
         try:
+            if i in undecodable:
+                raise _Bad("bad_json", f"line {i + 1} is not valid UTF-8 ({undecodable[i]}); "
+                                       f"re-export the file as UTF-8")
             obj = json.loads(line)
             if not isinstance(obj, dict):
                 raise _Bad("bad_json", f"line {i + 1} is a JSON {type(obj).__name__}, expected an object")

@@ -21,7 +21,8 @@ def snapshot_source_versions(lake) -> dict[str, set[int]]:
     t = lake.read("snapshots", columns=["source_versions"])
     for m in t.column("source_versions").to_pylist():
         for table, version in m or []:
-            out.setdefault(table, set()).add(int(version))
+            if version is not None and int(version) >= 0:  # -1: the table did not exist yet
+                out.setdefault(table, set()).add(int(version))
     return out
 
 

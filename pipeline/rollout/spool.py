@@ -44,6 +44,8 @@ class Spool:
         self.path = self.dir / f"{_safe(worker_id)}.spool.jsonl"
         self.batches_path = self.dir / f"{_safe(worker_id)}.batches.jsonl"
         self.fsync = fsync
+        for f in (self.path, self.batches_path):
+            _drop_torn_tail(f)  # else the next append would extend the fragment into a corrupt line
         self._lines = self._read_lines(self.path)
         self._f = open(self.path, "a", encoding="utf-8")
         self._dirty = False
@@ -88,14 +90,17 @@ class Spool:
     def batches(self) -> list[tuple[int, int, int]]:
         return [(b["seq"], b["start"], b["end"]) for b in self._read_lines(self.batches_path)]
 
-    def cut_batch(self) -> tuple[int, int, int] | None:
-        """Declare the unshipped tail a batch (durably); None when nothing is pending."""
+    def cut_batch(self, min_seq: int = 0) -> tuple[int, int, int] | None:
+        """Declare the unshipped tail a batch (durably); None when nothing is pending.
+        ``min_seq``: the first sequence number the lake has not seen from this worker
+        (a spool that was lost and started anew must not reuse landed numbers, or its
+        batches would be skipped as already shipped)."""
         self.sync()
         done = self.batches()
         start = done[-1][2] if done else 0
         if start >= len(self._lines):
             return None
-        seq = done[-1][0] + 1 if done else 0
+        seq = max(done[-1][0] + 1 if done else 0, min_seq)
         with open(self.batches_path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"seq": seq, "start": start, "end": len(self._lines)}) + "\n")
             f.flush()
@@ -148,16 +153,27 @@ def _trajectory_table(records: list[dict[str, Any]], shipped_at: datetime) -> pa
     return pa.Table.from_pylist(rows, schema=schema)
 
 
+def _drop_torn_tail(path: Path) -> None:
+    """Truncate a file to its last complete line (a process killed mid-write
+    leaves a fragment that was never synced, so never acted on)."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 def ship(lake, spool: Spool, *, command: str = "pipeline rollout") -> ShipReport:
     """Cut the pending tail into a batch and land every batch not yet in the lake
     (also the ones a crashed run declared but never landed)."""
     from pipeline.lake.ingest import quarantine_rows, stamp_derived
     from pipeline.lake.validate import validate_table
 
-    spool.cut_batch()
     report = ShipReport()
     app_id = spool.worker_id
-    landed = {name: lake.transaction_version(name, app_id) for name in ("trajectories", "events")}
+    landed = {name: lake.transaction_version(name, app_id) for name in ("trajectories", "events", "quarantine")}
+    spool.cut_batch(min_seq=max((v for v in landed.values() if v is not None), default=-1) + 1)
     lines = spool.records()
     for seq, start, end in spool.batches():
         recs = lines[start:end]
@@ -193,7 +209,7 @@ def ship(lake, spool: Spool, *, command: str = "pipeline rollout") -> ShipReport
             q = pa.concat_tables(q_tables)
             res = lake.append("quarantine", q, command=command, app_id=app_id, txn_version=seq)
             report.quarantined += q.num_rows if res.landed else 0
-            for code in q.column("reason_code").to_pylist():
+            for code in q.column("reason_code").to_pylist() if res.landed else []:
                 report.reasons[code] = report.reasons.get(code, 0) + 1
         if land_traj is not None:
             res = lake.append("trajectories", land_traj, command=command, app_id=app_id, txn_version=seq)

@@ -334,3 +334,18 @@ def test_stored_rows_carry_derived_columns(lake, tmp_path, good):
     assert set(t.column("ingest_id").to_pylist()) == {r.ingest_id}
     days = pc.cast(t.column("created_at"), pa.date32())
     assert t.column("created_day").equals(days)
+
+
+def test_jsonl_lines_split_on_newline_only_and_bad_utf8_is_quarantined(lake, tmp_path, make_traj):
+    rows = _json_rows(make_traj(2, seed=40))
+    rows[0]["difficulty"] = "a\u2028b"  # a raw line separator inside a JSON string is valid JSON
+    for row in rows:
+        del row["content_hash"]  # recomputed on ingest
+    text = "\n".join(json.dumps(r, default=_default, ensure_ascii=False) for r in rows).encode()
+    text += b'\n{"trajectory_id": "bad-\xff"}\n'
+    (tmp_path / "u.jsonl").write_bytes(text)
+    r = ingest_files(lake, [tmp_path / "u.jsonl"])
+    assert (r.rows_read, r.landed, r.quarantined) == (3, 2, 1)
+    q = _quarantine(lake)[0]
+    assert q["source_row"] == 2 and "not valid UTF-8" in q["reason"]
+    assert "a\u2028b" in lake.read("trajectories", columns=["difficulty"]).column(0).to_pylist()

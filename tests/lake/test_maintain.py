@@ -29,7 +29,7 @@ def _register_snapshot(lake, source_version):
     row = {"snapshot_id": "s" * 64, "admission_run_id": "a", "config_hash": "c", "config_json": "{}",
            "advantage_estimator": "grpo", "current_policy_version": 0, "num_groups": 0, "num_members": 0,
            "num_tokens": 0, "path": "_snapshots/x", "manifest_sha256": "m",
-           "source_versions": [("trajectories", source_version)], "quality_json": None,
+           "source_versions": [("trajectories", source_version), ("receipts", -1)], "quality_json": None,
            "created_at": datetime.now(timezone.utc)}
     lake.append("snapshots", pa.Table.from_pylist([row], schema=arrow_schema("snapshots")), command="test")
 
