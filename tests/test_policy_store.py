@@ -20,3 +20,23 @@ def test_plain_hf_directory_resolves_to_itself(tmp_path, lake):
 def test_empty_lake_has_no_policy(lake):
     with pytest.raises(NotFoundError, match="pipeline policy init"):
         resolve_policy(lake)
+
+
+def test_a_file_changed_after_verification_is_refused_on_the_next_resolve(lake, tmp_path):
+    """Resolution is cached per process only while every file is unchanged."""
+    import os
+
+    from pipeline.errors import IntegrityError
+    from pipeline.policy_store import local_checkpoint_dir, publish_checkpoint
+
+    hf = local_checkpoint_dir(lake, "c0") / "hf"
+    hf.mkdir(parents=True)
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"weights")
+    publish_checkpoint(lake, checkpoint_id="c0", policy_version=0, parent_checkpoint_id=None, snapshot_ids=[],
+                       train_config={}, train_config_hash="t", seed=0)
+    assert resolve_policy(lake).checkpoint_id == "c0"
+    (hf / "model.safetensors").write_bytes(b"tampered")
+    os.utime(hf / "model.safetensors", ns=(1, 1))
+    with pytest.raises(IntegrityError, match="sha256 mismatch"):
+        resolve_policy(lake)

@@ -17,6 +17,8 @@ Micro-batch layout (B rows, L = longest prompt+response, R = longest response):
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,9 +57,9 @@ class Members:
     def __len__(self) -> int:
         return len(self.trajectory_id)
 
-    @property
+    @functools.cached_property
     def lengths(self) -> np.ndarray:
-        """Input length of each member: prompt + response."""
+        """Input length of each member: prompt + response (computed once; read every step)."""
         return np.array([len(p) + len(r) for p, r in zip(self.prompt, self.response)], dtype=np.int64)
 
     def loss_tokens(self, idx: list[int] | tuple[int, ...]) -> int:

@@ -194,6 +194,10 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
     generation = len(consumers) if force else 0
     run_key, checkpoint_id = run_identity(snapshot_id, parent.checkpoint_id, cfg, world_size, generation)
     if consumers and not force:
+        if any(c["checkpoint_id"] == checkpoint_id for c in consumers):
+            # this very run already published (also when the parent was a plain directory,
+            # which is recorded as parent None): a no-op
+            return _published_result(lake, checkpoint_id, snapshot_id)
         for c in consumers:
             # the same run (same snapshot, parent, config, world size) already published: a no-op,
             # even though "the newest policy" is now that run's own output
@@ -269,6 +273,10 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
                     raise ConflictError(f"resumable state in {work} belongs to {state.get('checkpoint_id')}")
             else:
                 resumed_from = 0
+                if rank == 0:
+                    print(f"note: --resume found no saved step in {work} (save_every={cfg.save_every}); training "
+                          f"restarts from step 0, which is deterministic and ends in the same weights. "
+                          f"Set --set save_every=N to resume mid-run.", file=sys.stderr)
 
         # 6. train
         bar = None
