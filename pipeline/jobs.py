@@ -145,8 +145,38 @@ class JobLock:
             except FileNotFoundError:
                 return self._create()
         if held is not None and held.get("expires", 0) < time.time():
-            self._delete()  # an expired lease: the holder died; the job itself is idempotent
+            # an expired lease: its holder died (the job itself is idempotent)
+            if self.lake.is_local:
+                return self._break_local()
+            self._delete()
             return self._create()
+        return False
+
+    def _break_local(self) -> bool:
+        """Break an expired lease without deleting a fresh one: two starters can
+        both have seen the old lease expired, and the slower one must not delete
+        the lease the faster one just took. Rename is atomic, so only one process
+        gets the file; whoever finds it fresh puts it back."""
+        import uuid
+
+        lock = Path(self.lake.uri) / self.rel
+        tomb = lock.with_name(f"{lock.name}.broken-{uuid.uuid4().hex}")
+        try:
+            os.rename(lock, tomb)
+        except FileNotFoundError:
+            return self._create()
+        try:
+            held = json.loads(tomb.read_bytes())
+        except (OSError, ValueError):
+            held = {"expires": tomb.stat().st_mtime + self.lease_s}
+        if held.get("expires", 0) < time.time():
+            tomb.unlink(missing_ok=True)
+            return self._create()
+        try:
+            os.link(tomb, lock)  # a fresh lease: restore it (fails if yet another one exists)
+        except FileExistsError:
+            pass
+        tomb.unlink(missing_ok=True)
         return False
 
     def release(self) -> None:

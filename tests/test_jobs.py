@@ -91,3 +91,28 @@ def test_schedule_runs_jobs_on_their_cron(lake, tmp_path):
     d = _job(tmp_path, "tick", ["sql", "SELECT 1 AS one"], schedule="* * * * * */1")  # every second
     results = schedule(lake, load_jobs(d), for_seconds=4.5)
     assert len(results) >= 2 and all(r["status"] == "ok" for r in results), results
+
+
+def test_breaking_an_expired_lease_never_deletes_a_fresh_one(lake):
+    """Two starters both saw the old lease expired: the one that breaks it takes
+    the job; the late one finds the fresh lease and backs off."""
+    dead = JobLock(lake, "k", lease_s=-1)
+    assert dead.acquire()                    # a holder that died: its lease is over
+    first, late = JobLock(lake, "k", lease_s=60), JobLock(lake, "k", lease_s=60)
+    assert first._break_local()              # breaks the expired lease, takes a fresh one
+    assert not late._break_local()           # finds that fresh lease: puts it back
+    assert not late.acquire()
+    held = json.loads((Path(lake.uri) / "_locks" / "job-k").read_bytes())
+    assert held["expires"] > time.time()
+    assert not list((Path(lake.uri) / "_locks").glob("*.broken-*"))
+
+
+def test_a_lock_created_but_never_written_expires_by_age(lake):
+    import os
+
+    lock = Path(lake.uri) / "_locks" / "job-e"
+    lock.parent.mkdir(parents=True)
+    lock.write_bytes(b"")
+    old = time.time() - 120
+    os.utime(lock, (old, old))
+    assert JobLock(lake, "e", lease_s=60).acquire()
