@@ -20,7 +20,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 
 from pipeline import __version__
 
@@ -131,14 +130,12 @@ VERSION_COLUMNS = ["policy_version", "tokenizer_rev", "prompt_template_rev", "ha
 
 
 def _read_where(lake, name: str, columns: list[str] | None, column: str, values: list, *, version=None):
-    """Rows whose ``column`` is in ``values``. Filtered after the read, not pushed
-    down: deltalake 1.6.6's pyarrow dataset turns missing string min/max stats
-    into ``col >= null`` guarantees, and a pushed-down string filter then
-    matches nothing (measured on the trajectories and snapshots tables)."""
-    import pyarrow.compute as pc
+    """Rows whose ``column`` is in ``values``, filter pushed down to the files.
+    (The lake writes min/max stats for every scalar column: without them
+    deltalake's dataset prunes every file from a string filter.)"""
+    import pyarrow.dataset as ds
 
-    t = lake.read(name, columns=columns, version=version)
-    return t.filter(pc.is_in(t.column(column), value_set=pa.array(values, t.schema.field(column).type)))
+    return lake.read(name, columns=columns, version=version, filter=ds.field(column).isin(list(values)))
 
 
 def walk(lake, checkpoint_id: str, *, with_trajectories: bool = True, max_ancestors: int = 100) -> dict[str, Any]:

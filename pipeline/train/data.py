@@ -106,7 +106,7 @@ def load_members(lake, snapshot_id: str) -> tuple[Members, dict[str, Any]]:
     summary = verify_snapshot(lake, snapshot_id)
     if lake.exists("snapshots"):
         # the manifest must be the one the snapshots table published (checked here
-        # too: a pushed-down string filter can miss the row, see receipt_counts)
+        # too, independently of verify_snapshot)
         import pyarrow.compute as pc
 
         rows = lake.read("snapshots", columns=["snapshot_id", "manifest_sha256"])
@@ -186,12 +186,11 @@ def receipt_counts(lake, snapshot_id: str) -> dict[str, int] | None:
     """group -> number of valid members from the admission receipts of this snapshot (None without receipts)."""
     if not lake.exists("receipts"):
         return None
-    import pyarrow.compute as pc
 
-    # filtered after the read: a pushed-down string filter can match nothing on
-    # deltalake 1.6.6 datasets whose files carry no string statistics
-    t = lake.read("receipts", columns=["group_id", "valid_members", "snapshot_id"])
-    t = t.filter(pc.equal(t.column("snapshot_id"), snapshot_id))
+    import pyarrow.dataset as ds
+
+    t = lake.read("receipts", columns=["group_id", "valid_members", "snapshot_id"],
+                  filter=ds.field("snapshot_id") == snapshot_id)
     if t.num_rows == 0:
         return None
     return {g: len(v or []) for g, v in zip(t.column("group_id").to_pylist(), t.column("valid_members").to_pylist())}
