@@ -83,14 +83,20 @@ def _tag_files(root: Path, tag: str) -> dict[str, str]:
     return out
 
 
-def save_state(strategy, root: Path, tag: str, client_state: dict[str, Any]) -> None:
-    """Every rank: DeepSpeed state + own RNG; rank 0 then writes the manifest and
-    moves ``latest`` (atomically, last) and drops older tags."""
+def _save_engine_and_rng(strategy, root: Path, tag: str, client_state: dict[str, Any]) -> None:
+    """Every rank: DeepSpeed state under ds/<tag> and its own RNG states under
+    rng/<tag>/rank<r>.pt, then a barrier (DeepSpeed saves no RNG state itself)."""
     strategy.save(root / "ds", tag, client_state)
     rng_dir = root / "rng" / tag
     rng_dir.mkdir(parents=True, exist_ok=True)
     torch.save(capture_rng(), rng_dir / f"rank{strategy.rank}.pt")
     strategy.barrier()
+
+
+def save_state(strategy, root: Path, tag: str, client_state: dict[str, Any]) -> None:
+    """Every rank: DeepSpeed state + own RNG; rank 0 then writes the manifest and
+    moves ``latest`` (atomically, last) and drops older tags."""
+    _save_engine_and_rng(strategy, root, tag, client_state)
     if strategy.is_rank_0():
         atomic_write(root / f"manifest-{tag}.json", json.dumps(_tag_files(root, tag), sort_keys=True, indent=1))
         previous = read_latest(root)
@@ -158,11 +164,7 @@ def write_final(strategy, root: Path, *, client_state: dict[str, Any], train_con
     if strategy.is_rank_0() and root.exists():
         shutil.rmtree(root)           # an unpublished leftover of a crashed publish
     strategy.barrier()
-    strategy.save(root / "ds", FINAL_TAG, client_state)
-    rng_dir = root / "rng" / FINAL_TAG
-    rng_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(capture_rng(), rng_dir / f"rank{strategy.rank}.pt")
-    strategy.barrier()
+    _save_engine_and_rng(strategy, root, FINAL_TAG, client_state)
     if strategy.is_rank_0():
         cursor = {k: v for k, v in client_state.items() if k != "metrics"}
         atomic_write(root / "cursor.json", json.dumps(cursor, sort_keys=True, indent=1, default=str))
