@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%S")
     (out / f"{stamp}.json").write_text(json.dumps([asdict(r) | {"ok": r.ok} for r in results], indent=1))
+    missed = [r.name for r in results if r.ok is False]
+    if missed:
+        print(f"\n{len(missed)} target(s) missed: {', '.join(missed)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -181,12 +181,25 @@ def upload_checkpoint(lake, checkpoint_id: str, local: Path) -> None:
                 f.write(p.read_bytes())
 
 
-def publish_checkpoint(lake, *, checkpoint_id: str, policy_version: int, parent_checkpoint_id: str | None,
+POLICY_VERSION_APP = "pipeline.policy_version"  # its version = the newest published policy version + 1
+
+
+def publish_checkpoint(lake, *, checkpoint_id: str, policy_version: int | None, parent_checkpoint_id: str | None,
                        snapshot_ids: list[str], train_config: dict[str, Any], train_config_hash: str,
                        seed: int, world_size: int = 1, global_step: int = 0, samples_seen: int = 0,
                        metrics: dict[str, Any] | None = None, command: str = "train") -> dict[str, Any]:
     """Hash every file of the (fully written) checkpoint directory and append its
-    row: from this commit on, the policy version is published."""
+    row: from this commit on, the policy version is published.
+
+    ``policy_version=None`` takes the next free version. Two publishers racing for
+    one version: the checkpoints commit carries version v+1 of the application
+    transaction ``pipeline.policy_version``, which delta-rs lets only one commit
+    take; the other re-reads and takes the next version (or, with an explicit
+    ``policy_version``, fails with a ConflictError). Re-publishing the same
+    checkpoint id is a no-op that returns the version it already has."""
+    from pipeline.errors import ConflictError
+    from pipeline.lake.delta import LockTaken
+
     local = local_checkpoint_dir(lake, checkpoint_id)
     if not (local / HF_SUBDIR / "config.json").exists():
         raise NotFoundError(f"checkpoint {checkpoint_id} has no {HF_SUBDIR}/config.json at {local}")
@@ -196,7 +209,7 @@ def publish_checkpoint(lake, *, checkpoint_id: str, policy_version: int, parent_
         "checkpoint_id": checkpoint_id,
         "parent_checkpoint_id": parent_checkpoint_id,
         "snapshot_ids": list(snapshot_ids),
-        "policy_version": int(policy_version),
+        "policy_version": -1,
         "path": checkpoint_rel(checkpoint_id),
         "train_config_hash": train_config_hash,
         "train_config_json": json.dumps(train_config, sort_keys=True, default=str),
@@ -211,8 +224,25 @@ def publish_checkpoint(lake, *, checkpoint_id: str, policy_version: int, parent_
     }
     from pipeline.schema import arrow_schema
 
-    table = pa.Table.from_pylist([row], schema=arrow_schema("checkpoints"))
-    # exactly once per checkpoint id, even if the publisher is retried
-    lake.append("checkpoints", table, command=command, config_hash=train_config_hash,
-                app_id=f"publish:{checkpoint_id}", txn_version=0)
-    return row
+    for _ in range(100):
+        version = int(policy_version) if policy_version is not None else next_policy_version(lake)
+        row["policy_version"] = version
+        table = pa.Table.from_pylist([row], schema=arrow_schema("checkpoints"))
+        try:
+            # exactly once per checkpoint id, even if the publisher is retried
+            res = lake.append("checkpoints", table, command=command, config_hash=train_config_hash,
+                              app_id=f"publish:{checkpoint_id}", txn_version=0,
+                              lock=(POLICY_VERSION_APP, version + 1))
+        except LockTaken:
+            if policy_version is not None:
+                taken = [r["checkpoint_id"] for r in _rows(lake) if r["policy_version"] == version]
+                raise ConflictError(f"policy version {version} is already published (checkpoint "
+                                    f"{taken[0] if taken else '?'})",
+                                    hint="publish as the next version, or use the published one") from None
+            continue
+        if not res.landed:  # this checkpoint id was published before: report the version it has
+            prior = [r for r in _rows(lake) if r["checkpoint_id"] == checkpoint_id]
+            if prior:
+                row["policy_version"] = int(prior[0]["policy_version"])
+        return row
+    raise ConflictError("could not take a policy version: other publishers kept winning", hint="rerun")

@@ -27,6 +27,8 @@ TABLES = (
     "checkpoints",
 )
 
+ROW_KEY = "row_key"  # int64 digest of a table's key columns: the compact dedupe index
+
 _SCALARS: dict[str, pa.DataType] = {
     "string": pa.string(),
     "bool": pa.bool_(),
@@ -96,6 +98,13 @@ class TableSpec:
     key: tuple[str, ...] = ()
     partition_by: tuple[str, ...] = ()
     invariants: tuple[Invariant, ...] = ()
+    conflict_column: str | None = None  # same key + different value here = a conflict, not a duplicate
+
+    @property
+    def enforces_key(self) -> bool:
+        """Tables with a derived ``row_key`` column never hold two rows with one key:
+        every append dedupes against the table (docs/write-protocol.md)."""
+        return any(c.name == ROW_KEY for c in self.columns)
 
     def column(self, name: str) -> ColumnSpec:
         for c in self.columns:
@@ -172,6 +181,7 @@ def table_spec(name: str) -> TableSpec:
         key=tuple(raw.get("key") or ()),
         partition_by=tuple(raw.get("partition_by") or ()),
         invariants=tuple(invs),
+        conflict_column=raw.get("conflict_column"),
     )
 
 

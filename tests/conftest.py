@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 
 # Tiny models on a busy 2-core box run fastest single-threaded (shared/VERIFIED.md).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -30,3 +35,41 @@ def make_traj():
     from pipeline.synth import make_trajectories
 
     return make_trajectories
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            urllib.request.urlopen(endpoint, timeout=1)
+            break
+        except Exception:
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("moto server did not start")
+    yield endpoint
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    import boto3
+
+    env = {"AWS_ENDPOINT_URL": s3_server, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1",
+                      aws_access_key_id="testing", aws_secret_access_key="testing")
+    bucket = f"lake-{time.time_ns()}"
+    s3.create_bucket(Bucket=bucket)
+    return s3, bucket

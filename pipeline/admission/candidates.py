@@ -1,11 +1,11 @@
 """Candidate members: the scalar view of trajectories that admission decides on.
 
-Decisions never touch token payload. Two per-token facts are reduced to
-scalars batch by batch while scanning (so memory stays bounded at any scale):
-``oldest_version`` = min over the response tokens' sampling versions that are
->= 0 (observation tokens carry -1), falling back to ``policy_version`` when
-the row has no ``token_policy_versions``; ``response_len`` = number of
-response tokens. Reward components the config gates or caps on become plain
+Decisions never touch token payload. The two per-token facts they need were
+reduced to scalars once, when the row landed (pipeline/lake/ingest.py
+``stamp_derived``): ``oldest_version`` = min over the response tokens'
+sampling versions that are >= 0 (observation tokens carry -1), falling back to
+``policy_version`` when there is none; ``response_len`` = number of response
+tokens. Reward components the config gates or caps on become plain
 ``comp_<name>`` columns, and ``reward`` is the capped reward.
 
 ``extract`` is the pure core (Arrow in, Arrow out), shared by the DuckDB and
@@ -14,9 +14,6 @@ the Dask engines; ``scan`` is the pyarrow reader over a Delta version.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
-
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -29,11 +26,11 @@ SCALARS = (
     "status", "verdict", "reward", "difficulty", "num_tool_calls", "finished_at", "queue_wait_ms",
     "content_hash",
 )
-TOKEN_COLUMNS = ("token_policy_versions", "loss_mask")  # reduced to scalars while scanning
+DERIVED = ("oldest_version", "response_len")  # stored per row at landing
 
 
 def source_columns(cfg: AdmissionConfig) -> list[str]:
-    cols = list(SCALARS) + list(TOKEN_COLUMNS)
+    cols = list(SCALARS) + list(DERIVED)
     if cfg.components:
         cols.append("reward_components")
     return cols
@@ -48,36 +45,6 @@ def candidate_schema(cfg: AdmissionConfig) -> pa.Schema:
     fields.append(pa.field("response_len", pa.int64(), False))
     fields += [pa.field(f"comp_{c}", pa.float64()) for c in cfg.components]
     return pa.schema(fields)
-
-
-def _list_min_nonneg(arr: pa.Array) -> np.ndarray:
-    """Per list: min of elements >= 0 as int64; -1 when none (or the list is null)."""
-    arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
-    n = len(arr)
-    out = np.full(n, -1, np.int64)
-    if n == 0:
-        return out
-    offsets = np.asarray(arr.offsets, np.int64)                           # [n+1]
-    vals = arr.values
-    if vals.null_count:
-        vals = vals.fill_null(-1)
-    values = vals.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]  # [T] int32, no copy
-    offsets = offsets - offsets[0]
-    big = np.iinfo(values.dtype).max
-    v = np.where(values >= 0, values, big)                               # [T]
-    lens = np.diff(offsets)
-    nonempty = lens > 0
-    if v.size and nonempty.any():
-        mins = np.minimum.reduceat(v, offsets[:-1][nonempty]).astype(np.int64)
-        out[nonempty] = np.where(mins == big, -1, mins)
-    if arr.null_count:
-        out[np.asarray(arr.is_null())] = -1
-    return out
-
-
-def _list_len(arr: pa.Array) -> np.ndarray:
-    arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
-    return np.asarray(pc.list_value_length(arr).fill_null(0), np.int64)
 
 
 def _component(maps: pa.Array, name: str) -> pa.Array:
@@ -103,12 +70,9 @@ def extract(batch: pa.Table | pa.RecordBatch, cfg: AdmissionConfig,
     schema = candidate_schema(cfg)
     if t.num_rows == 0:
         return schema.empty_table()
-    tpv = _list_min_nonneg(t.column("token_policy_versions"))
-    pv = np.asarray(t.column("policy_version"), np.int64)
-    oldest = np.where(tpv >= 0, tpv, pv)
     cols = {c: t.column(c) for c in SCALARS}
-    cols["oldest_version"] = pa.array(oldest, pa.int64())
-    cols["response_len"] = pa.array(_list_len(t.column("loss_mask")), pa.int64())
+    cols["oldest_version"] = t.column("oldest_version")
+    cols["response_len"] = pc.cast(t.column("response_len"), pa.int64())
     reward = t.column("reward")
     for name in cfg.components:
         comp = _component(t.column("reward_components"), name)
@@ -120,15 +84,9 @@ def extract(batch: pa.Table | pa.RecordBatch, cfg: AdmissionConfig,
     return pa.table({f.name: cols[f.name] for f in schema}, schema=schema)
 
 
-def scan(dataset, cfg: AdmissionConfig, decided: pa.Array | None = None) -> pa.Table:
+def scan(dataset, cfg: AdmissionConfig, decided: pa.Array | None = None, *, filter=None) -> pa.Table:
     """Stream a trajectories dataset in batches, keeping only candidate scalars."""
     parts = [extract(b, cfg, decided) for b in
-             dataset.to_batches(columns=source_columns(cfg), batch_size=cfg.batch_rows)]
+             dataset.to_batches(columns=source_columns(cfg), batch_size=cfg.batch_rows, filter=filter)]
     parts = [p for p in parts if p.num_rows]
     return pa.concat_tables(parts) if parts else candidate_schema(cfg).empty_table()
-
-
-def iter_extract(batches: Iterable[pa.RecordBatch], cfg: AdmissionConfig,
-                 decided: pa.Array | None = None) -> Iterator[pa.Table]:
-    for b in batches:
-        yield extract(b, cfg, decided)

@@ -12,6 +12,14 @@ transaction already taken (before writing, or as a delta-rs concurrent-
 transaction conflict), rereads and decides only what is still undecided. After
 committing, every group is checked to have exactly one receipt.
 
+Incremental reads. The receipts commit records the trajectories version the
+run read and its pending bound (``now - group_timeout_s``). A group still
+undecided after that run was not ready, so each of its members finished after
+the bound. The next run therefore reads only the files committed after that
+version, plus the older files' rows that finished after the bound (pruned by
+Parquet statistics): the same candidates as a full scan, at a cost that grows
+with new data, not with history (docs/write-protocol.md).
+
 Crash safety. The snapshot id is content-addressed and its files, its
 snapshots row and its snapshot_members rows are each written exactly once per
 id (directory rename; app transaction ``snapshot:<id>``). They are written
@@ -29,7 +37,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -131,12 +139,46 @@ def _quality(cands: pa.Table, cfg: AdmissionConfig) -> tuple[pa.Table, dict[str,
     return pa.table({"trajectory_id": ids, "reason": [res.failing[i] for i in ids]}), res.summary
 
 
+STATE_VERSION = "pipeline.trajectories_version"  # receipts commit metadata: what the run read
+STATE_PENDING = "pipeline.pending_after"         # ... and its pending bound (ISO time)
+
+
+def _previous_state(lake, rv: int) -> tuple[int, datetime] | None:
+    """(trajectories version, pending bound) recorded by the admission commit at
+    receipts version ``rv``; None when unknown (then everything is read)."""
+    if rv < 0:
+        return None
+    meta = lake.commit_metadata("receipts", rv)
+    if STATE_VERSION not in meta or STATE_PENDING not in meta:
+        return None
+    return int(meta[STATE_VERSION]), datetime.fromisoformat(meta[STATE_PENDING])
+
+
+def _trajectory_sources(lake, tv: int, previous: tuple[int, datetime] | None) -> list[tuple[Any, Any]]:
+    """(dataset, filter) pairs holding every candidate row of trajectories version ``tv``."""
+    import pyarrow.dataset as ds
+
+    dt = lake.table("trajectories", tv)
+    if previous is None or previous[0] > tv:
+        return [(lake.files_dataset("trajectories", lake.live_files(dt)), None)]
+    new = lake.files_added("trajectories", dt, since=previous[0])
+    names = {p for p, _ in new}
+    old = [f for f in lake.live_files(dt) if f[0] not in names]
+    bound = pa.scalar(previous[1] - timedelta(seconds=1), pa.timestamp("us", tz="UTC"))
+    out = [(lake.files_dataset("trajectories", new), None)] if new else []
+    if old:
+        out.append((lake.files_dataset("trajectories", old), ds.field("finished_at") >= bound))
+    return out
+
+
 def _decisions_from_engine(lake, tv: int, cfg: AdmissionConfig, engine: str, decided: pa.Array,
                            current: int, now: datetime, dask_scheduler: str | None,
-                           timings: dict[str, float]) -> tuple[pa.Table, pa.Table, dict[str, Any], int]:
+                           timings: dict[str, float], previous: tuple[int, datetime] | None = None
+                           ) -> tuple[pa.Table, pa.Table, dict[str, Any], int]:
     t0 = time.perf_counter()
     if engine == "duckdb":
-        cands = cand.scan(lake.dataset("trajectories", tv), cfg, decided)
+        cands = pa.concat_tables([cand.scan(d, cfg, decided, filter=f)
+                                  for d, f in _trajectory_sources(lake, tv, previous)])
         timings["scan_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         rejects, qsummary = _quality(cands, cfg)
@@ -184,7 +226,7 @@ def admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: i
         decided = (lake.read("receipts", columns=["group_id"], version=rv).column("group_id").combine_chunks()
                    if rv >= 0 else pa.array([], pa.string()))
         members, groups, qsummary, n_cands = _decisions_from_engine(
-            lake, tv, cfg, engine, decided, current, now, dask_scheduler, timings)
+            lake, tv, cfg, engine, decided, current, now, dask_scheduler, timings, _previous_state(lake, rv))
         dec = finalize(members, groups, cfg, config_hash=chash, current_policy_version=current,
                        previous_baseline=_previous_baseline(lake, cfg))
         timings["decide_s"] = time.perf_counter() - t0
@@ -214,10 +256,13 @@ def admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: i
                 n_admit_groups, dec.baseline, command, qsummary)
             timings["materialize_s"] = time.perf_counter() - t1
         t1 = time.perf_counter()
+        pending = now - timedelta(microseconds=round(cfg.group_timeout_s * 1e6))
         res = lake.append("receipts", receipts, command=command, config_hash=chash, app_id=LOCK_APP,
-                          txn_version=rv + 1, extra_metadata={"pipeline.admission_run_id": run_id})
+                          txn_version=rv + 1, extra_metadata={"pipeline.admission_run_id": run_id,
+                                                              STATE_VERSION: str(tv),
+                                                              STATE_PENDING: pending.isoformat()})
         timings["receipts_s"] = time.perf_counter() - t1
-        if not res.landed or not _landed(lake, run_id):
+        if not res.landed or not _landed(lake, run_id, res.version):
             continue  # lost the race: reread, decide what is left
         _check_decided_once(lake, receipts.column("group_id"))
         return result
@@ -282,7 +327,9 @@ def _publish_snapshot(lake, cfg, chash, admitted, snapshot_id, run_id, tv, sourc
 # Filters are applied in Arrow after reading the (small, scalar) columns rather
 # than pushed into the Delta dataset: pruning by file statistics buys nothing
 # for random ids and must never be able to hide a row from these checks.
-def _landed(lake, run_id: str) -> bool:
+def _landed(lake, run_id: str, version: int | None) -> bool:
+    if version is not None and lake.commit_metadata("receipts", version).get("pipeline.admission_run_id") == run_id:
+        return True
     t = lake.read("receipts", columns=["admission_run_id"])
     return bool(pc.any(pc.equal(t.column("admission_run_id"), run_id)).as_py())
 

@@ -1,8 +1,9 @@
 """The lake: Delta tables under one root, idempotent appends, quarantine,
 time travel and maintenance.
 
-Public API: :class:`Lake`, :func:`ingest_files`, :func:`content_hash`,
-:func:`content_hashes`, :func:`validate_trajectories`.
+Public API: :class:`Lake`, :func:`ingest_files`, :func:`ingest_table` (an
+in-memory Arrow table, pandas or polars frame), :class:`IngestReport`,
+:func:`content_hash`, :func:`content_hashes`, :func:`validate_trajectories`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # heavy: deltalake
     from pipeline.lake.delta import AppendResult, Lake
 
-__all__ = ["Lake", "AppendResult", "ingest_files", "content_hash", "content_hashes", "validate_trajectories"]
+__all__ = ["Lake", "AppendResult", "ingest_files", "ingest_table", "IngestReport", "content_hash", "content_hashes", "validate_trajectories"]
 
 
 def __getattr__(name: str) -> Any:  # lazy: `import pipeline.lake` must not import deltalake
@@ -28,8 +29,8 @@ def __getattr__(name: str) -> Any:  # lazy: `import pipeline.lake` must not impo
         from pipeline.lake.validate import validate_trajectories
 
         return validate_trajectories
-    if name == "ingest_files":
-        from pipeline.lake.ingest import ingest_files
+    if name in ("ingest_files", "ingest_table", "IngestReport"):
+        from pipeline.lake import ingest
 
-        return ingest_files
+        return getattr(ingest, name)
     raise AttributeError(name)

@@ -23,6 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="vacuum files removed from the log longer ago than this (default 168 = 7 days)")
     m.add_argument("--dry-run", action="store_true", help="report what vacuum would delete")
     m.add_argument("--table", action="append", default=None, help="only these tables (repeatable)")
+    m.add_argument("--orphan-age-minutes", type=float, default=None,
+                   help="remove data files no commit references (and _snapshots/.tmp-* directories) once they "
+                        "are this old (default 60: a live writer never commits a file older than 30 minutes)")
     m.set_defaults(handler=_maintain)
     i = common(lsub.add_parser("info", help="tables, versions, row and file counts"))
     i.set_defaults(handler=_info)
@@ -52,12 +55,18 @@ def _maintain(args: argparse.Namespace) -> None:
     from pipeline.lake.delta import Lake
     from pipeline.lake.maintain import maintain
 
-    out = maintain(Lake(args.lake), retention_hours=args.retention_hours, dry_run=args.dry_run, tables=args.table)
-    emit(out, args, lambda r: "\n".join(
+    age = None if args.orphan_age_minutes is None else args.orphan_age_minutes * 60
+    out = maintain(Lake(args.lake), retention_hours=args.retention_hours, dry_run=args.dry_run, tables=args.table,
+                   orphan_min_age_s=age)
+    emit(out, args, lambda r: ("\n".join(
         f"{t}: files {v['files_before']} -> {v['files_after']}, checkpoint at version {v['version']}, "
-        f"vacuum {'would delete' if args.dry_run else 'deleted'} {v['vacuumed']} file(s)"
+        f"vacuum {'would delete' if args.dry_run else 'deleted'} {v['vacuumed']} file(s), "
+        f"{'would remove' if args.dry_run else 'removed'} {v['orphans_removed']} orphan file(s)"
         + (f" (kept versions {v['kept_versions']})" if v.get("kept_versions") else "")
         for t, v in r["tables"].items()) or "no tables")
+        + (f"\n_snapshots: {'would remove' if args.dry_run else 'removed'} "
+           f"{len(r['snapshot_temp_dirs_removed'])} temporary director(ies)"
+           if r["snapshot_temp_dirs_removed"] else ""))
 
 
 def _info(args: argparse.Namespace) -> None:

@@ -5,12 +5,22 @@ hash) and an application transaction, so a writer that retries after an
 ambiguous failure can ask the log whether its batch already landed instead of
 appending it again. delta-rs records ``app_transactions`` but does not refuse a
 repeated version: the exactly-once check below is ours.
+
+Tables with a ``row_key`` column (trajectories, events) never hold two rows
+with one key, under any number of concurrent writers: every append dedupes
+against the keys in the table and commits carrying the next version of one
+shared application transaction (``pipeline.keys``), so of two appends that
+read the same table version delta-rs lets exactly one commit; the other
+re-checks only the files committed since and retries. Compaction commits
+carry ``pipeline.compact`` the same way. docs/write-protocol.md has the
+whole argument.
 """
 
 from __future__ import annotations
 
 import getpass
 import os
+import random
 import socket
 import sys
 import time
@@ -21,6 +31,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
 from deltalake import CommitProperties, DeltaTable, Transaction, WriterProperties
@@ -28,7 +39,7 @@ from deltalake.exceptions import CommitFailedError, TableNotFoundError
 
 from pipeline import __version__
 from pipeline.errors import CommitError, NotFoundError
-from pipeline.schema import TableSpec, table_spec
+from pipeline.schema import ROW_KEY, TableSpec, table_spec
 
 DEFAULT_LAKE = "./lake"
 
@@ -41,16 +52,95 @@ TABLE_PROPERTIES: dict[str, str] = {
     "delta.checkpointInterval": "50",
 }
 
-# Raised from delta-rs's 15: with 8 writers on one table, 22/999 commits still
-# failed at the default (shared/VERIFIED.md).
+# Raised from delta-rs's 15: with 8 writers on one table, 22 of 999 commits
+# still failed at the default in our measurements.
 MAX_COMMIT_RETRIES = 100
 MAX_ATTEMPTS = 8
+# Keyed appends lose the serialising transaction to every concurrent keyed
+# append that commits first; each loss costs one log reload and a check of the
+# files committed meanwhile, so they get more attempts.
+MAX_KEYED_ATTEMPTS = 200
+
+KEYS_APP = "pipeline.keys"         # bumped by every append to a keyed table
+COMPACT_APP = "pipeline.compact"   # bumped by every compaction commit
+# A staged (written, uncommitted) data file older than this is rewritten before
+# it is committed, so orphan cleanup, which only removes unreferenced files
+# older than ORPHAN_MIN_AGE_S, can never delete a file a live writer commits.
+STAGE_MAX_AGE_S = 30 * 60
+ORPHAN_MIN_AGE_S = 2 * STAGE_MAX_AGE_S
+# Test hook for kill tests: "<point>=<marker path>" makes the process write the
+# marker at that point of the write path and block there until it is killed.
+PAUSE_AT_ENV = "PIPELINE_TEST_PAUSE_AT"
+
+
+def pause_point(point: str) -> None:
+    raw = os.environ.get(PAUSE_AT_ENV)
+    if not raw:
+        return
+    want, _, marker = raw.partition("=")
+    if want != point:
+        return
+    Path(marker).write_text(str(os.getpid()))
+    while True:  # inside the critical section until the test kills us
+        time.sleep(60)
+
+
+class LockTaken(Exception):
+    """The serialising transaction version this commit needed was taken by
+    another writer: the caller must re-read and decide again."""
+
+    def __init__(self, app: str, version: int) -> None:
+        super().__init__(f"{app} version {version} already committed")
+        self.app, self.version = app, version
+
+
+class KeyRace(Exception):
+    """Staged rows whose keys a concurrent append committed first (or staged
+    files too old to commit safely, with ``keys`` empty): the caller must
+    re-read, dedupe and stage again."""
+
+    def __init__(self, keys: np.ndarray) -> None:
+        super().__init__(f"{len(keys)} staged keys were landed by a concurrent append")
+        self.keys = keys
+
+
+@dataclass
+class Staged:
+    """Data files written by :meth:`Lake.stage`, not yet committed."""
+
+    actions: list
+    keys: np.ndarray          # row_key of every staged row (empty for unkeyed tables)
+    rows: int
+    written_at: float
+
+
+def row_keys(spec: TableSpec, data: pa.Table) -> pa.Array:
+    """``row_key`` of each row: the first 8 bytes of sha256 over the key columns
+    (values as text, joined by U+001F), as a signed big-endian int64."""
+    import hashlib
+
+    cols = [data.column(c).to_pylist() for c in spec.key]
+    out = np.empty(data.num_rows, np.int64)
+    if len(cols) == 1:
+        for i, v in enumerate(cols[0]):
+            out[i] = int.from_bytes(hashlib.sha256(str(v).encode()).digest()[:8], "big", signed=True)
+    else:
+        for i, vals in enumerate(zip(*cols)):
+            text = "\x1f".join("" if v is None else str(v) for v in vals)
+            out[i] = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big", signed=True)
+    return pa.array(out, pa.int64())
+
+
+_KEY_CACHE: dict[tuple[str, str], tuple[int, frozenset[str], np.ndarray]] = {}
 
 
 @dataclass(frozen=True)
 class AppendResult:
     """Outcome of one append. ``landed`` is False when the app transaction had
-    already been committed (an exactly-once no-op)."""
+    already been committed (an exactly-once no-op), or when every row was
+    already in the table. On keyed tables ``duplicates`` counts rows whose key
+    had landed with the same content and ``conflicts`` holds the rows whose key
+    had landed with different content (neither is written)."""
 
     table: str
     landed: bool
@@ -58,6 +148,8 @@ class AppendResult:
     version: int | None
     app_id: str
     txn_version: int
+    duplicates: int = 0
+    conflicts: pa.Table | None = None
 
 
 def _writer_properties(spec: TableSpec) -> WriterProperties:
@@ -182,28 +274,40 @@ class Lake:
         return self.table(name).history(limit)
 
     # -- writes -----------------------------------------------------------
-    def stage(self, name: str, data: pa.Table) -> list:
+    def _prepare(self, spec: TableSpec, data: pa.Table) -> pa.Table:
+        """``data`` in the table's column order and types, with ``row_key`` computed."""
+        if spec.enforces_key and (ROW_KEY not in data.column_names or data.column(ROW_KEY).null_count):
+            if ROW_KEY in data.column_names:
+                data = data.drop_columns([ROW_KEY])
+            data = data.append_column(ROW_KEY, row_keys(spec, data))
+        return data.select(spec.names).cast(spec.arrow_schema())
+
+    def stage(self, name: str, data: pa.Table) -> Staged:
         """Write ``data`` as data files of table ``name`` without committing them;
-        pass the result to ``append(..., staged=...)``. Until that commit lands the
-        files are invisible (vacuum removes them if it never does)."""
+        pass the result to ``append(..., staged=[...])``. Until that commit lands
+        the files are invisible (orphan cleanup removes them if it never does)."""
         spec = table_spec(name)
-        return self._write_data_files(spec, data.select(spec.names).cast(spec.arrow_schema()))
+        data = self._prepare(spec, data)
+        keys = (data.column(ROW_KEY).to_numpy() if spec.enforces_key else np.empty(0, np.int64))
+        return Staged(self._write_data_files(spec, data), keys, data.num_rows, time.time())
 
     def discard(self, name: str, staged: list) -> None:
         """Best-effort removal of staged files that will not be committed."""
         fs, _ = self.filesystem()
         base = self.table_uri(name) if self.is_local else self.table_uri(name).split("://", 1)[1]
-        for action in staged:
-            try:
-                fs.delete_file(f"{base}/{action.path}")
-            except (FileNotFoundError, OSError):
-                pass
+        for item in staged:
+            for action in (item.actions if isinstance(item, Staged) else [item]):
+                try:
+                    fs.delete_file(f"{base}/{action.path}")
+                except (FileNotFoundError, OSError):
+                    pass
 
     def append(self, name: str, data: pa.Table | None, *, command: str, config_hash: str | None = None,
                app_id: str | None = None, txn_version: int = 0,
                extra_transactions: list[str] | None = None,
                extra_metadata: dict[str, str] | None = None,
-               staged: list | None = None, rows: int | None = None) -> AppendResult:
+               staged: list[Staged] | None = None, read_version: int | None = None,
+               lock: tuple[str, int] | None = None) -> AppendResult:
         """Append ``data`` to ``name`` exactly once per ``(app_id, txn_version)``.
 
         Retries ``CommitFailedError``. Any other failure after the write may have
@@ -211,38 +315,88 @@ class Lake:
         landed before trying again, never blindly re-appending. Without an
         ``app_id`` a one-off id is used, so ambiguity is still resolvable.
         ``extra_transactions`` are further app ids (version 0) recorded in the
-        same commit (ingest records one per source file). ``staged`` commits files
-        written earlier with :meth:`stage` instead of writing ``data``.
+        same commit (ingest records one per source file).
+
+        Keyed tables (``row_key``): rows whose key is already in the table are
+        not written (``duplicates`` / ``conflicts`` in the result). With
+        ``staged`` (files written earlier by :meth:`stage`), the caller deduped
+        against version ``read_version``; if a commit since then landed one of
+        the staged keys, :class:`KeyRace` is raised and nothing is committed.
+
+        ``lock=(app, version)`` additionally commits that application
+        transaction and raises :class:`LockTaken` if ``version`` of it is
+        already committed (or gets committed concurrently): the primitive for
+        read-decide-commit steps such as publishing the next policy version.
         """
         self.ensure(name)
         spec = table_spec(name)
+        keyed = spec.enforces_key
         if staged is None:
-            data = data.select(spec.names).cast(spec.arrow_schema())
+            data = self._prepare(spec, data)
             rows = data.num_rows
-        elif rows is None:
-            raise ValueError("append(staged=...) needs rows=")
+        else:
+            rows = sum(s.rows for s in staged)
         app_id = app_id or f"write-{uuid.uuid4().hex}"
         meta = _metadata(command, config_hash)
         meta.update({"pipeline.app_id": app_id, "pipeline.txn_version": str(txn_version)})
         meta.update(extra_metadata or {})
         last_exc: Exception | None = None
         ambiguous = False  # an earlier attempt failed in a way that may have committed
-        actions = staged
-        for attempt in range(MAX_ATTEMPTS):
+        actions = [a for s in staged for a in s.actions] if staged is not None else None
+        checked = read_version if staged is not None else None  # keys up to here are checked
+        duplicates, conflicts = 0, None
+        attempts = MAX_KEYED_ATTEMPTS if keyed or lock else MAX_ATTEMPTS
+        for attempt in range(attempts):
             # Check and write against the SAME table snapshot: delta-rs then refuses
-            # (ConcurrentTransaction) a commit racing another with our app id, which
-            # closes the window between the check and the write.
+            # (ConcurrentTransaction) a commit racing another with our app id (or the
+            # serialising one), which closes the window between the check and the write.
             dt = self.table(name)
             landed = dt.transaction_version(app_id)
             if landed is not None and landed >= txn_version:
                 if not ambiguous:
                     # committed by someone else with this app id (or before this call)
-                    return AppendResult(name, False, 0, None, app_id, txn_version)
+                    return AppendResult(name, False, 0, None, app_id, txn_version, duplicates, conflicts)
                 # our own earlier attempt committed before failing: done
-                return AppendResult(name, True, rows, self.version(name), app_id, txn_version)
+                return AppendResult(name, True, rows, self.version(name), app_id, txn_version,
+                                    duplicates, conflicts)
+            now_ms = int(time.time() * 1000)
+            txns = [Transaction(app_id, txn_version, now_ms)] + [
+                Transaction(t, 0, now_ms) for t in extra_transactions or [] if t != app_id]
+            if lock is not None:
+                held = dt.transaction_version(lock[0])
+                if held is not None and held >= lock[1]:
+                    raise LockTaken(*lock)
+                txns.append(Transaction(lock[0], lock[1], now_ms))
+            if keyed:
+                if staged is None:
+                    data, dups, confl = self._drop_landed(spec, dt, data, since=checked)
+                    if dups or confl is not None:
+                        duplicates += dups
+                        conflicts = confl if conflicts is None else pa.concat_tables([conflicts, confl])
+                        if actions is not None:  # written before a concurrent append landed some keys
+                            self.discard(name, [Staged(actions, np.empty(0, np.int64), 0, 0.0)])
+                            actions = None
+                    rows = data.num_rows
+                    if rows == 0:
+                        return AppendResult(name, False, 0, None, app_id, txn_version, duplicates, conflicts)
+                else:
+                    if time.time() - min(s.written_at for s in staged) > STAGE_MAX_AGE_S:
+                        raise KeyRace(np.empty(0, np.int64))
+                    ours = np.concatenate([s.keys for s in staged])
+                    hits = np.intersect1d(ours, self.keys(name, dt, since=checked))
+                    if hits.size:
+                        raise KeyRace(hits)
+                checked = dt.version()
+                txns.append(Transaction(KEYS_APP, (dt.transaction_version(KEYS_APP) or 0) + 1, now_ms))
             try:
                 if actions is None:  # data files are immutable: write once, commit as often as needed
                     actions = self._write_data_files(spec, data)
+                    written_at = time.time()
+                elif staged is None and time.time() - written_at > STAGE_MAX_AGE_S:
+                    self.discard(name, [Staged(actions, np.empty(0, np.int64), 0, 0.0)])
+                    actions = self._write_data_files(spec, data)
+                    written_at = time.time()
+                pause_point(f"append:{name}:staged")
                 dt.create_write_transaction(
                     actions,
                     mode="append",
@@ -251,27 +405,172 @@ class Lake:
                     commit_properties=CommitProperties(
                         custom_metadata=meta,
                         max_commit_retries=MAX_COMMIT_RETRIES,
-                        app_transactions=[Transaction(app_id, txn_version, int(time.time() * 1000))]
-                        + [Transaction(t, 0, int(time.time() * 1000)) for t in extra_transactions or []
-                           if t != app_id],
+                        app_transactions=txns,
                     ),
                 )
-                return AppendResult(name, True, rows, self.version(name), app_id, txn_version)
+                pause_point(f"append:{name}:committed")
+                return AppendResult(name, True, rows, self.version(name), app_id, txn_version,
+                                    duplicates, conflicts)
             except CommitFailedError as exc:
                 last_exc = exc
+                if lock is not None:
+                    held = self.table(name).transaction_version(lock[0])
+                    if held is not None and held >= lock[1] and \
+                            (self.table(name).transaction_version(app_id) or -1) < txn_version:
+                        raise LockTaken(*lock) from None
             except Exception as exc:  # ambiguous: the commit may have landed
                 last_exc = exc
                 ambiguous = True
-            time.sleep(min(0.05 * 2**attempt, 2.0))
+            if keyed or lock:  # lost a serialising race: jittered back-off, then re-check
+                time.sleep(random.uniform(0, min(0.02 * 2 ** min(attempt, 6), 1.0)))
+            else:
+                time.sleep(min(0.05 * 2**attempt, 2.0))
         landed = self.transaction_version(name, app_id)
         if landed is not None and landed >= txn_version:
-            return AppendResult(name, True, rows, self.version(name), app_id, txn_version)
+            return AppendResult(name, True, rows, self.version(name), app_id, txn_version, duplicates, conflicts)
         raise CommitError(
-            f"could not append {rows} rows to {name} after {MAX_ATTEMPTS} attempts: {last_exc}",
+            f"could not append {rows} rows to {name} after {attempts} attempts: {last_exc}",
             hint=f"retry with the same transaction id ({app_id}, {txn_version}); it lands at most once",
         )
 
-    def _write_data_files(self, spec: TableSpec, data: pa.Table) -> list:
+    # -- keys and the files behind versions ----------------------------------
+    def _drop_landed(self, spec: TableSpec, dt: DeltaTable, data: pa.Table, *, since: int | None
+                     ) -> tuple[pa.Table, int, pa.Table | None]:
+        """``data`` without rows whose key is in ``dt`` (only files committed after
+        version ``since`` are looked at when given) or repeats earlier in ``data``.
+        -> (rows to write, duplicates, conflicting rows or None)."""
+        keys = data.column(ROW_KEY).to_numpy()
+        hit = np.isin(keys, self.keys(spec.name, dt, since=since))
+        # within the batch: the first occurrence of a key wins
+        _, first = np.unique(keys, return_index=True)
+        repeat = np.ones(len(keys), bool)
+        repeat[first] = False
+        if not hit.any() and not repeat.any():
+            return data, 0, None
+        drop = hit | repeat
+        conflict = np.zeros(len(keys), bool)
+        key_cols = list(spec.key)
+        cc = spec.conflict_column
+        if hit.any():
+            landed = self.read(spec.name, columns=key_cols + ([cc] if cc else []) + [ROW_KEY],
+                               version=dt.version(),
+                               filter=ds.field(ROW_KEY).isin(pa.array(np.unique(keys[hit]), pa.int64())))
+            by_key = {tuple(r[c] for c in key_cols): (r[cc] if cc else None) for r in landed.to_pylist()}
+            mine = data.select(key_cols + ([cc] if cc else [])).to_pylist()
+            for i in np.flatnonzero(hit):
+                k = tuple(mine[i][c] for c in key_cols)
+                if k not in by_key:       # a 64-bit digest collision, not the same key: keep it
+                    drop[i] = hit[i] = repeat[i]
+                elif cc and by_key[k] != mine[i][cc]:
+                    conflict[i] = True
+        if repeat.any() and cc:
+            seen: dict[tuple, Any] = {}
+            mine = data.select(key_cols + [cc]).to_pylist()
+            for i in range(len(keys)):
+                k = tuple(mine[i][c] for c in key_cols)
+                if k in seen and seen[k] != mine[i][cc]:
+                    conflict[i] = True
+                seen.setdefault(k, mine[i][cc])
+        n_conflict = int(conflict.sum())
+        kept = data.filter(pa.array(~drop)) if drop.any() else data
+        confl = data.filter(pa.array(conflict)) if n_conflict else None
+        return kept, int(drop.sum()) - n_conflict, confl
+
+    def keys(self, name: str, dt: DeltaTable, *, since: int | None = None) -> np.ndarray:
+        """``row_key`` of every row in ``dt`` (since=None) or in the files committed
+        after version ``since``. The full set is cached per process and brought
+        forward by reading only the files added since the cached version."""
+        version = dt.version()
+        if since is not None:
+            if since >= version:
+                return np.empty(0, np.int64)
+            return self._read_keys(name, self.files_added(name, dt, since=since))
+        cached = _KEY_CACHE.get((self.uri, name))
+        if cached is not None and cached[0] <= version:
+            live = self.live_files(dt)
+            extra = [f for f in live if f[0] not in cached[1]]
+            keys = np.union1d(cached[2], self._read_keys(name, extra)) if extra else cached[2]
+        else:
+            live = self.live_files(dt)
+            keys = np.unique(self._read_keys(name, live))
+        _KEY_CACHE[(self.uri, name)] = (version, frozenset(p for p, _ in live), keys)
+        return keys
+
+    def _read_keys(self, name: str, files: list[tuple[str, dict[str, str | None]]]) -> np.ndarray:
+        if not files:
+            return np.empty(0, np.int64)
+        t = self.files_dataset(name, files, schema=pa.schema([pa.field(ROW_KEY, pa.int64())])).to_table(
+            columns=[ROW_KEY])
+        return t.column(ROW_KEY).to_numpy()
+
+    @staticmethod
+    def live_files(dt: DeltaTable) -> list[tuple[str, dict[str, str | None]]]:
+        """(path relative to the table, partition values as log strings) of every live file."""
+        t = pa.table(dt.get_add_actions(flatten=True))
+        parts = [c for c in t.column_names if c.startswith("partition.")]
+        paths = t.column("path").to_pylist()
+        vals = {c[len("partition."):]: t.column(c).to_pylist() for c in parts}
+        return [(p, {k: _partition_str(v[i]) for k, v in vals.items()}) for i, p in enumerate(paths)]
+
+    def log_entries(self, name: str, version: int) -> list[dict[str, Any]] | None:
+        """The actions of commit ``version`` from its JSON log file; None if that file is gone."""
+        import json
+
+        fs, _ = self.filesystem()
+        base = self.table_uri(name) if self.is_local else self.table_uri(name).split("://", 1)[1]
+        try:
+            with fs.open_input_stream(f"{base}/_delta_log/{version:020d}.json") as f:
+                raw = f.read()
+        except (FileNotFoundError, OSError):
+            return None
+        return [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+
+    def commit_metadata(self, name: str, version: int) -> dict[str, Any]:
+        """The commitInfo of ``version`` (our ``pipeline.*`` metadata included); {} if unknown."""
+        for entry in self.log_entries(name, version) or []:
+            if "commitInfo" in entry:
+                return entry["commitInfo"]
+        return {}
+
+    def files_added(self, name: str, dt: DeltaTable, *, since: int) -> list[tuple[str, dict[str, str | None]]]:
+        """Live files of ``dt`` that were added by a commit after version ``since``:
+        every row committed after ``since`` is in one of them (a compaction since
+        then rewrote such rows into a file it added). Falls back to every live
+        file when a commit's log file is missing (a superset, never fewer)."""
+        from urllib.parse import unquote
+
+        added: set[str] = set()
+        for v in range(since + 1, dt.version() + 1):
+            entries = self.log_entries(name, v)
+            if entries is None:
+                return self.live_files(dt)
+            added.update(unquote(e["add"]["path"]) for e in entries if "add" in e)
+        return [f for f in self.live_files(dt) if f[0] in added or unquote(f[0]) in added]
+
+    def files_dataset(self, name: str, files: list[tuple[str, dict[str, str | None]]], *,
+                      schema: pa.Schema | None = None) -> ds.Dataset:
+        """A pyarrow dataset over some data files of ``name`` (as from ``files_added``),
+        partition columns filled from the log's partition values."""
+        spec = table_spec(name)
+        full = spec.arrow_schema()
+        schema = schema or full
+        fs, _ = self.filesystem()
+        base = self.table_uri(name) if self.is_local else self.table_uri(name).split("://", 1)[1]
+        parts = []
+        for _, pvals in files:
+            expr = ds.scalar(True)
+            for col, val in pvals.items():
+                if col not in schema.names:
+                    continue
+                typ = full.field(col).type
+                expr = expr & (ds.field(col).is_null() if val is None
+                               else ds.field(col) == pa.scalar(val).cast(typ))
+            parts.append(expr)
+        return ds.FileSystemDataset.from_paths([f"{base}/{p}" for p, _ in files], schema=schema,
+                                               format=ds.ParquetFileFormat(), filesystem=fs,
+                                               partitions=parts)
+
+    def _write_data_files(self, spec: TableSpec, data: pa.Table, *, data_change: bool = True) -> list:
         """Write ``data`` as Parquet files (one per partition) under the table and
         return their add actions. pyarrow's writer with dictionary encoding and
         statistics off for token lists was ~2x faster than delta-rs's writer on
@@ -314,19 +613,95 @@ class Lake:
                 pq.write_table(part, f, compression="zstd", compression_level=1, use_dictionary=dict_cols,
                                write_statistics=scalar)
             size = fs.get_file_info(f"{base_path}/{rel_path}").size
-            actions.append(AddAction(rel_path, size, pvals, int(time.time() * 1000), True,
+            actions.append(AddAction(rel_path, size, pvals, int(time.time() * 1000), data_change,
                                      _stats_json(part, scalar)))
         return actions
 
     # -- maintenance ------------------------------------------------------
-    def compact(self, name: str) -> dict[str, Any]:
+    def compact(self, name: str, *, target_bytes: int = 128 << 20) -> dict[str, Any]:
+        """Rewrite each partition's small files into files of up to ``target_bytes``.
+
+        Our own rewrite instead of delta-rs's ``optimize.compact``: two of those
+        running at once both commit, each re-adding the same rows (measured:
+        every compacted row twice). Ours commits remove + add actions carrying the
+        next version of ``pipeline.compact``, so of two concurrent compactions
+        exactly one commits; the other discards its files and plans again on the
+        new version, where those files are gone. Rows never change: the added
+        files carry ``dataChange=false``."""
+        from deltalake.transaction import RemoveAction
+
         spec = table_spec(name)
+        removed = added = 0
+        for attempt in range(MAX_KEYED_ATTEMPTS):
+            dt = self.table(name)
+            plan = _compaction_plan(pa.table(dt.get_add_actions(flatten=True)), target_bytes)
+            if not plan:
+                break
+            lock_v = (dt.transaction_version(COMPACT_APP) or 0) + 1
+            new_actions: list = []
+            try:
+                for files in plan:
+                    part = self.files_dataset(name, [(p, pv) for p, pv, _ in files]).to_table()
+                    new_actions += self._write_data_files(spec, self._prepare(spec, part), data_change=False)
+                pause_point(f"compact:{name}:written")
+                now_ms = int(time.time() * 1000)
+                removes = [RemoveAction(p, False, now_ms, size, pv) for files in plan for p, pv, size in files]
+                dt.create_write_transaction(
+                    removes + new_actions, mode="append", schema=spec.arrow_schema(),
+                    partition_by=list(spec.partition_by) or None,
+                    commit_properties=CommitProperties(
+                        custom_metadata=_metadata("lake maintain: compact", None),
+                        max_commit_retries=MAX_COMMIT_RETRIES,
+                        app_transactions=[Transaction(COMPACT_APP, lock_v, now_ms)]))
+                removed += len(removes)
+                added += len(new_actions)
+                break
+            except CommitFailedError:
+                # another compaction committed first: our rewrite may repeat its rows
+                self.discard(name, new_actions)
+                time.sleep(random.uniform(0, min(0.02 * 2 ** min(attempt, 6), 1.0)))
+            except BaseException:
+                self.discard(name, new_actions)
+                raise
+        return {"numFilesRemoved": removed, "numFilesAdded": added}
+
+    def remove_orphans(self, name: str, *, min_age_s: float = ORPHAN_MIN_AGE_S,
+                       dry_run: bool = False) -> list[str]:
+        """Delete data files under table ``name`` that no commit ever referenced
+        (staged by a writer that died before committing, or that lost a race) and
+        that are older than ``min_age_s``. A live writer never commits a staged
+        file older than ``STAGE_MAX_AGE_S`` (half the default age), so this never
+        removes a file that is about to be committed."""
+        import pyarrow.fs as pafs
+        from urllib.parse import unquote
+
         dt = self.table(name)
-        return dt.optimize.compact(
-            writer_properties=_writer_properties(spec),
-            commit_properties=CommitProperties(custom_metadata=_metadata("lake maintain: compact", None),
-                                               max_commit_retries=MAX_COMMIT_RETRIES),
-        )
+        referenced = {p for p, _ in self.live_files(dt)}
+        for v in range(dt.version() + 1):
+            for e in self.log_entries(name, v) or []:
+                for kind in ("add", "remove"):
+                    if kind in e:
+                        referenced.add(unquote(e[kind]["path"]))
+        fs, _ = self.filesystem()
+        base = self.table_uri(name) if self.is_local else self.table_uri(name).split("://", 1)[1]
+        cutoff = time.time() - min_age_s
+        out = []
+        for info in fs.get_file_info(pafs.FileSelector(base, recursive=True)):
+            if info.type != pafs.FileType.File:
+                continue
+            rel = info.path[len(base) + 1:]
+            if rel.startswith("_delta_log/") or rel in referenced or not rel.endswith(".parquet"):
+                continue
+            mtime = info.mtime.timestamp() if info.mtime is not None else time.time()
+            if mtime > cutoff:
+                continue
+            out.append(rel)
+            if not dry_run:
+                try:
+                    fs.delete_file(info.path)
+                except (FileNotFoundError, OSError):
+                    pass  # a concurrent maintain removed it first
+        return out
 
     def checkpoint(self, name: str) -> None:
         self.table(name).create_checkpoint()
@@ -366,6 +741,32 @@ class Lake:
             return fs, self.uri[len("s3://"):]
         fs, root = pafs.FileSystem.from_uri(self.uri)
         return fs, root
+
+
+def _compaction_plan(adds: pa.Table, target_bytes: int) -> list[list[tuple[str, dict[str, str | None], int]]]:
+    """Bins of small files (same partition, up to ``target_bytes`` each, >= 2 files)."""
+    parts = [c for c in adds.column_names if c.startswith("partition.")]
+    by_part: dict[tuple, list[tuple[str, dict[str, str | None], int]]] = {}
+    rows = adds.select(["path", "size_bytes"] + parts).to_pylist()
+    for r in sorted(rows, key=lambda r: r["path"]):
+        if r["size_bytes"] >= target_bytes:
+            continue
+        pv = {c[len("partition."):]: _partition_str(r[c]) for c in parts}
+        by_part.setdefault(tuple(sorted(pv.items(), key=lambda kv: kv[0])), []).append(
+            (r["path"], pv, r["size_bytes"]))
+    plan = []
+    for files in by_part.values():
+        bin_, size = [], 0
+        for f in files:
+            if bin_ and size + f[2] > target_bytes:
+                if len(bin_) > 1:
+                    plan.append(bin_)
+                bin_, size = [], 0
+            bin_.append(f)
+            size += f[2]
+        if len(bin_) > 1:
+            plan.append(bin_)
+    return plan
 
 
 def _partition_str(v: Any) -> str | None:

@@ -7,6 +7,10 @@ Idempotence, at two levels:
   the two commits converges when rerun;
 - row: a trajectory_id that already landed with the same content_hash is a
   duplicate (no-op); with a different one it is a ``conflict`` (quarantined).
+  Ids are checked against the table's compact key column (``row_key``, 8 bytes
+  a row), never against every id string ever landed; the commit is serialised
+  with every other append to the table (docs/write-protocol.md), so two
+  ingests of overlapping ids at the same moment land each id once.
 
 Every file is read and validated before anything is written: a corrupt file
 fails the command with no new table version.
@@ -14,6 +18,7 @@ fails the command with no new table version.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -21,14 +26,14 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.errors import InputFileError
-from pipeline.lake.validate import Reject, Validated, validate_table
+from pipeline.errors import CommitError, InputFileError
+from pipeline.lake.validate import Reject, validate_table
 from pipeline.schema import table_spec
 
 FORMATS = ("parquet", "ipc", "jsonl")
@@ -49,15 +54,6 @@ class IngestReport:
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
-
-
-@dataclass
-class _Source:
-    path: str
-    fingerprint: str
-    raw: pa.Table
-    raw_lines: list[str] | None  # JSONL: the raw lines (for quarantine)
-    validated: Validated
 
 
 # -- reading ----------------------------------------------------------------------------
@@ -177,11 +173,49 @@ def dedupe(valid: pa.Table, existing: pa.Table) -> tuple[np.ndarray, np.ndarray,
     return new, dup, conflict
 
 
+def list_min_nonneg(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Per list: min of elements >= 0 as int64; -1 when none (or the list is null)."""
+    arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+    n = len(arr)
+    out = np.full(n, -1, np.int64)
+    if n == 0:
+        return out
+    offsets = np.asarray(arr.offsets, np.int64)                           # [n+1]
+    vals = arr.values
+    if vals.null_count:
+        vals = vals.fill_null(-1)
+    values = vals.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]  # [T] int32, no copy
+    offsets = offsets - offsets[0]
+    big = np.iinfo(values.dtype).max
+    v = np.where(values >= 0, values, big)                               # [T]
+    lens = np.diff(offsets)
+    nonempty = lens > 0
+    if v.size and nonempty.any():
+        mins = np.minimum.reduceat(v, offsets[:-1][nonempty]).astype(np.int64)
+        out[nonempty] = np.where(mins == big, -1, mins)
+    if arr.null_count:
+        out[np.asarray(arr.is_null())] = -1
+    return out
+
+
 def stamp_derived(valid: pa.Table, ingest_id: str) -> pa.Table:
-    """Add the lake-derived columns (created_day, ingest_id)."""
+    """Add the lake-derived columns: created_day, ingest_id, row_key, and the two
+    per-trajectory scalars admission needs from the token lists (computed once
+    here so admission never reads token payload): oldest_version = min sampled
+    version over the response tokens (>= 0; observation tokens carry -1),
+    policy_version when there is none; response_len = len(response_ids)."""
+    from pipeline.lake.delta import row_keys
+    from pipeline.schema import ROW_KEY, table_spec
+
     day = pc.cast(pc.cast(valid.column("created_at"), pa.timestamp("us", tz="UTC")), pa.date32())
     t = valid.append_column("created_day", day)
-    return t.append_column("ingest_id", pa.array([ingest_id] * valid.num_rows, pa.string()))
+    t = t.append_column("ingest_id", pa.array([ingest_id] * valid.num_rows, pa.string()))
+    t = t.append_column(ROW_KEY, row_keys(table_spec("trajectories"), valid))
+    tpv = list_min_nonneg(valid.column("token_policy_versions"))
+    pv = np.asarray(valid.column("policy_version").to_numpy(zero_copy_only=False), np.int64)
+    t = t.append_column("oldest_version", pa.array(np.where(tpv >= 0, tpv, pv), pa.int64()))
+    lens = pc.list_value_length(valid.column("response_ids")).fill_null(0)
+    return t.append_column("response_len", pc.cast(lens, pa.int32()))
 
 
 def quarantine_rows(rejects: list[tuple[int, str, str, str | None]], *, raw: pa.Table, raw_lines: list[str] | None,
@@ -250,11 +284,9 @@ def ingest_files(lake, paths: Iterable[str | os.PathLike[str]], *, command: str 
     staged files become visible in one trajectories commit at the end; if
     anything fails first, they are removed and no table version is written.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
-    ingest_id = f"ingest-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+    ingest_id = _new_ingest_id()
     report = IngestReport(ingest_id=ingest_id)
-    heads: list[tuple[str, str, bytes]] = []
+    heads: list[tuple[str, str]] = []
     seen_fp: set[str] = set()
     for path in [str(p) for p in paths]:
         data, fp = read_bytes(path)
@@ -269,32 +301,113 @@ def ingest_files(lake, paths: Iterable[str | os.PathLike[str]], *, command: str 
             continue
         precheck(path, data)
         seen_fp.add(fp)
-        heads.append((path, fp, data))
-    if not heads:
+        heads.append((path, fp))
+        del data
+
+    def sources() -> Iterator[tuple[str, str, pa.Table, list[str] | None, list[Reject]]]:
+        for path, fp in heads:
+            raw, lines, pre, _ = read_file(path)
+            yield path, fp, raw, lines, pre
+
+    return _land(lake, sources, [fp for _, fp in heads], report, command=command)
+
+
+def ingest_table(lake, table, *, source: str = "memory", command: str = "ingest_table") -> IngestReport:
+    """Land an in-memory ``pyarrow.Table`` (or pandas / polars DataFrame) with
+    the same validation, quarantine, dedupe and exactly-once guarantees as
+    ``pipeline ingest``. The table's content fingerprint (sha256 of its Arrow IPC
+    stream) is the application transaction, so landing the same table twice is
+    a no-op. ``source`` names it in quarantine rows."""
+    raw = _as_arrow(table)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, raw.schema) as w:
+        w.write_table(raw)
+    fp = hashlib.sha256(sink.getvalue()).hexdigest()
+    report = IngestReport(ingest_id=_new_ingest_id(), files=1, rows_read=0)
+    if lake.exists("trajectories") and lake.transaction_version("trajectories", f"ingest:{fp}") is not None:
+        report.rows_read = raw.num_rows
+        report.duplicates = raw.num_rows
+        report.skipped_files.append(source)
+        return report
+    report.files = 1
+    return _land(lake, lambda: iter([(source, fp, raw, None, [])]), [fp], report, command=command)
+
+
+def _as_arrow(table) -> pa.Table:
+    if isinstance(table, pa.Table):
+        return table
+    if isinstance(table, pa.RecordBatch):
+        return pa.Table.from_batches([table])
+    mod = type(table).__module__.split(".")[0]
+    if mod == "polars":
+        return table.to_arrow()
+    if mod == "pandas":
+        return pa.Table.from_pandas(table, preserve_index=False)
+    if hasattr(table, "__arrow_c_stream__"):
+        return pa.table(table)
+    raise TypeError(f"ingest_table needs a pyarrow Table, pandas or polars DataFrame, not {type(table).__name__}")
+
+
+def _new_ingest_id() -> str:
+    return f"ingest-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+
+
+MAX_RACES = 20
+
+
+def _land(lake, sources, fingerprints: list[str], report: IngestReport, *, command: str) -> IngestReport:
+    """Validate, dedupe, stage and commit ``sources()`` (path, fingerprint, raw
+    table, raw JSONL lines or None, parse rejects). If a concurrent append lands
+    some of the same ids between our read and our commit (KeyRace), everything
+    staged is discarded and the sources are read again against the new version."""
+    from pipeline.lake.delta import KeyRace
+
+    if not fingerprints:
         return report
     lake.ensure("trajectories")
     lake.ensure("quarantine")
-    quarantined_txn = {fp for _, fp, _ in heads
-                       if lake.transaction_version("quarantine", f"ingest:{fp}") is not None}
-    existing = pa.table({"trajectory_id": pa.array([], pa.string()), "content_hash": pa.array([], pa.string())})
-    if lake.version("trajectories"):
-        existing = lake.read("trajectories", columns=["trajectory_id", "content_hash"])
+    base = dataclasses.replace(report)
+    for _ in range(MAX_RACES):
+        report = dataclasses.replace(base, reasons=dict(base.reasons), skipped_files=list(base.skipped_files))
+        try:
+            return _land_once(lake, sources, fingerprints, report, command=command)
+        except KeyRace:
+            continue
+    raise CommitError(f"ingest lost {MAX_RACES} races in a row to concurrent appends of the same ids",
+                      hint="rerun: what landed is not landed twice")
+
+
+def _land_once(lake, sources, fingerprints: list[str], report: IngestReport, *, command: str) -> IngestReport:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pipeline.schema import ROW_KEY
+
+    ingest_id = report.ingest_id
+    dt = lake.table("trajectories")
+    read_version = dt.version()
+    table_keys = lake.keys("trajectories", dt)  # compact: one int64 per landed row
+    accepted = pa.table({"trajectory_id": pa.array([], pa.string()), "content_hash": pa.array([], pa.string())})
     staged: list = []
     futures = []
     landed = 0
     q_tables = []
     try:
         with ThreadPoolExecutor(max_workers=1) as writer:
-            for k in range(len(heads)):
-                path, fp, data = heads[k]
-                heads[k] = (path, fp, b"")  # release the bytes as we go
-                raw, lines, pre, _ = read_file(path, data)
-                del data
+            for path, fp, raw, lines, pre in sources():
                 report.rows_read += raw.num_rows
                 validated = validate_table(raw, pre_rejected=pre)
                 valid = validated.valid
                 rej = [(r.row, r.code, r.message, _tid(raw, lines, r.row)) for r in validated.rejects]
                 if valid.num_rows:
+                    valid = stamp_derived(valid, ingest_id)
+                    keys = valid.column(ROW_KEY).to_numpy()
+                    hit = np.isin(keys, table_keys)
+                    existing = accepted
+                    if hit.any():  # only rows whose key digest is in the table: fetch their id + hash
+                        found = lake.read("trajectories", columns=["trajectory_id", "content_hash"],
+                                          version=read_version,
+                                          filter=_key_filter(np.unique(keys[hit])))
+                        existing = pa.concat_tables([found, accepted], promote_options="permissive")
                     new, dup, conflict = dedupe(valid, existing)
                     report.duplicates += int(dup.sum())
                     for i in np.flatnonzero(conflict):
@@ -304,45 +417,56 @@ def ingest_files(lake, paths: Iterable[str | os.PathLike[str]], *, command: str 
                                     f"content (content_hash {valid.column('content_hash')[int(i)].as_py()[:12]}…); "
                                     f"ids are idempotency keys: use a new id for new content", tid))
                     if new.any():  # filter copies every token list: skip it when nothing is dropped
-                        to_land = stamp_derived(valid if new.all() else valid.filter(pa.array(new)), ingest_id)
-                        existing = pa.concat_tables([existing, to_land.select(["trajectory_id", "content_hash"])],
+                        to_land = valid if new.all() else valid.filter(pa.array(new))
+                        accepted = pa.concat_tables([accepted, to_land.select(["trajectory_id", "content_hash"])],
                                                     promote_options="permissive")
                         landed += to_land.num_rows
                         futures.append(writer.submit(lake.stage, "trajectories", to_land))
-                if rej and fp not in quarantined_txn:
+                if rej:
                     q_tables.append(quarantine_rows(sorted(rej), raw=raw, raw_lines=lines, source=path,
                                                     fingerprint=fp, ingest_id=ingest_id))
                 del raw, lines, validated, valid
             for f in futures:
-                staged.extend(f.result())
+                staged.append(f.result())
     except BaseException:
         for f in futures:
             if f.done() and not f.exception():
-                staged.extend(f.result())
+                staged.append(f.result())
         lake.discard("trajectories", staged)
         raise
-    txns = [f"ingest:{fp}" for _, fp, _ in heads]
+    txns = [f"ingest:{fp}" for fp in fingerprints]
+    app_id = _batch_app_id(txns)
     quarantine = pa.concat_tables(q_tables) if q_tables else None
     try:
         if quarantine is not None and quarantine.num_rows:
-            res = lake.append("quarantine", quarantine, command=command, app_id=_batch_app_id(txns), txn_version=0,
-                              extra_transactions=txns)
+            # keyed by (fingerprint, row, code): a rerun or a race retry never quarantines a row twice
+            res = lake.append("quarantine", quarantine, command=command, extra_transactions=txns)
             report.quarantined = quarantine.num_rows
-            report.quarantine_version = res.version
+            report.quarantine_version = res.version if res.landed else lake.version("quarantine")
             for code in quarantine.column("reason_code").to_pylist():
                 report.reasons[code] = report.reasons.get(code, 0) + 1
         if staged:
-            res = lake.append("trajectories", None, command=command, app_id=_batch_app_id(txns), txn_version=0,
-                              extra_transactions=txns, staged=staged, rows=landed)
+            res = lake.append("trajectories", None, command=command, app_id=app_id, txn_version=0,
+                              extra_transactions=txns, staged=staged, read_version=read_version)
             report.landed = landed if res.landed else 0
             report.trajectories_version = res.version
             if not res.landed:  # the same batch landed concurrently: our copies are garbage
+                report.duplicates += landed
+                report.trajectories_version = lake.version("trajectories")
                 lake.discard("trajectories", staged)
     except BaseException:
-        if staged and lake.transaction_version("trajectories", _batch_app_id(txns)) is None:
+        if staged and lake.transaction_version("trajectories", app_id) is None:
             lake.discard("trajectories", staged)
         raise
     return report
+
+
+def _key_filter(keys: np.ndarray):
+    import pyarrow.dataset as ds
+
+    from pipeline.schema import ROW_KEY
+
+    return ds.field(ROW_KEY).isin(pa.array(keys, pa.int64()))
 
 
 def _batch_app_id(txns: list[str]) -> str:

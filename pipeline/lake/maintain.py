@@ -1,4 +1,11 @@
-"""`pipeline lake maintain`: compact, checkpoint, vacuum what nothing needs.
+"""`pipeline lake maintain`: compact, checkpoint, vacuum what nothing needs,
+and clean up what crashed writers left.
+
+Safe to run while writers run and while another maintain runs: compaction
+commits are serialised (pipeline/lake/delta.py ``compact``), and the cleanup
+only removes files no commit ever referenced that are older than an age guard
+(``orphan_min_age_s``, default one hour; a writer never commits a staged file
+older than half of that). docs/write-protocol.md has the argument.
 
 Snapshots materialize their members' payload into their own files, so vacuum
 of the source tables can never change what a snapshot id means. We still keep
@@ -27,23 +34,69 @@ def snapshot_source_versions(lake) -> dict[str, set[int]]:
 
 
 def maintain(lake, *, retention_hours: int = 168, dry_run: bool = False,
-             tables: list[str] | None = None) -> dict[str, Any]:
+             tables: list[str] | None = None, orphan_min_age_s: float | None = None) -> dict[str, Any]:
+    from pipeline.lake.delta import ORPHAN_MIN_AGE_S
+
+    age = ORPHAN_MIN_AGE_S if orphan_min_age_s is None else orphan_min_age_s
     keep = snapshot_source_versions(lake)
     report: dict[str, Any] = {"tables": {}}
     for name in tables or list(TABLES) + ["metrics"]:
         if not lake.exists(name):
             continue
         before = lake.file_count(name)
+        compacted: dict[str, Any] = {}
         if not dry_run:
-            lake.compact(name)
+            compacted = lake.compact(name)
             lake.checkpoint(name)
         kept = sorted(keep.get(name, ()))
         vac = lake.vacuum(name, retention_hours=retention_hours, keep_versions=kept, dry_run=dry_run)
+        orphans = lake.remove_orphans(name, min_age_s=age, dry_run=dry_run)
         report["tables"][name] = {
             "files_before": before,
             "files_after": lake.file_count(name),
+            "files_compacted": compacted.get("numFilesRemoved", 0),
             "version": lake.version(name),
             "vacuumed": len(vac),
+            "orphans_removed": len(orphans),
             "kept_versions": kept,
         }
+    report["snapshot_temp_dirs_removed"] = remove_snapshot_temps(lake, min_age_s=age, dry_run=dry_run)
     return report
+
+
+def remove_snapshot_temps(lake, *, min_age_s: float, dry_run: bool = False) -> list[str]:
+    """Temporary snapshot directories (``_snapshots/.tmp-*``) left by admissions
+    that died before publishing, older than ``min_age_s``."""
+    import time
+
+    import pyarrow.fs as pafs
+
+    fs, root = lake.filesystem()
+    base = f"{root}/_snapshots"
+    try:
+        entries = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True, recursive=False))
+    except (FileNotFoundError, OSError):
+        return []
+    cutoff = time.time() - min_age_s
+    out = []
+    for info in entries:
+        name = info.path.rsplit("/", 1)[-1]
+        if not name.startswith(".tmp"):
+            continue
+        newest = info.mtime.timestamp() if info.mtime is not None else None
+        if info.type == pafs.FileType.Directory:
+            inner = fs.get_file_info(pafs.FileSelector(info.path, allow_not_found=True, recursive=True))
+            times = [i.mtime.timestamp() for i in inner if i.mtime is not None]
+            newest = max(times + ([newest] if newest is not None else []), default=None)
+        if newest is not None and newest > cutoff:
+            continue  # a live admission may still be writing it
+        out.append(name)
+        if not dry_run:
+            try:
+                if info.type == pafs.FileType.Directory:
+                    fs.delete_dir(info.path)
+                else:
+                    fs.delete_file(info.path)
+            except (FileNotFoundError, OSError):
+                pass  # removed by a concurrent maintain
+    return out

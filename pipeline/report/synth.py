@@ -334,7 +334,7 @@ def _events(rows: pa.Table, spec: HealthLakeSpec) -> pa.Table:
         add(i, int(tools[i]), "", "VERIFYING", ts, w, "VERIFYING")
         ts += verify[i]
         add(i, int(tools[i]), "", "TERMINAL", ts, w, str(status[i]))
-    schema = table_spec("events").arrow_schema()
+    schema = table_spec("events").ingest_schema()  # row_key: the lake's
     arrays = []
     for f in schema:
         vals = cols[f.name]

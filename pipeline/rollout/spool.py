@@ -124,14 +124,14 @@ class ShipReport:
 
 
 def _events_table(records: list[dict[str, Any]]) -> pa.Table:
-    from pipeline.schema import arrow_schema
+    from pipeline.schema import table_spec
 
     rows = []
     for r in records:
         row = {k: v for k, v in r.items() if k != "kind"}
         row["created_at"] = datetime.fromisoformat(row["created_at"])
         rows.append(row)
-    return pa.Table.from_pylist(rows, schema=arrow_schema("events"))
+    return pa.Table.from_pylist(rows, schema=table_spec("events").ingest_schema())  # row_key: the lake's
 
 
 def _trajectory_table(records: list[dict[str, Any]], shipped_at: datetime) -> pa.Table:

@@ -142,7 +142,7 @@ def event_rows(sim, idx: Sequence[int]) -> pa.Table:
     """The events a harness would have written for trajectories ``idx`` (schemas/events.yaml):
     the full lifecycle for finished ones; for INFRA_FAILED / EXPIRED ones the events
     up to the moment they died, then TERMINAL."""
-    from pipeline.schema import arrow_schema
+    from pipeline.schema import table_spec
 
     cfg: SimConfig = sim.cfg
     prefix = ids_prefix(cfg)
@@ -179,7 +179,7 @@ def event_rows(sim, idx: Sequence[int]) -> pa.Table:
         reward = sim.reward[i]
         add(i, g, "TERMINAL", step, "", status, t_end,
             json.dumps({"status": status, "reward": reward}, separators=(",", ":")))
-    schema = arrow_schema("events")
+    schema = table_spec("events").ingest_schema()  # row_key: the lake's
     cols["created_at"] = pa.array(cols["created_at"], pa.timestamp("us", tz="UTC"))
     return pa.table({f.name: pa.array(cols[f.name], f.type) if f.name != "created_at" else cols["created_at"]
                      for f in schema}, schema=schema)

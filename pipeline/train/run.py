@@ -525,7 +525,7 @@ def _publish(lake, *, checkpoint_id: str, parent, snapshot_id: str, cfg: TrainCo
     """Metrics rows (exactly once), then the checkpoints row: that commit publishes the version."""
     import pyarrow as pa
 
-    from pipeline.policy_store import hash_dir, next_policy_version, publish_checkpoint
+    from pipeline.policy_store import hash_dir, publish_checkpoint
     from pipeline.schema import arrow_schema
     from pipeline.train.checkpoint import weight_hashes
 
@@ -534,13 +534,13 @@ def _publish(lake, *, checkpoint_id: str, parent, snapshot_id: str, cfg: TrainCo
         table = pa.Table.from_pylist(mrows, schema=arrow_schema("metrics"))
         lake.append("metrics", table, command="pipeline train", config_hash=config_hash(cfg),
                     app_id=f"metrics:{checkpoint_id}", txn_version=0)
-    version = next_policy_version(lake)
-    publish_checkpoint(lake, checkpoint_id=checkpoint_id, policy_version=version,
+    published = publish_checkpoint(lake, checkpoint_id=checkpoint_id, policy_version=None,
                        parent_checkpoint_id=parent.checkpoint_id if parent.policy_version >= 0 else None,
                        snapshot_ids=[snapshot_id],
                        train_config=config_dict(cfg) | {"snapshot_id": snapshot_id, "parent": parent.checkpoint_id},
                        train_config_hash=config_hash(cfg), seed=cfg.seed, world_size=world_size,
                        global_step=global_step, samples_seen=samples_seen, metrics=summary, command="pipeline train")
+    version = published["policy_version"]
     return TrainResult(checkpoint_id, version, parent.checkpoint_id, snapshot_id, global_step, samples_seen, summary,
                        weight_hashes(hash_dir(final)), str(final), world_size, resumed_from, False,
                        time.perf_counter() - t_start, lineage_run_id)

@@ -1,0 +1,161 @@
+"""Cost that grows with new data, not with history; writers that scale.
+
+(a) `pipeline ingest` and `pipeline admit` (default config: quality suites on)
+    of the same-shaped 5k new trajectories on an empty lake vs on a lake already
+    holding N admitted trajectories (N = 1M; compacted as `lake maintain`
+    leaves it). Target: <= 1.2x each. The two lakes are measured alternately,
+    each repetition with fresh ids; the best of the repetitions is reported.
+(b) 8 writer processes landing 100-row batches at once (every append
+    serialised by the write protocol) vs one process landing the same rows in
+    one append: rows/s ratio (reported; the moonshot is >= 0.8x).
+
+    .venv/bin/python benchmarks/run.py --only history            # N = 1M
+    .venv/bin/python benchmarks/bench_history.py --existing 200000
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from run import Result
+
+NEW = 5_000
+CHUNK = 100_000
+
+
+def _batch(n: int, seed: int, prefix: str, start: datetime):
+    from pipeline.synth import make_trajectories
+
+    return make_trajectories(n, seed=seed, median_len=32, sigma=0.5, max_len=512, prompt_len=32,
+                             id_prefix=prefix, group_size=8, start=start, run_id=f"run-{seed % 4}")
+
+
+def _build_history(lake, n: int) -> None:
+    """N trajectories landed in 100k appends, admitted, then compacted."""
+    from pipeline.admission.config import AdmissionConfig
+    from pipeline.admission.run import admit
+    from pipeline.lake.ingest import stamp_derived
+    from pipeline.lake.maintain import maintain
+
+    start = datetime(2026, 10, 1, tzinfo=timezone.utc)
+    for k in range(0, n, CHUNK):
+        t = _batch(min(CHUNK, n - k), 1000 + k // CHUNK, f"h{k // CHUNK}-", start + timedelta(hours=k // CHUNK))
+        lake.append("trajectories", stamp_derived(t, f"history-{k}"), command="bench", app_id="history",
+                    txn_version=k // CHUNK)
+    admit(lake, AdmissionConfig(quality=False), current_policy_version=0)
+    maintain(lake)
+
+
+def _ingest_and_admit(lake, root: Path, rep: int, tag: str) -> tuple[float, float]:
+    from pipeline.admission.config import AdmissionConfig
+    from pipeline.admission.run import admit
+    from pipeline.lake.ingest import ingest_files
+
+    path = root / f"new-{tag}-{rep}.parquet"
+    pq.write_table(_batch(NEW, 7 + rep, f"n{tag}{rep}-", datetime.now(timezone.utc) - timedelta(hours=2)), path)
+    t0 = time.perf_counter()
+    r = ingest_files(lake, [path])
+    t1 = time.perf_counter()
+    a = admit(lake, AdmissionConfig(), current_policy_version=0)
+    t2 = time.perf_counter()
+    assert r.landed == NEW, r
+    assert a.admitted_members + sum(v for k, v in a.counts.items() if k != "admit") > 0, a.counts
+    return t1 - t0, t2 - t1
+
+
+def _writers(root: Path, procs: int, batches: int, rows: int) -> tuple[float, float]:
+    """(wall seconds of `procs` processes x `batches` appends of `rows`, one process one append)."""
+    from pipeline.lake.delta import Lake
+    from pipeline.lake.ingest import stamp_derived
+
+    script = f"""
+import os, sys, time
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+from pipeline.lake.delta import Lake
+from pipeline.lake.ingest import stamp_derived
+from pipeline.synth import make_trajectories
+lake = Lake(sys.argv[1]); w = int(sys.argv[2]); start = sys.argv[3]
+tables = [stamp_derived(make_trajectories({rows}, seed=w * 1000 + k, median_len=32, id_prefix=f"w{{w}}-{{k}}-"), "w")
+          for k in range({batches})]
+while not os.path.exists(start): time.sleep(0.001)
+for k, t in enumerate(tables):
+    lake.append("trajectories", t, command="bench writer", app_id=f"w{{w}}", txn_version=k)
+"""
+    many = Lake(root / "many")
+    many.ensure("trajectories")
+    go = root / "go"
+    ps = [subprocess.Popen([sys.executable, "-c", script, many.uri, str(w), str(go)]) for w in range(procs)]
+    time.sleep(8.0)  # imports + building the batches; the writers wait for `go`
+    t0 = time.perf_counter()
+    go.write_text("go")
+    for p in ps:
+        assert p.wait() == 0
+    t_many = time.perf_counter() - t0
+    assert many.read("trajectories", columns=["trajectory_id"]).num_rows == procs * batches * rows
+    from pipeline.synth import make_trajectories
+    import pyarrow as pa
+
+    one = Lake(root / "one")
+    one.ensure("trajectories")
+    t = pa.concat_tables([stamp_derived(make_trajectories(rows, seed=w * 1000 + k, median_len=32,
+                                                          id_prefix=f"w{w}-{k}-"), "w")
+                          for w in range(procs) for k in range(batches)])
+    t0 = time.perf_counter()
+    one.append("trajectories", t, command="bench one", app_id="one", txn_version=0)
+    return t_many, time.perf_counter() - t0
+
+
+def run(quick: bool = False, existing: int | None = None) -> list[Result]:
+    from pipeline.lake.delta import Lake
+
+    n = existing or (100_000 if quick else 1_000_000)
+    reps = 2 if quick else 3
+    root = Path(tempfile.mkdtemp(prefix="bench-history-"))
+    try:
+        big = Lake(root / "big")
+        t0 = time.perf_counter()
+        _build_history(big, n)
+        print(f"   history of {n:,} admitted trajectories built in {time.perf_counter() - t0:.0f}s "
+              f"({big.file_count('trajectories')} files)", flush=True)
+        times: dict[str, list[tuple[float, float]]] = {"empty": [], "big": []}
+        for rep in range(reps):
+            order = ["empty", "big"] if rep % 2 == 0 else ["big", "empty"]
+            for which in order:
+                lake = Lake(root / f"empty-{rep}") if which == "empty" else big
+                times[which].append(_ingest_and_admit(lake, root, rep, which))
+        ing = {k: min(t[0] for t in v) for k, v in times.items()}
+        adm = {k: min(t[1] for t in v) for k, v in times.items()}
+        procs, batches, rows = (8, 5, 100) if quick else (8, 10, 100)
+        t_many, t_one = _writers(root, procs, batches, rows)
+        total = procs * batches * rows
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return [
+        Result(f"ingest 5k new on {n:,}-row lake / on empty lake", ing["big"] / ing["empty"], 1.2,
+               f"{ing['big']:.2f} s", f"{ing['empty']:.2f} s"),
+        Result(f"admit 5k new on {n:,}-row lake / on empty lake", adm["big"] / adm["empty"], 1.2,
+               f"{adm['big']:.2f} s", f"{adm['empty']:.2f} s", note="quality suites on (the default)"),
+        Result(f"{procs} writers x {batches} x {rows}-row appends / 1 append (rows/s)", t_one / t_many, None,
+               f"{total / t_many:,.0f} rows/s", f"{total / t_one:,.0f} rows/s", higher_is_better=True,
+               note="moonshot >= 0.8 (group commit); every append serialised and deduped"),
+    ]
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--existing", type=int, default=None)
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    for r in run(a.quick, a.existing):
+        print(f"{r.name}: {r.ratio:.2f} (target {r.target}) {r.measured} | {r.baseline} {r.note}")

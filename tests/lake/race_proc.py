@@ -1,0 +1,45 @@
+"""One racer for the write-protocol tests (run as a script).
+
+    python race_proc.py LAKE START_FILE ingest FILE...
+    python race_proc.py LAKE START_FILE maintain
+    python race_proc.py LAKE START_FILE publish CHECKPOINT_ID
+
+Imports everything first, then waits for START_FILE to exist, so racers
+started one by one begin their read-decide-commit at the same moment. Prints
+one JSON line with the outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main(argv: list[str]) -> int:
+    from pipeline.lake.delta import Lake
+    from pipeline.lake.ingest import ingest_files
+    from pipeline.lake.maintain import maintain
+    from pipeline.policy_store import publish_checkpoint
+
+    uri, start, cmd, args = argv[0], argv[1], argv[2], argv[3:]
+    lake = Lake(uri)
+    while start != "-" and not os.path.exists(start):
+        time.sleep(0.002)
+    if cmd == "ingest":
+        out = ingest_files(lake, args).as_dict()
+    elif cmd == "maintain":
+        out = maintain(lake, tables=["trajectories"], orphan_min_age_s=float(os.environ.get("ORPHAN_AGE", 3600)))
+    elif cmd == "publish":
+        row = publish_checkpoint(lake, checkpoint_id=args[0], policy_version=None, parent_checkpoint_id=None,
+                                 snapshot_ids=[], train_config={}, train_config_hash="h", seed=0)
+        out = {"policy_version": row["policy_version"]}
+    else:
+        raise SystemExit(f"unknown command {cmd}")
+    print(json.dumps(out, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
