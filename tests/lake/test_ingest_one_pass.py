@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from pipeline.lake.ingest import ingest_files
 from pipeline.lake.validate import validate_table
@@ -160,3 +161,30 @@ def test_ingest_schema_marks_optional_columns_nullable():
     assert s.field("content_hash").nullable
     assert not s.field("trajectory_id").nullable and s.field("reward").nullable
     assert "created_day" not in s.names
+
+
+@pytest.mark.xfail(strict=True, reason="ingest.py renders quarantine rows with raw.to_pylist(), which raises on "
+                   "invalid UTF-8; the fix is to pass pipeline.lake.validate.safe_raw(raw) there (ingest.py is owned "
+                   "by issue 11's write-protocol work). Remove this marker when it does.")
+def test_invalid_utf8_parquet_is_quarantined_by_ingest(lake, tmp_path, make_traj):
+    t = make_traj(2, seed=45, median_len=10).drop_columns(["content_hash"])
+    ids = pa.Array.from_buffers(pa.string(), 2, [None, pa.py_buffer(np.array([0, 2, 4], np.int32).tobytes()),
+                                                 pa.py_buffer(b"\xff\xfeok")])
+    t = t.set_column(t.schema.get_field_index("task_id"), "task_id", ids)
+    pq.write_table(t, tmp_path / "u.parquet")
+    r = ingest_files(lake, [tmp_path / "u.parquet"])
+    assert (r.landed, r.quarantined) == (1, 1)
+    q = _quarantine(lake)
+    assert q[0]["reason_code"] == "bad_utf8" and "\\xff" in q[0]["raw_row"]
+
+
+def test_safe_raw_renders_what_validation_rejects(make_traj):
+    from pipeline.lake.validate import safe_raw
+
+    t = make_traj(1, seed=46, median_len=10).drop_columns(["content_hash"])
+    ids = pa.Array.from_buffers(pa.string(), 1, [None, pa.py_buffer(np.array([0, 2], np.int32).tobytes()),
+                                                 pa.py_buffer(b"\xffA")])
+    t = t.set_column(t.schema.get_field_index("task_id"), "task_id", ids)
+    t = pa.Table.from_arrays(t.columns + [t.column("run_id")], names=t.column_names + ["run_id"])
+    row = safe_raw(t).to_pylist()[0]
+    assert row["task_id"] == "\\xffA" and row["run_id#2"] == row["run_id"]
