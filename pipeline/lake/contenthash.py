@@ -19,6 +19,7 @@ have no hash (the contract rejects them before hashing): ValueError.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import struct
 from collections.abc import Mapping
@@ -86,22 +87,28 @@ def _list_values(arr: pa.Array, spec: ColumnSpec) -> tuple[np.ndarray, memoryvie
 def _map_payloads(arr: pa.Array) -> list[bytes]:
     out = []
     pack_q, pack_d = struct.Struct("<Q").pack, struct.Struct("<d").pack
+    isfinite = math.isfinite
     for entry in arr.to_pylist():
         if not entry:
             out.append(b"")
             continue
+        entry.sort(key=_first)  # code point order of str == byte order of their UTF-8 encodings
         parts = []
-        # code point order of str == byte order of their UTF-8 encodings
-        entry = sorted(entry, key=lambda kv: kv[0])
-        for j, (k, v) in enumerate(entry):
-            if j and entry[j - 1][0] == k:
+        prev = None
+        for k, v in entry:
+            if k == prev:
                 raise ValueError(f"content hash: map key {k!r} repeats; map keys must be unique")
-            if v is None or not np.isfinite(v):
+            if v is None or not isfinite(v):
                 raise ValueError(f"content hash: map value {k!r}={v} is not a finite number")
             kb = k.encode()
-            parts.append(pack_q(len(kb)) + kb + pack_d(float(v)))
+            parts.append(pack_q(len(kb)) + kb + pack_d(v))
+            prev = k
         out.append(b"".join(parts))
     return out
+
+
+def _first(kv: tuple[str, Any]) -> str:
+    return kv[0]
 
 
 def content_hashes(table: pa.Table, table_name: str = "trajectories") -> pa.Array:

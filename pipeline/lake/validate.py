@@ -421,12 +421,14 @@ def _check_column(arr: pa.Array, spec: ColumnSpec, fails: _Failures) -> None:
             bad_v = _mask(pc.invert(pc.is_finite(vals))) | _mask(vals.is_null())
             fails.add(_rows_with(bad_v, parents, n), "not_finite", f"{name} holds NaN, ±inf or null values",
                       column=name)
-            keys = arr.keys.slice(int(offs[0]), int(offs[-1] - offs[0]))
-            pairs = pa.table({"row": parents, "key": keys}).group_by(["row", "key"]).aggregate([("key", "count")])
-            dup = pairs.filter(pc.greater(pairs.column("key_count"), 1))
-            if dup.num_rows:
-                rows = dup.column("row").to_numpy()
-                keyname = dict(zip(rows.tolist(), dup.column("key").to_pylist()))
+            keys = arr.keys.slice(int(offs[0]), int(offs[-1] - offs[0])).dictionary_encode()
+            codes = keys.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+            pair = np.sort(parents * max(1, len(keys.dictionary)) + codes)
+            rep = pair[1:][pair[1:] == pair[:-1]]  # (row, key) seen twice
+            if len(rep):
+                rows = rep // max(1, len(keys.dictionary))
+                keyname = dict(zip(rows.tolist(), keys.dictionary.take(pa.array(rep % max(1, len(keys.dictionary))))
+                                   .to_pylist()))
                 m = np.zeros(n, bool)
                 m[rows] = True
                 fails.add(m, "duplicate_key", lambda i: f"{name} repeats key {keyname[i]!r}; map keys must be unique",
