@@ -188,3 +188,18 @@ def test_safe_raw_renders_what_validation_rejects(make_traj):
     t = pa.Table.from_arrays(t.columns + [t.column("run_id")], names=t.column_names + ["run_id"])
     row = safe_raw(t).to_pylist()[0]
     assert row["task_id"] == "\\xffA" and row["run_id#2"] == row["run_id"]
+
+
+def test_repeated_map_keys_and_nan_have_no_hash(make_traj):
+    from pipeline.lake.contenthash import content_hash
+
+    t = make_traj(2, seed=47, median_len=10).drop_columns(["content_hash"])
+    i = t.schema.get_field_index("reward_components")
+    comps = pa.array([[("a", 1.0), ("b", 2.0), ("a", 3.0)], [("a", 1.0)]], pa.map_(pa.string(), pa.float64()))
+    v = validate_table(t.set_column(i, "reward_components", comps))
+    assert [(r.row, r.code) for r in v.rejects] == [(0, "duplicate_key")] and "'a'" in v.rejects[0].message
+    row = t.to_pylist()[0]
+    with pytest.raises(ValueError, match="repeats"):
+        content_hash(row | {"reward_components": [("a", 1.0), ("a", 2.0)]})
+    with pytest.raises(ValueError, match="NaN"):
+        content_hash(row | {"reward": float("nan")})
