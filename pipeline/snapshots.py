@@ -24,6 +24,7 @@ project's own trainer (pipeline/train/data.py) reads snapshots through this.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -77,8 +78,13 @@ class SnapshotReader:
 
 
 def open(lake, snapshot_id: str, *, verify: bool = True) -> SnapshotReader:  # noqa: A001 - the public name
-    """Open snapshot ``snapshot_id`` of ``lake`` (a pipeline.lake.Lake), verified
-    unless ``verify=False``. Raises NotFoundError / IntegrityError."""
+    """Open snapshot ``snapshot_id`` of ``lake`` (a pipeline.lake.Lake, or its
+    path / URI), verified unless ``verify=False``. Raises NotFoundError /
+    IntegrityError."""
+    if isinstance(lake, (str, os.PathLike)):
+        from pipeline.lake.delta import Lake
+
+        lake = Lake(lake)
     return SnapshotReader(lake, snapshot_id, verify=verify)
 
 

@@ -75,3 +75,4 @@ def test_the_trainer_reads_through_the_same_reader(snap_lake, monkeypatch):
     monkeypatch.setattr(pipeline.snapshots, "open", lambda *a, **k: opened.append(a[1]) or real(*a, **k))
     members, summary = load_members(lake, sid)
     assert opened == [sid] and summary["ok"] and len(members) == 12
+    assert len(real(lake.uri, sid)) == 12  # a path works as well as a Lake

@@ -203,3 +203,18 @@ def test_repeated_map_keys_and_nan_have_no_hash(make_traj):
         content_hash(row | {"reward_components": [("a", 1.0), ("a", 2.0)]})
     with pytest.raises(ValueError, match="NaN"):
         content_hash(row | {"reward": float("nan")})
+
+
+def test_repeated_columns_are_a_clear_error_or_quarantined(lake, tmp_path, make_traj):
+    from pipeline.errors import InputFileError
+
+    t = make_traj(2, seed=48, median_len=10).drop_columns(["content_hash"])
+    dup = pa.Table.from_arrays(t.columns + [t.column("task_id")], names=t.column_names + ["task_id"])
+    pq.write_table(dup, tmp_path / "d.parquet")
+    with pytest.raises(InputFileError, match="Multiple matches"):  # the Parquet reader refuses the file
+        ingest_files(lake, [tmp_path / "d.parquet"])
+    assert not lake.version("trajectories")  # no rows landed (at most the empty table was created)
+    with pa.ipc.new_file(tmp_path / "d.arrow", dup.schema) as w:  # Arrow IPC reads: validation rejects
+        w.write_table(dup)
+    r = ingest_files(lake, [tmp_path / "d.arrow"])
+    assert (r.landed, r.quarantined) == (0, 2) and r.reasons == {"duplicate_column": 2}
