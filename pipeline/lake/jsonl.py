@@ -4,7 +4,10 @@ JSON has one number type and no timestamps, so parsing is where a value's
 type is decided: an integer field accepts only JSON integers (not 1.0, not
 true), a float field accepts integers and floats, a timestamp field accepts
 only ISO-8601 strings with a UTC offset. A value that does not fit makes its
-row a reject with the field named; nothing is coerced.
+row a reject with the field named; nothing is coerced. Every problem of a
+line is reported at once (not only the first), and text that is not valid
+Unicode (invalid UTF-8 bytes, a lone surrogate escape such as ``"\\ud800"``)
+is a reject, never a traceback.
 """
 
 from __future__ import annotations
@@ -54,12 +57,21 @@ def _ts(v: Any, name: str) -> datetime:
     return t.astimezone(timezone.utc)
 
 
+def _unicode(v: str, name: str) -> None:
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _Bad("bad_utf8", f"{name} holds {v[exc.start:exc.end]!a} at position {exc.start}, a lone surrogate "
+                               f"that is not Unicode text; escape pairs must be complete (e.g. \\ud83d\\ude00)") from None
+
+
 def _convert(v: Any, t: pa.DataType, name: str) -> Any:
     if v is None:
         return None
     if pa.types.is_string(t):
         if not isinstance(v, str):
             raise _Bad("wrong_type", f"{name}={v!r} is not a string")
+        _unicode(v, name)
         return v
     if pa.types.is_integer(t):
         return _int(v, t.bit_width, name)
@@ -74,6 +86,8 @@ def _convert(v: Any, t: pa.DataType, name: str) -> Any:
     if pa.types.is_map(t):
         if not isinstance(v, dict):
             raise _Bad("wrong_type", f"{name} is {type(v).__name__}, expected an object of name: number")
+        for k in v:
+            _unicode(k, f"{name} key")
         return [(k, _convert(x, t.item_type, f"{name}[{k!r}]")) for k, x in v.items()]
     raise _Bad("wrong_type", f"{name}: unsupported type {t}")
 
@@ -105,7 +119,8 @@ def parse_jsonl(data: bytes, path: Path | str, table: str = "trajectories") -> t
     present: dict[str, np.ndarray] = {c.name: np.zeros(len(lines), bool) for c in cols}
     rejects: list[Reject] = []
     for i, line in enumerate(lines):
-        row_bad: Reject | None = None
+        problems: list[tuple[str, str]] = []
+        broken: list[str] = []
         try:
             if i in undecodable:
                 raise _Bad("bad_json", f"line {i + 1} is not valid UTF-8 ({undecodable[i]}); "
@@ -114,15 +129,24 @@ def parse_jsonl(data: bytes, path: Path | str, table: str = "trajectories") -> t
             if not isinstance(obj, dict):
                 raise _Bad("bad_json", f"line {i + 1} is a JSON {type(obj).__name__}, expected an object")
         except json.JSONDecodeError as exc:
-            obj, row_bad = {}, Reject(i, "bad_json", f"line {i + 1} is not valid JSON: {exc.msg} at column {exc.colno}")
+            obj = {}
+            problems.append(("bad_json", f"line {i + 1} is not valid JSON: {exc.msg} at column {exc.colno}"))
+            broken.append("*")
         except _Bad as b:
-            obj, row_bad = {}, Reject(i, b.code, b.message)
+            obj = {}
+            problems.append((b.code, b.message))
+            broken.append("*")
         extra = sorted(set(obj) - names)
-        if row_bad is None and extra:
+        if extra:
             code = "derived_column" if set(extra) <= derived else "unknown_column"
-            row_bad = Reject(i, code, f"unknown column(s) {extra}; the {table} contract has no such column "
-                                      f"(see README, Ingest contract): drop or rename them"
-                             if code == "unknown_column" else f"column(s) {extra} are computed by the lake; drop them")
+            problems.append((code, f"unknown column(s) {extra}; the {table} contract has no such column "
+                                   f"(see README, Ingest contract): drop or rename them"
+                             if code == "unknown_column" else f"column(s) {extra} are computed by the lake; drop them"))
+        for k in extra:
+            try:
+                _unicode(k, "a column name")
+            except _Bad as b:
+                problems.append((b.code, b.message))
         for c in cols:
             v = obj.get(c.name)
             present[c.name][i] = c.name in obj
@@ -130,14 +154,16 @@ def parse_jsonl(data: bytes, path: Path | str, table: str = "trajectories") -> t
                 values[c.name].append(_convert(v, c.arrow_type, c.name))
             except _Bad as b:
                 values[c.name].append(None)
-                if row_bad is None:
-                    row_bad = Reject(i, b.code, b.message)
-        if row_bad is None:
+                problems.append((b.code, b.message))
+                broken.append(c.name)
+        if "*" not in broken:
             missing = [c.name for c in cols if c.required and c.ingest != "optional" and c.name not in obj]
             if missing:
-                row_bad = Reject(i, "missing_column", f"required field(s) {missing} are missing")
-        if row_bad is not None:
-            rejects.append(row_bad)
+                problems.append(("missing_column", f"required field(s) {missing} are missing"))
+                broken.extend(missing)
+        if problems:
+            rejects.append(Reject(i, problems[0][0], problems[0][1], columns=tuple(broken),
+                                  problems=tuple(problems)))
     arrays = {}
     for c in cols:
         vals = values[c.name]

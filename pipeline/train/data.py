@@ -1,7 +1,7 @@
 """Snapshot -> training members, the pre-training assertions, and collation.
 
-``load_members`` reads exactly the snapshot's own files (after
-``verify_snapshot``); ``check_members`` refuses, naming the trajectory, any
+``load_members`` reads exactly the snapshot's own files through
+``pipeline.snapshots.open`` (which verifies them first); ``check_members`` refuses, naming the trajectory, any
 member that could leak a non-policy token into the loss or silently train on
 the wrong thing; ``collate`` builds one micro-batch's tensors.
 
@@ -26,9 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.errors import PipelineError
-
-COLUMNS = ["trajectory_id", "group_id", "group_size", "advantage", "reward", "policy_lag", "policy_version",
-           "token_policy_versions", "prompt_ids", "response_ids", "response_logprobs", "loss_mask"]
+from pipeline.snapshots import MEMBER_COLUMNS as COLUMNS  # one list of member columns
 
 
 class TrainDataError(PipelineError):
@@ -99,25 +97,14 @@ def members_from_table(table: pa.Table) -> Members:
 
 
 def load_members(lake, snapshot_id: str) -> tuple[Members, dict[str, Any]]:
-    """Verify the snapshot's files against its manifest (and the snapshots
-    table), then read its members. Returns (members, verification summary)."""
-    from pipeline.admission.snapshot import read_snapshot_table, verify_snapshot
+    """Verify the snapshot (files against the manifest, the manifest against the
+    snapshots table, the id against the members) and read its members, through
+    the same reader any external trainer uses (``pipeline.snapshots.open``).
+    Returns (members, verification summary)."""
+    import pipeline.snapshots
 
-    summary = verify_snapshot(lake, snapshot_id)
-    if lake.exists("snapshots"):
-        # the manifest must be the one the snapshots table published (checked here
-        # too, independently of verify_snapshot)
-        import pyarrow.compute as pc
-
-        rows = lake.read("snapshots", columns=["snapshot_id", "manifest_sha256"])
-        rows = rows.filter(pc.equal(rows.column("snapshot_id"), snapshot_id))
-        if rows.num_rows and rows.column("manifest_sha256")[0].as_py() != summary["manifest_sha256"]:
-            from pipeline.errors import IntegrityError
-
-            raise IntegrityError(f"snapshot {snapshot_id}: manifest.json differs from the one the snapshots table "
-                                 "published", hint="the snapshot's files were replaced; restore them")
-    table = read_snapshot_table(lake, snapshot_id, verify=False, columns=COLUMNS)  # verified just above
-    return members_from_table(table), summary
+    snap = pipeline.snapshots.open(lake, snapshot_id)
+    return members_from_table(snap.table(COLUMNS)), snap.verification  # type: ignore[return-value]
 
 
 def _fail(m: Members, i: int, what: str, hint: str | None = None) -> TrainDataError:

@@ -97,8 +97,18 @@ def test_wrong_type(lake, tmp_path, good, make_traj):
 def test_float64_logprobs_are_not_narrowed_silently(lake, tmp_path, good, make_traj):
     bad = make_traj(2, seed=8)
     i = bad.schema.get_field_index("response_logprobs")
-    bad = bad.set_column(i, "response_logprobs", bad.column(i).cast(pa.list_(pa.float64())))
-    _only_bad(lake, tmp_path, good, bad, "wrong_type", "cast explicitly")
+    wide = pc.multiply(bad.column(i).combine_chunks().values.cast(pa.float64()), 1.0 + 1e-12)  # not float32-exact
+    wide = pa.ListArray.from_arrays(bad.column(i).combine_chunks().offsets, wide)
+    bad = bad.set_column(i, "response_logprobs", wide)
+    _only_bad(lake, tmp_path, good, bad.drop_columns(["content_hash"]), "wrong_type", "cast explicitly")
+
+
+def test_float64_logprobs_that_are_exact_float32_land(lake, tmp_path, make_traj):
+    t = make_traj(2, seed=8)
+    i = t.schema.get_field_index("response_logprobs")
+    t = t.set_column(i, "response_logprobs", t.column(i).cast(pa.list_(pa.float64())))
+    r = ingest_files(lake, [_write(tmp_path / "wide.parquet", t)])
+    assert (r.landed, r.quarantined) == (2, 0)  # the given content_hash (of the float32 values) verifies
 
 
 def test_int64_columns_that_fit_are_accepted(lake, tmp_path, make_traj):
