@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.errors import CommitError, InputFileError
-from pipeline.lake.validate import Reject, validate_table
+from pipeline.lake.validate import Reject, safe_raw, validate_table
 from pipeline.schema import table_spec
 
 FORMATS = ("parquet", "ipc", "jsonl")
@@ -364,8 +364,6 @@ def _land(lake, sources, fingerprints: list[str], report: IngestReport, *, comma
 
     if not fingerprints:
         return report
-    lake.ensure("trajectories")
-    lake.ensure("quarantine")
     base = dataclasses.replace(report)
     for _ in range(MAX_RACES):
         report = dataclasses.replace(base, reasons=dict(base.reasons), skipped_files=list(base.skipped_files))
@@ -383,9 +381,13 @@ def _land_once(lake, sources, fingerprints: list[str], report: IngestReport, *, 
     from pipeline.schema import ROW_KEY
 
     ingest_id = report.ingest_id
-    dt = lake.table("trajectories")
-    read_version = dt.version()
-    table_keys = lake.keys("trajectories", dt)  # compact: one int64 per landed row
+    # tables are created only when something is committed: a file that fails to parse leaves no version
+    read_version: int | None = None
+    table_keys = np.empty(0, np.int64)
+    if lake.exists("trajectories"):
+        dt = lake.table("trajectories")
+        read_version = dt.version()
+        table_keys = lake.keys("trajectories", dt)  # compact: one int64 per landed row
     accepted = pa.table({"trajectory_id": pa.array([], pa.string()), "content_hash": pa.array([], pa.string())})
     staged: list = []
     futures = []
@@ -397,7 +399,8 @@ def _land_once(lake, sources, fingerprints: list[str], report: IngestReport, *, 
                 report.rows_read += raw.num_rows
                 validated = validate_table(raw, pre_rejected=pre)
                 valid = validated.valid
-                rej = [(r.row, r.code, r.message, _tid(raw, lines, r.row)) for r in validated.rejects]
+                shown = safe_raw(raw) if validated.rejects else raw  # renders bad UTF-8 / repeated columns
+                rej = [(r.row, r.code, r.message, _tid(shown, lines, r.row)) for r in validated.rejects]
                 if valid.num_rows:
                     valid = stamp_derived(valid, ingest_id)
                     keys = valid.column(ROW_KEY).to_numpy()
@@ -423,7 +426,7 @@ def _land_once(lake, sources, fingerprints: list[str], report: IngestReport, *, 
                         landed += to_land.num_rows
                         futures.append(writer.submit(lake.stage, "trajectories", to_land))
                 if rej:
-                    q_tables.append(quarantine_rows(sorted(rej), raw=raw, raw_lines=lines, source=path,
+                    q_tables.append(quarantine_rows(sorted(rej), raw=safe_raw(raw), raw_lines=lines, source=path,
                                                     fingerprint=fp, ingest_id=ingest_id))
                 del raw, lines, validated, valid
             for f in futures:

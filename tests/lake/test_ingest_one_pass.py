@@ -163,9 +163,6 @@ def test_ingest_schema_marks_optional_columns_nullable():
     assert "created_day" not in s.names
 
 
-@pytest.mark.xfail(strict=True, reason="ingest.py renders quarantine rows with raw.to_pylist(), which raises on "
-                   "invalid UTF-8; the fix is to pass pipeline.lake.validate.safe_raw(raw) there (ingest.py is owned "
-                   "by issue 11's write-protocol work). Remove this marker when it does.")
 def test_invalid_utf8_parquet_is_quarantined_by_ingest(lake, tmp_path, make_traj):
     t = make_traj(2, seed=45, median_len=10).drop_columns(["content_hash"])
     ids = pa.Array.from_buffers(pa.string(), 2, [None, pa.py_buffer(np.array([0, 2, 4], np.int32).tobytes()),
