@@ -31,7 +31,7 @@ SOURCE = ("trajectory_id", "content_hash", "run_id", "task_id", "group_size", "p
 RANK = "__rank"
 
 
-def _spill(dataset, admitted: pa.Table, path: str, batch_rows: int) -> tuple[int, int, list[np.ndarray]]:
+def _spill(sources, admitted: pa.Table, path: str, batch_rows: int) -> tuple[int, int, list[np.ndarray]]:
     """Pass 1: admitted rows -> IPC file of sorted runs. Returns (rows, response tokens, run ranks)."""
     ids = admitted.column("trajectory_id").combine_chunks()
     want_hash = admitted.column("content_hash").combine_chunks()
@@ -39,13 +39,13 @@ def _spill(dataset, admitted: pa.Table, path: str, batch_rows: int) -> tuple[int
     # could prune nothing, and a row must never be hidden by them.
     # Modest readahead: token payload batches are large (VERIFIED.md: whole-table
     # reads are the memory danger); pyarrow's defaults buffer up to 16 x 4.
-    scanner = dataset.scanner(columns=list(SOURCE), batch_size=batch_rows, batch_readahead=4,
-                              fragment_readahead=2)
-    schema = scanner.projected_schema.append(pa.field(RANK, pa.int64()))
+    scanners = [dataset.scanner(columns=list(SOURCE), filter=flt, batch_size=batch_rows, batch_readahead=4,
+                                fragment_readahead=2) for dataset, flt in sources]
+    schema = scanners[0].projected_schema.append(pa.field(RANK, pa.int64()))
     rows = tokens = 0
     runs: list[np.ndarray] = []
     with pa.OSFile(path, "wb") as f, pa.ipc.new_file(f, schema) as w:
-        for b in scanner.to_batches():
+        for b in (b for sc in scanners for b in sc.to_batches()):
             if b.num_rows == 0:
                 continue
             rank = pc.index_in(b.column("trajectory_id"), value_set=ids)
@@ -100,14 +100,19 @@ def _parts(path: str, runs: list[np.ndarray], admitted: pa.Table, snapshot_id: s
 
 
 def materialize(lake, version: int, admitted: pa.Table, *, snapshot_id: str, batch_rows: int,
-                manifest_extra: dict[str, Any], spill_dir: str | None = None) -> tuple[Snapshot, int]:
+                manifest_extra: dict[str, Any], spill_dir: str | None = None,
+                sources: list[tuple[Any, Any]] | None = None) -> tuple[Snapshot, int]:
     """Write snapshot ``snapshot_id`` of ``admitted`` (snapshot_members columns,
-    sorted by group_id, trajectory_id). Returns (snapshot, response tokens)."""
-    dataset = lake.dataset("trajectories", version)
+    sorted by group_id, trajectory_id). Returns (snapshot, response tokens).
+
+    ``sources`` -- (dataset, filter) pairs that hold every admitted row (the
+    ones admission read its candidates from); by default the whole version."""
+    if not sources:
+        sources = [(lake.dataset("trajectories", version), None)]
     spill_dir = spill_dir or os.environ.get("PIPELINE_SPILL_DIR") or None
     with tempfile.TemporaryDirectory(prefix="admit-spill-", dir=spill_dir) as tmp:
         path = os.path.join(tmp, "payload.arrow")
-        rows, tokens, runs = _spill(dataset, admitted, path, batch_rows)
+        rows, tokens, runs = _spill(sources, admitted, path, batch_rows)
         if rows != admitted.num_rows:
             raise IntegrityError(f"materialization found {rows} of {admitted.num_rows} admitted trajectories "
                                  f"in trajectories@{version}", hint="rerun pipeline admit")

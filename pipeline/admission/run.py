@@ -173,12 +173,11 @@ def _trajectory_sources(lake, tv: int, previous: tuple[int, datetime] | None) ->
 
 def _decisions_from_engine(lake, tv: int, cfg: AdmissionConfig, engine: str, decided: pa.Array,
                            current: int, now: datetime, dask_scheduler: str | None,
-                           timings: dict[str, float], previous: tuple[int, datetime] | None = None
+                           timings: dict[str, float], sources: list[tuple[Any, Any]]
                            ) -> tuple[pa.Table, pa.Table, dict[str, Any], int]:
     t0 = time.perf_counter()
     if engine == "duckdb":
-        cands = pa.concat_tables([cand.scan(d, cfg, decided, filter=f)
-                                  for d, f in _trajectory_sources(lake, tv, previous)])
+        cands = pa.concat_tables([cand.scan(d, cfg, decided, filter=f) for d, f in sources])
         timings["scan_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         rejects, qsummary = _quality(cands, cfg)
@@ -225,8 +224,9 @@ def admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: i
         tv = lake.version("trajectories")
         decided = (lake.read("receipts", columns=["group_id"], version=rv).column("group_id").combine_chunks()
                    if rv >= 0 else pa.array([], pa.string()))
+        sources = _trajectory_sources(lake, tv, _previous_state(lake, rv)) if engine == "duckdb" else None
         members, groups, qsummary, n_cands = _decisions_from_engine(
-            lake, tv, cfg, engine, decided, current, now, dask_scheduler, timings, _previous_state(lake, rv))
+            lake, tv, cfg, engine, decided, current, now, dask_scheduler, timings, sources)
         dec = finalize(members, groups, cfg, config_hash=chash, current_policy_version=current,
                        previous_baseline=_previous_baseline(lake, cfg))
         timings["decide_s"] = time.perf_counter() - t0
@@ -253,7 +253,7 @@ def admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: i
             t1 = time.perf_counter()
             result.num_tokens, result.quality["snapshot"] = _publish_snapshot(
                 lake, cfg, chash, admitted, snapshot_id, run_id, tv, source_versions, current,
-                n_admit_groups, dec.baseline, command, qsummary)
+                n_admit_groups, dec.baseline, command, qsummary, sources)
             timings["materialize_s"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         pending = now - timedelta(microseconds=round(cfg.group_timeout_s * 1e6))
@@ -283,7 +283,7 @@ def _stamp(core: pa.Table, run_id: str, snapshot_id: str | None, schema: pa.Sche
 
 
 def _publish_snapshot(lake, cfg, chash, admitted, snapshot_id, run_id, tv, source_versions, current,
-                      n_groups, baseline, command, candidate_quality) -> tuple[int, dict[str, Any]]:
+                      n_groups, baseline, command, candidate_quality, sources=None) -> tuple[int, dict[str, Any]]:
     from pipeline.admission.materialize import materialize
     from pipeline.config import config_dict
 
@@ -301,7 +301,7 @@ def _publish_snapshot(lake, cfg, chash, admitted, snapshot_id, run_id, tv, sourc
              "current_policy_version": current, "source_versions": source_versions, "num_groups": n_groups,
              "running_baseline": baseline}
     snap, tokens = materialize(lake, source_versions["trajectories"], admitted, snapshot_id=snapshot_id,
-                               batch_rows=cfg.batch_rows, manifest_extra=extra)
+                               batch_rows=cfg.batch_rows, manifest_extra=extra, sources=sources)
     tokens = int(snap.manifest.get("num_tokens", tokens))
     _crash_point("snapshot_files")
     row = {

@@ -134,6 +134,21 @@ def row_keys(spec: TableSpec, data: pa.Table) -> pa.Array:
 _KEY_CACHE: dict[tuple[str, str], tuple[int, frozenset[str], np.ndarray]] = {}
 
 
+def key_member(table_keys: np.ndarray, probes: np.ndarray) -> np.ndarray:
+    """Boolean mask: which ``probes`` occur in ``table_keys`` (unsorted, may repeat).
+
+    O(N log n) for N table keys and n probes: the few probes are sorted and the
+    many table keys binary-searched among them, so nothing of size N is sorted
+    or hashed (the table keys are read fresh by each process)."""
+    if len(probes) == 0 or len(table_keys) == 0:
+        return np.zeros(len(probes), bool)
+    sp = np.sort(probes)
+    pos = np.searchsorted(sp, table_keys)
+    pos[pos == len(sp)] = 0
+    found = sp[pos][sp[pos] == table_keys]
+    return np.isin(probes, found)
+
+
 @dataclass(frozen=True)
 class AppendResult:
     """Outcome of one append. ``landed`` is False when the app transaction had
@@ -307,7 +322,7 @@ class Lake:
                extra_transactions: list[str] | None = None,
                extra_metadata: dict[str, str] | None = None,
                staged: list[Staged] | None = None, read_version: int | None = None,
-               lock: tuple[str, int] | None = None) -> AppendResult:
+               lock: tuple[str, int] | None = None, snapshot: DeltaTable | None = None) -> AppendResult:
         """Append ``data`` to ``name`` exactly once per ``(app_id, txn_version)``.
 
         Retries ``CommitFailedError``. Any other failure after the write may have
@@ -327,6 +342,8 @@ class Lake:
         transaction and raises :class:`LockTaken` if ``version`` of it is
         already committed (or gets committed concurrently): the primitive for
         read-decide-commit steps such as publishing the next policy version.
+        ``snapshot`` is a freshly loaded table the first attempt may use instead
+        of loading it again.
         """
         self.ensure(name)
         spec = table_spec(name)
@@ -350,7 +367,7 @@ class Lake:
             # Check and write against the SAME table snapshot: delta-rs then refuses
             # (ConcurrentTransaction) a commit racing another with our app id (or the
             # serialising one), which closes the window between the check and the write.
-            dt = self.table(name)
+            dt = snapshot if attempt == 0 and snapshot is not None else self.table(name)
             landed = dt.transaction_version(app_id)
             if landed is not None and landed >= txn_version:
                 if not ambiguous:
@@ -383,7 +400,7 @@ class Lake:
                     if time.time() - min(s.written_at for s in staged) > STAGE_MAX_AGE_S:
                         raise KeyRace(np.empty(0, np.int64))
                     ours = np.concatenate([s.keys for s in staged])
-                    hits = np.intersect1d(ours, self.keys(name, dt, since=checked))
+                    hits = ours[key_member(self.keys(name, dt, since=checked), ours)]
                     if hits.size:
                         raise KeyRace(hits)
                 checked = dt.version()
@@ -409,7 +426,8 @@ class Lake:
                     ),
                 )
                 pause_point(f"append:{name}:committed")
-                return AppendResult(name, True, rows, self.version(name), app_id, txn_version,
+                # delta-rs moved `dt` to the version it committed (after any rebase onto newer commits)
+                return AppendResult(name, True, rows, dt.version(), app_id, txn_version,
                                     duplicates, conflicts)
             except CommitFailedError as exc:
                 last_exc = exc
@@ -440,7 +458,7 @@ class Lake:
         version ``since`` are looked at when given) or repeats earlier in ``data``.
         -> (rows to write, duplicates, conflicting rows or None)."""
         keys = data.column(ROW_KEY).to_numpy()
-        hit = np.isin(keys, self.keys(spec.name, dt, since=since))
+        hit = key_member(self.keys(spec.name, dt, since=since), keys)
         # within the batch: the first occurrence of a key wins
         _, first = np.unique(keys, return_index=True)
         repeat = np.ones(len(keys), bool)

@@ -288,12 +288,13 @@ def ingest_files(lake, paths: Iterable[str | os.PathLike[str]], *, command: str 
     report = IngestReport(ingest_id=ingest_id)
     heads: list[tuple[str, str]] = []
     seen_fp: set[str] = set()
+    dt = lake.table("trajectories") if lake.exists("trajectories") else None
     for path in [str(p) for p in paths]:
         data, fp = read_bytes(path)
         report.files += 1
         # A file whose rows landed before (its transaction is in the trajectories
         # log; quarantine commits first) is a no-op: skip parsing it at all.
-        if fp in seen_fp or lake.transaction_version("trajectories", f"ingest:{fp}") is not None:
+        if fp in seen_fp or (dt is not None and dt.transaction_version(f"ingest:{fp}") is not None):
             n = count_rows(path, data)
             report.rows_read += n
             report.skipped_files.append(path)
@@ -382,7 +383,10 @@ def _land_once(lake, sources, fingerprints: list[str], report: IngestReport, *, 
 
     ingest_id = report.ingest_id
     # tables are created only when something is committed: a file that fails to parse leaves no version
+    from pipeline.lake.delta import key_member
+
     read_version: int | None = None
+    dt = None
     table_keys = np.empty(0, np.int64)
     if lake.exists("trajectories"):
         dt = lake.table("trajectories")
@@ -404,7 +408,7 @@ def _land_once(lake, sources, fingerprints: list[str], report: IngestReport, *, 
                 if valid.num_rows:
                     valid = stamp_derived(valid, ingest_id)
                     keys = valid.column(ROW_KEY).to_numpy()
-                    hit = np.isin(keys, table_keys)
+                    hit = key_member(table_keys, keys)
                     existing = accepted
                     if hit.any():  # only rows whose key digest is in the table: fetch their id + hash
                         found = lake.read("trajectories", columns=["trajectory_id", "content_hash"],
@@ -450,7 +454,7 @@ def _land_once(lake, sources, fingerprints: list[str], report: IngestReport, *, 
                 report.reasons[code] = report.reasons.get(code, 0) + 1
         if staged:
             res = lake.append("trajectories", None, command=command, app_id=app_id, txn_version=0,
-                              extra_transactions=txns, staged=staged, read_version=read_version)
+                              extra_transactions=txns, staged=staged, read_version=read_version, snapshot=dt)
             report.landed = landed if res.landed else 0
             report.trajectories_version = res.version
             if not res.landed:  # the same batch landed concurrently: our copies are garbage
