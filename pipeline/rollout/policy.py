@@ -89,9 +89,10 @@ def demonstrations(cfg: PolicyInitConfig) -> tuple[list[list[int]], list[list[in
     return seqs, masks
 
 
-def init_policy(lake, cfg: PolicyInitConfig | None = None, **overrides: Any) -> PolicyRef:
+def init_policy(lake, cfg: PolicyInitConfig | None = None, *, progress=None, **overrides: Any) -> PolicyRef:
     """Build, warm-start, save and publish policy version 0. Idempotent for the
-    same config (returns the already published version)."""
+    same config (returns the already published version). ``progress(n)`` is
+    called after every warm-start step (the CLI's progress bar)."""
     from pipeline.rollout import hf
     from pipeline.policy_store import latest_policy_version
 
@@ -119,7 +120,7 @@ def init_policy(lake, cfg: PolicyInitConfig | None = None, **overrides: Any) -> 
     if cfg.warm_start_steps:
         seqs, masks = demonstrations(cfg)
         stats = hf.warm_start(model, seqs, masks, steps=cfg.warm_start_steps, batch_size=cfg.batch_size,
-                              lr=cfg.lr, seed=cfg.seed)
+                              lr=cfg.lr, seed=cfg.seed, progress=progress)
     root = local_checkpoint_dir(lake, ckpt_id)
     if root.exists():
         shutil.rmtree(root)       # an unpublished leftover of a crashed init
