@@ -41,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=lambda: _keys("pipeline.rollout.policy", "PolicyInitConfig"), formatter_class=argparse.RawDescriptionHelpFormatter))
     i.add_argument("--seed", type=int, default=None, help="sets the seed key")
     i.add_argument("--warm-start-steps", type=int, default=None, help="sets the warm_start_steps key")
+    i.add_argument("--if-missing", action="store_true",
+                   help="do nothing when the lake already has a published policy (any version, e.g. imported): "
+                        "the deployment's bootstrap step")
     add_config_options(i)
     i.set_defaults(handler=_init)
     e = common(psub.add_parser(
@@ -116,9 +119,22 @@ def _init(args: argparse.Namespace) -> None:
 
     cfg = load_config(PolicyInitConfig, args.config,
                       _overrides(args, {"seed": "seed", "warm_start_steps": "warm_start_steps"}))
+    lake = open_lake(args, create=True)
+    if args.if_missing:
+        from pipeline.policy_store import latest_policy_version, resolve_policy
+
+        latest = latest_policy_version(lake)
+        if latest is not None:
+            ref = resolve_policy(lake, latest)
+            out = {"checkpoint_id": ref.checkpoint_id, "policy_version": ref.policy_version,
+                   "path": str(ref.hf_dir), "already_present": True}
+            emit(out, args, lambda r: f"policy version {r['policy_version']} already published: "
+                                      f"{r['checkpoint_id']} (nothing to do)")
+            return
     with progress_bar(cfg.warm_start_steps, "warm start", enabled=sys.stderr.isatty()) as bar:
-        ref = init_policy(open_lake(args, create=True), cfg, progress=bar)
-    out = {"checkpoint_id": ref.checkpoint_id, "policy_version": ref.policy_version, "path": str(ref.hf_dir)}
+        ref = init_policy(lake, cfg, progress=bar)
+    out = {"checkpoint_id": ref.checkpoint_id, "policy_version": ref.policy_version, "path": str(ref.hf_dir),
+           "already_present": False}
     emit(out, args, lambda r: f"policy version {r['policy_version']}: {r['checkpoint_id']} ({r['path']})")
 
 
