@@ -307,10 +307,18 @@ def schedule(lake, jobs: dict[str, JobSpec], *, for_seconds: float | None = None
 
 
 # -- infra rendering (kept consistent with jobs/ by a test) ------------------------------------
-def render_cronjobs(jobs: dict[str, JobSpec], *, image: str = "trajectory-lakehouse:cpu") -> str:
+def default_image() -> str:
+    """The CPU image, tagged with the package version (never a floating tag)."""
+    from pipeline import __version__
+
+    return f"trajectory-lakehouse:{__version__}-cpu"
+
+
+def render_cronjobs(jobs: dict[str, JobSpec], *, image: str | None = None) -> str:
     """Kubernetes CronJobs, one per job, as one multi-document YAML."""
     import yaml
 
+    image = image or default_image()
     docs = []
     for spec in jobs.values():
         if len(spec.schedule.split()) != 5:
@@ -365,7 +373,7 @@ def render_main(argv: list[str] | None = None) -> int:
     p.add_argument("--render-k8s", action="store_true", required=True, help="write cronjobs.yaml")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="directory to write cronjobs.yaml into (default: ./infra/k8s if it exists)")
-    p.add_argument("--image", default="trajectory-lakehouse:cpu", help="container image of every job")
+    p.add_argument("--image", default=None, help="container image of every job (default: trajectory-lakehouse:VERSION-cpu)")
     p.add_argument("--jobs-dir", default=None, metavar="DIR", help="job YAML files (default: the packaged jobs/)")
     args = p.parse_args(argv)
     if args.out is None:
