@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import io
 import importlib.util
 import json
 import logging
@@ -216,16 +217,23 @@ def stdout_for_results() -> Iterator[TextIO]:
     saved_fd = None
     try:
         fd = real.fileno()
-    except (AttributeError, OSError, ValueError):
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
         fd = None
-    if fd == 1:
-        real.flush()
+    result = real
+    try:
+        os.fstat(1)
+        os.fstat(2)
+        fds_ok = True
+    except OSError:
+        fds_ok = False
+    if fds_ok:
+        with contextlib.suppress(OSError, ValueError):
+            real.flush()
         saved_fd = os.dup(1)
         os.dup2(2, 1)
-        result = open(saved_fd, "w", closefd=False, encoding=getattr(real, "encoding", None) or "utf-8",
-                      errors="replace", newline=None)
-    else:
-        result = real
+        if fd == 1:   # results must reach the real stdout, which fd 1 no longer is
+            result = open(saved_fd, "w", closefd=False, encoding=getattr(real, "encoding", None) or "utf-8",
+                          errors="replace", newline=None)
     prev = _RESULT
     _RESULT = result
     sys.stdout = sys.stderr
@@ -308,7 +316,20 @@ def build_parser() -> argparse.ArgumentParser:
         if importlib.util.find_spec(name) is None:
             continue
         importlib.import_module(name).register(sub)
+    _describe_all(parser)
     return parser
+
+
+def _describe_all(parser: argparse.ArgumentParser) -> None:
+    """Every command's --help starts with what it does: a subcommand without its own
+    description gets its one-line help as description."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, sub in action.choices.items():
+                if not sub.description and helps.get(name):
+                    sub.description = helps[name][:1].upper() + helps[name][1:] + "."
+                _describe_all(sub)
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-_]")
