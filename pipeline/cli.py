@@ -56,6 +56,7 @@ QUIET_ENV = {
     "VLLM_LOGGING_LEVEL": "ERROR",
     "PYTHONWARNINGS": "ignore",
     "DS_LOG_LEVEL": "error",
+    "DASK_LOGGING__DISTRIBUTED": "error",   # e.g. the shuffle plugin's WARNING lines on every admission
 }
 QUIET_LOGGERS = ("DeepSpeed", "deepspeed", "transformers", "vllm", "distributed", "dask", "torch",
                  "torch.distributed", "great_expectations", "openlineage", "urllib3", "filelock", "asyncio")
@@ -170,8 +171,11 @@ def quiet_third_party(verbose: bool) -> Iterator[None]:
         os.environ.setdefault(k, v)
     gate = _LevelGate(logging.ERROR)
     loggers = [logging.getLogger(n) for n in QUIET_LOGGERS]
+    levels = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.addFilter(gate)
+        lg.addFilter(gate)               # records logged on the logger itself, even if a library resets its level
+        if lg.level < logging.ERROR:     # and its children (distributed.shuffle..., transformers.modeling_utils)
+            lg.setLevel(logging.ERROR)
     tf_bars = None
     if "transformers" in sys.modules:       # imported before us (tests): flip its switch too
         try:
@@ -186,8 +190,9 @@ def quiet_third_party(verbose: bool) -> Iterator[None]:
             warnings.simplefilter("ignore")
             yield
     finally:
-        for lg in loggers:
+        for lg, level in zip(loggers, levels):
             lg.removeFilter(gate)
+            lg.setLevel(level)
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -103,22 +103,31 @@ def test_third_party_noise_is_silenced_unless_verbose(capsys):
     from pipeline.cli import quiet_third_party
 
     ds = logging.getLogger("DeepSpeed")
+    dist = logging.getLogger("distributed")
+    shuffle = logging.getLogger("distributed.shuffle._scheduler_plugin")
     handler = logging.StreamHandler(sys.stderr)
     ds.addHandler(handler)
+    dist.addHandler(handler)
     try:
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             with quiet_third_party(verbose=False):
                 assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"   # inherited by workers
+                assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR"
                 ds.warning("Setting accelerator to CPU")
+                shuffle.warning("Shuffle 512bb initialized by task")
                 warnings.warn("dask shuffle chatter", UserWarning)
-            assert not seen and "Setting accelerator" not in capsys.readouterr().err
+            err = capsys.readouterr().err
+            assert not seen and "Setting accelerator" not in err and "Shuffle" not in err
             with quiet_third_party(verbose=True):
                 ds.warning("Setting accelerator to CPU")
+                shuffle.warning("Shuffle 512bb initialized by task")
                 warnings.warn("dask shuffle chatter", UserWarning)
-            assert seen and "Setting accelerator" in capsys.readouterr().err
+            err = capsys.readouterr().err
+            assert seen and "Setting accelerator" in err and "Shuffle" in err
     finally:
         ds.removeHandler(handler)
+        dist.removeHandler(handler)
 
 
 # -- sql ------------------------------------------------------------------------------------------
