@@ -384,17 +384,34 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except Exception:   # a bug, not a user error: keep the traceback
-        import traceback
+    except OSError as exc:
+        if exc.filename is None:   # not about a path the operator gave: treat as a bug
+            return _internal_error()
+        if verbose:
+            import traceback
 
-        traceback.print_exc()
-        print("internal error (a bug): please report it with the traceback above", file=sys.stderr)
-        return EXIT_INTERNAL
+            traceback.print_exc()
+        # a path the operator gave cannot be written or read (permissions, a missing directory, a full disk)
+        where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
+        _error(PipelineError(f"{where}: {exc.strerror or exc}", hint="check the path and its permissions "
+                                                                      "(--verbose shows the traceback)"),
+               args, EXIT_USER_ERROR)
+        return EXIT_USER_ERROR
+    except Exception:   # a bug, not a user error: keep the traceback
+        return _internal_error()
     if isinstance(result, bool):
         return EXIT_OK
     if isinstance(result, int):
         return result
     return EXIT_OK
+
+
+def _internal_error() -> int:
+    import traceback
+
+    traceback.print_exc()
+    print("internal error (a bug): please report it with the traceback above", file=sys.stderr)
+    return EXIT_INTERNAL
 
 
 def run() -> None:  # pragma: no cover

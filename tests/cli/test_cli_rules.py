@@ -335,3 +335,11 @@ def test_policy_init_shows_progress_on_a_terminal(tmp_path, monkeypatch):
     assert "warm start" in err.getvalue() and "/3 [" in err.getvalue()
     # the bootstrap flavour is a no-op once a policy exists
     assert main(["policy", "init", "--if-missing", "--lake", str(tmp_path / "lake"), "--set", "seed=5"]) == 0
+
+
+def test_an_unwritable_output_path_is_a_user_error_not_a_traceback(tmp_path, capsys):
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    code = main(["simulate", "--set", "duration_h=0.05", "--set", "workers=8", "--out", str(blocker / "sub")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"error: {blocker}" in err and "Traceback" not in err
