@@ -100,7 +100,7 @@ def _sql(args: argparse.Namespace) -> None:
 
     from pipeline.cli import emit, open_lake, out, result_stream
     from pipeline.errors import ConfigError, PipelineError
-    from pipeline.query.duck import EXTRA_TABLES, _strip_comments, parse_as_of, query
+    from pipeline.query.duck import EXTRA_TABLES, _strip_comments, declared_params, parse_as_of, query
     from pipeline.resources import resource_dir
     from pipeline.schema import TABLES
 
@@ -120,6 +120,18 @@ def _sql(args: argparse.Namespace) -> None:
         raise PipelineError("give either a query or --file", hint='pipeline sql "SELECT count(*) FROM trajectories"')
     sql = args.query or read_query(args.file)
     params = parse_params(args.param)
+    # an untyped value for a parameter the named query declares with a numeric default
+    # takes that type (`$group_timeout_s * 1e6` needs a number); every other one stays a string
+    typed = {item.split("=", 1)[0].split(":", 1)[0] for item in args.param if ":" in item.split("=", 1)[0]}
+    for name, default in declared_params(sql).items():
+        if name in params and name not in typed and isinstance(default, (int, float)) \
+                and not isinstance(default, bool):
+            kind = type(default)
+            try:
+                params[name] = kind(params[name])
+            except ValueError:
+                raise ConfigError(f"--param {name}={params[name]!r}: the query expects "
+                                  f"{'an integer' if kind is int else 'a number'}") from None
     used = set(re.findall(r"\$([A-Za-z_][A-Za-z0-9_]*)", _strip_comments(sql)))
     unknown = sorted(set(params) - used)
     if unknown:

@@ -343,3 +343,13 @@ def test_an_unwritable_output_path_is_a_user_error_not_a_traceback(tmp_path, cap
     code = main(["simulate", "--set", "duration_h=0.05", "--set", "workers=8", "--out", str(blocker / "sub")])
     err = capsys.readouterr().err
     assert code == 2 and f"error: {blocker}" in err and "Traceback" not in err
+
+
+def test_sql_param_takes_the_type_a_named_query_declares(tmp_path, make_traj, capsys):
+    lake = _lake_with_trajectories(tmp_path, make_traj)
+    q = tmp_path / "q.sql"
+    q.write_text("-- @param lag = 1\n-- @param tag = 'x'\nSELECT $lag * 2 AS twice, $tag AS tag\n")
+    assert main(["sql", "--lake", lake.uri, "--json", "--file", str(q), "--param", "lag=3", "--param", "tag=007"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == [{"twice": 6, "tag": "007"}]
+    assert main(["sql", "--lake", lake.uri, "--file", str(q), "--param", "lag=abc"]) == 2
+    assert "expects an integer" in capsys.readouterr().err
