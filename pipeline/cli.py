@@ -367,11 +367,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_OK
     verbose = bool(getattr(args, "verbose", False))
-    if verbose:   # worker processes (training ranks) follow the same choice
-        os.environ["PIPELINE_VERBOSE"] = "1"
     result: Any = None
     try:
-        with quiet_third_party(verbose), stdout_for_results():
+        with quiet_third_party(verbose), _verbose_env(verbose), stdout_for_results():
             try:
                 result = args.handler(args)
             except BrokenPipeError:
@@ -404,6 +402,23 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(result, int):
         return result
     return EXIT_OK
+
+
+@contextlib.contextmanager
+def _verbose_env(verbose: bool) -> Iterator[None]:
+    """PIPELINE_VERBOSE=1 while a --verbose command runs: worker processes (training ranks) follow it."""
+    if not verbose:
+        yield
+        return
+    before = os.environ.get("PIPELINE_VERBOSE")
+    os.environ["PIPELINE_VERBOSE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PIPELINE_VERBOSE", None)
+        else:
+            os.environ["PIPELINE_VERBOSE"] = before
 
 
 def _internal_error() -> int:

@@ -142,7 +142,12 @@ def run_demo(lake, cfg: DemoConfig, *, out=print) -> dict[str, Any]:
     t_start = time.perf_counter()
     out(f"lake: {lake.uri}   mode: {cfg.mode}   engine: {cfg.engine}   env: {cfg.env}")
     t0 = time.perf_counter()
-    ref = init_policy(lake, seed=cfg.seed)
+    from pipeline.cli import progress_bar
+    from pipeline.rollout.policy import PolicyInitConfig
+
+    steps = PolicyInitConfig().warm_start_steps
+    with progress_bar(steps, "policy v0 warm start", enabled=sys.stderr.isatty()) as bar:   # 20-40 s on a CPU
+        ref = init_policy(lake, seed=cfg.seed, progress=bar)
     version, heldout0 = _evaluate(lake, cfg)
     out(f"policy version {ref.policy_version} (warm start) in {time.perf_counter() - t0:.1f}s: "
         f"held-out success {heldout0:.3f}")
