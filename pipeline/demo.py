@@ -34,23 +34,23 @@ from typing import Any, Literal
 
 @dataclass(frozen=True)
 class DemoConfig:
-    iterations: int = field(default=6, metadata={"help": "rollout -> admit -> train -> publish rounds"})
-    groups: int = field(default=32, metadata={"help": "GRPO groups sampled per iteration"})
-    group_size: int = field(default=8, metadata={"help": "samples per group (G)"})
+    iterations: int = field(default=6, metadata={"ge": 1, "help": "rollout -> admit -> train -> publish rounds"})
+    groups: int = field(default=32, metadata={"ge": 1, "help": "GRPO groups sampled per iteration"})
+    group_size: int = field(default=8, metadata={"ge": 2, "help": "samples per group (G)"})
     engine: Literal["hf", "vllm"] = field(default="hf", metadata={"help": "generation engine"})
     mode: Literal["sync", "async"] = field(default="sync", metadata={"help": "sync: alternate stages; async: "
                                                                        "workers and trainer run concurrently"})
-    seed: int = field(default=0, metadata={"help": "seed of the policy init, rollouts and training"})
+    seed: int = field(default=0, metadata={"ge": 0, "help": "seed of the policy init, rollouts and training"})
     env: str = field(default="arithmetic-tool", metadata={"help": "environment"})
-    eval_n: int = field(default=200, metadata={"help": "held-out evaluation tasks (greedy)"})
-    eval_seed: int = field(default=0, metadata={"help": "seed of the held-out split (fixed across versions)"})
-    lr: float = field(default=3e-4, metadata={"help": "learning rate of each training run (1e-3 oscillated, 3e-3 collapsed the policy in tuning)"})
-    epochs: int = field(default=2, metadata={"help": "passes over each snapshot"})
-    max_policy_lag: int = field(default=1, metadata={"help": "admission freshness gate"})
-    infra_fault_p: float = field(default=0.02, metadata={"help": "injected tool-timeout probability (shows "
+    eval_n: int = field(default=200, metadata={"ge": 1, "help": "held-out evaluation tasks (greedy)"})
+    eval_seed: int = field(default=0, metadata={"ge": 0, "help": "seed of the held-out split (fixed across versions)"})
+    lr: float = field(default=3e-4, metadata={"gt": 0, "help": "learning rate of each training run (1e-3 oscillated, 3e-3 collapsed the policy in tuning)"})
+    epochs: int = field(default=2, metadata={"ge": 1, "help": "passes over each snapshot"})
+    max_policy_lag: int = field(default=1, metadata={"ge": 0, "help": "admission freshness gate"})
+    infra_fault_p: float = field(default=0.02, metadata={"ge": 0, "le": 1, "help": "injected tool-timeout probability (shows "
                                                                    "infra failures kept out of baselines)"})
-    async_min_groups: int = field(default=16, metadata={"help": "async: admitted groups to wait for per step"})
-    async_timeout_s: float = field(default=120.0, metadata={"help": "async: give up waiting for fresh groups"})
+    async_min_groups: int = field(default=16, metadata={"ge": 1, "help": "async: admitted groups to wait for per step"})
+    async_timeout_s: float = field(default=120.0, metadata={"gt": 0, "help": "async: give up waiting for fresh groups"})
     report: bool = field(default=True, metadata={"help": "write the HTML health report at the end"})
 
 
@@ -142,7 +142,12 @@ def run_demo(lake, cfg: DemoConfig, *, out=print) -> dict[str, Any]:
     t_start = time.perf_counter()
     out(f"lake: {lake.uri}   mode: {cfg.mode}   engine: {cfg.engine}   env: {cfg.env}")
     t0 = time.perf_counter()
-    ref = init_policy(lake, seed=cfg.seed)
+    from pipeline.cli import progress_bar
+    from pipeline.rollout.policy import PolicyInitConfig
+
+    steps = PolicyInitConfig().warm_start_steps
+    with progress_bar(steps, "policy v0 warm start", enabled=sys.stderr.isatty()) as bar:   # 20-40 s on a CPU
+        ref = init_policy(lake, seed=cfg.seed, progress=bar)
     version, heldout0 = _evaluate(lake, cfg)
     out(f"policy version {ref.policy_version} (warm start) in {time.perf_counter() - t0:.1f}s: "
         f"held-out success {heldout0:.3f}")

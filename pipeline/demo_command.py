@@ -13,19 +13,28 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Creates a lake and policy version 0, then runs K iterations of rollout -> admit -> train -> "
                     "publish, printing one line per iteration (policy version, trajectories, admitted / "
                     "zero-variance / stale / infra-failed groups, mean reward, held-out success, policy lag, "
-                    "seconds). Without --lake it uses a fresh ./lake/demo-<time> directory."))
+                    "seconds). Without --lake it uses a fresh ./lake/demo-<time> directory.",
+        epilog=_keys, formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--iterations", type=int, default=None, help="iterations K (default 6)")
     p.add_argument("--engine", choices=["hf", "vllm"], default=None, help="generation engine (default hf)")
     p.add_argument("--mode", choices=["sync", "async"], default=None, help="sync (default) or async")
     p.add_argument("--groups", type=int, default=None, help="groups per iteration (default 32)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="seed of the policy init, rollouts and training (default 0)")
     add_config_options(p)
     p.set_defaults(handler=_demo)
+
+
+def _keys() -> str:
+    from pipeline.config import keys_epilog
+    from pipeline.demo import DemoConfig
+
+    return keys_epilog(DemoConfig)
 
 
 def _demo(args: argparse.Namespace):
     import json
 
+    from pipeline.cli import out
     from pipeline.config import load_config, parse_set
     from pipeline.demo import DemoConfig, default_lake_uri, run_demo
     from pipeline.lake.delta import Lake
@@ -41,6 +50,12 @@ def _demo(args: argparse.Namespace):
 
         raise PipelineError(f"{lake.uri} already holds a policy; the demo starts from version 0",
                             hint="omit --lake (a fresh ./lake/demo-<time> is used) or pass an empty directory")
-    summary = run_demo(lake, cfg, out=(lambda *a, **k: None) if args.json else print)
+    summary = run_demo(lake, cfg, out=(lambda *a, **k: None) if args.json else _out)
     if args.json:
-        print(json.dumps(summary, default=str))
+        out(json.dumps(summary, default=str))
+
+
+def _out(*parts, **kw) -> None:
+    from pipeline.cli import out
+
+    out(" ".join(str(p) for p in parts))

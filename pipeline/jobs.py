@@ -5,6 +5,7 @@
     schedule: "*/5 * * * *"        # cron; a 6th field = seconds
     args: [admit, --json]          # a `pipeline` command line (--lake is added)
     timeout_s: 1800
+    before: [[policy, init, --if-missing]]   # optional: command lines run first (bootstrap), each must succeed
 
 `pipeline jobs run NAME` runs one job once under a lease lock in the lake
 (``<lake>/_locks/job-NAME``, created with an exclusive create: O_EXCL on a
@@ -46,6 +47,7 @@ class JobSpec:
     timeout_s: int = 3600
     lease_s: int | None = None     # lock lease; defaults to timeout_s
     resources: dict[str, Any] = field(default_factory=dict)  # for infra rendering (cpu, memory)
+    before: tuple[tuple[str, ...], ...] = ()   # command lines run first, e.g. the policy bootstrap
 
     @property
     def lease(self) -> int:
@@ -67,9 +69,14 @@ def load_jobs(jobs_dir: str | Path | None = None) -> dict[str, JobSpec]:
             raise ConfigError(f"{f}: name {raw['name']!r} must equal the file name {f.stem!r}")
         if not croniter.is_valid(raw["schedule"]):
             raise ConfigError(f"{f}: schedule {raw['schedule']!r} is not a valid cron expression")
+        before = raw.get("before") or []
+        if not isinstance(before, list) or not all(isinstance(b, list) and b for b in before):
+            raise ConfigError(f"{f}: before must be a list of command lines (lists of arguments)",
+                              hint="e.g. before: [[policy, init, --if-missing]]")
         out[raw["name"]] = JobSpec(name=raw["name"], schedule=raw["schedule"], args=tuple(map(str, raw["args"])),
                                    description=raw.get("description", ""), timeout_s=int(raw.get("timeout_s", 3600)),
-                                   lease_s=raw.get("lease_s"), resources=raw.get("resources") or {})
+                                   lease_s=raw.get("lease_s"), resources=raw.get("resources") or {},
+                                   before=tuple(tuple(map(str, b)) for b in before))
     return out
 
 
@@ -235,9 +242,18 @@ def _run_job(lake, spec: JobSpec, started: datetime) -> dict[str, Any]:
         if args is None:
             return {"job": spec.name, "status": "nothing_to_do", "reason": "no untrained snapshot",
                     "started_at": started.isoformat()}
-        cmd = [sys.executable, "-m", "pipeline", *args, "--lake", lake.uri]
+        deadline = time.monotonic() + spec.timeout_s
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=spec.timeout_s)
+            for pre in spec.before:   # the bootstrap (e.g. policy init --if-missing): each must succeed
+                proc = subprocess.run([sys.executable, "-m", "pipeline", *pre, "--lake", lake.uri],
+                                      capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()))
+                if proc.returncode != 0:
+                    return {"job": spec.name, "status": "failed", "args": list(pre), "returncode": proc.returncode,
+                            "stdout": proc.stdout[-4000:], "stderr": proc.stderr[-4000:],
+                            "reason": f"before-step `pipeline {' '.join(pre)}` failed",
+                            "started_at": started.isoformat()}
+            cmd = [sys.executable, "-m", "pipeline", *args, "--lake", lake.uri]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             return {"job": spec.name, "status": "timeout", "args": args, "timeout_s": spec.timeout_s,
                     "started_at": started.isoformat()}
@@ -291,15 +307,25 @@ def schedule(lake, jobs: dict[str, JobSpec], *, for_seconds: float | None = None
 
 
 # -- infra rendering (kept consistent with jobs/ by a test) ------------------------------------
-def render_cronjobs(jobs: dict[str, JobSpec], *, image: str = "trajectory-lakehouse:cpu") -> str:
+def default_image() -> str:
+    """The CPU image, tagged with the package version (never a floating tag)."""
+    from pipeline import __version__
+
+    return f"trajectory-lakehouse:{__version__}-cpu"
+
+
+def render_cronjobs(jobs: dict[str, JobSpec], *, image: str | None = None) -> str:
     """Kubernetes CronJobs, one per job, as one multi-document YAML."""
     import yaml
 
+    image = image or default_image()
     docs = []
     for spec in jobs.values():
         if len(spec.schedule.split()) != 5:
             raise PipelineError(f"job {spec.name}: Kubernetes CronJobs need a 5-field schedule")
         res = spec.resources or {"cpu": "1", "memory": "4Gi"}
+        env_from = [{"configMapRef": {"name": "pipeline-lake"}},
+                    {"secretRef": {"name": "pipeline-s3", "optional": True}}]
         docs.append({
             "apiVersion": "batch/v1",
             "kind": "CronJob",
@@ -315,26 +341,56 @@ def render_cronjobs(jobs: dict[str, JobSpec], *, image: str = "trajectory-lakeho
                     "backoffLimit": 2,
                     "activeDeadlineSeconds": spec.timeout_s,
                     "template": {"spec": {
+                        # `jobs run` also runs the job's `before` steps (the bootstrap) under its lease
                         "restartPolicy": "Never",
                         "containers": [{
                             "name": spec.name,
                             "image": image,
                             "args": ["jobs", "run", spec.name],
-                            "envFrom": [{"configMapRef": {"name": "pipeline-lake"}},
-                                        {"secretRef": {"name": "pipeline-s3", "optional": True}}],
+                            "envFrom": env_from,
                             "resources": {"requests": res, "limits": res},
                         }],
                     }},
                 }},
             },
         })
+    class Dumper(yaml.SafeDumper):   # plain YAML: no &id001 anchors for repeated mappings
+        def ignore_aliases(self, data: Any) -> bool:
+            return True
+
     header = "# Generated from jobs/*.yaml by `python -m pipeline.jobs --render-k8s`; do not edit.\n"
-    return header + yaml.safe_dump_all(docs, sort_keys=False)
+    return header + yaml.dump_all(docs, Dumper=Dumper, sort_keys=False)
+
+
+def render_main(argv: list[str] | None = None) -> int:
+    """``python -m pipeline.jobs --render-k8s [--out DIR] [--image IMAGE] [--jobs-dir DIR]``: write
+    DIR/cronjobs.yaml (default DIR: ./infra/k8s when run from a checkout). Never writes into
+    the installed package."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m pipeline.jobs",
+                                description="Render the Kubernetes CronJobs of jobs/*.yaml.")
+    p.add_argument("--render-k8s", action="store_true", required=True, help="write cronjobs.yaml")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="directory to write cronjobs.yaml into (default: ./infra/k8s if it exists)")
+    p.add_argument("--image", default=None, help="container image of every job (default: trajectory-lakehouse:VERSION-cpu)")
+    p.add_argument("--jobs-dir", default=None, metavar="DIR", help="job YAML files (default: the packaged jobs/)")
+    args = p.parse_args(argv)
+    if args.out is None:
+        if not Path("infra/k8s").is_dir():
+            print("error: no ./infra/k8s here; pass --out DIR", file=sys.stderr)
+            return 2
+        args.out = "infra/k8s"
+    out = Path(args.out) / "cronjobs.yaml"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(render_cronjobs(load_jobs(args.jobs_dir), image=args.image))
+    except (OSError, PipelineError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
-    if "--render-k8s" in sys.argv:
-        out = Path(__file__).resolve().parent.parent / "infra" / "k8s" / "cronjobs.yaml"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(render_cronjobs(load_jobs()))
-        print(f"wrote {out}")
+    sys.exit(render_main(sys.argv[1:]))

@@ -11,15 +11,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     jobs = sub.add_parser("jobs", help="scheduled jobs from jobs/ (run one once, or schedule all)")
     jsub = jobs.add_subparsers(dest="jobs_command", metavar="ACTION")
+    jobs_dir_help = "directory of job YAML files (default: the packaged jobs/)"
     ls = common(jsub.add_parser("list", help="the jobs and their schedules"))
-    ls.add_argument("--jobs-dir", default=None, help="directory of job YAML files (default: the packaged jobs/)")
+    ls.add_argument("--jobs-dir", default=None, help=jobs_dir_help)
     ls.set_defaults(handler=_list)
     r = common(jsub.add_parser("run", help="run one job once (guarded: a double start yields one run)"))
-    r.add_argument("name")
-    r.add_argument("--jobs-dir", default=None)
+    r.add_argument("name", help="job name (pipeline jobs list)")
+    r.add_argument("--jobs-dir", default=None, help=jobs_dir_help)
     r.set_defaults(handler=_run)
     s = common(jsub.add_parser("schedule", help="run every job on its schedule in the foreground until stopped"))
-    s.add_argument("--jobs-dir", default=None)
+    s.add_argument("--jobs-dir", default=None, help=jobs_dir_help)
     s.add_argument("--only", action="append", default=None, help="schedule only these jobs (repeatable)")
     s.add_argument("--for-seconds", type=float, default=None, help="stop after this long (default: until Ctrl-C)")
     s.set_defaults(handler=_schedule)
@@ -36,15 +37,14 @@ def _list(args):
 
 
 def _run(args):
-    from pipeline.cli import emit
+    from pipeline.cli import emit, open_lake
     from pipeline.errors import NotFoundError
     from pipeline.jobs import load_jobs, run_job
-    from pipeline.lake.delta import Lake
 
     jobs = load_jobs(args.jobs_dir)
     if args.name not in jobs:
         raise NotFoundError(f"no job {args.name!r}", hint=f"jobs: {', '.join(sorted(jobs))}")
-    res = run_job(Lake(args.lake), jobs[args.name])
+    res = run_job(open_lake(args, create=True), jobs[args.name])
     emit(res, args, lambda r: f"job {r['job']}: {r['status']}"
          + (f" ({r['reason']})" if r.get("reason") else "")
          + (f"\n{r['stdout'].rstrip()}" if r.get("stdout") else "")
@@ -53,15 +53,20 @@ def _run(args):
 
 
 def _schedule(args):
+    from pipeline.cli import note, open_lake, out
+    from pipeline.errors import NotFoundError
     from pipeline.jobs import load_jobs, schedule
-    from pipeline.lake.delta import Lake
 
     jobs = load_jobs(args.jobs_dir)
     if args.only:
+        unknown = sorted(set(args.only) - set(jobs))
+        if unknown:
+            raise NotFoundError(f"no job(s) {', '.join(unknown)}", hint=f"jobs: {', '.join(sorted(jobs))}")
         jobs = {n: j for n, j in jobs.items() if n in args.only}
-    print(f"scheduling {', '.join(f'{n} ({j.schedule})' for n, j in jobs.items())}; Ctrl-C to stop", flush=True)
+    lake = open_lake(args, create=True)
+    note(f"scheduling {', '.join(f'{n} ({j.schedule})' for n, j in jobs.items())}; Ctrl-C to stop")
 
-    def show(r):
-        print(json.dumps(r, default=str) if args.json else f"{r['started_at']} {r['job']}: {r['status']}", flush=True)
+    def show(r):   # one line (or one JSON document per line with --json) per finished run
+        out(json.dumps(r, default=str) if args.json else f"{r['started_at']} {r['job']}: {r['status']}")
 
-    schedule(Lake(args.lake), jobs, for_seconds=args.for_seconds, on_result=show)
+    schedule(lake, jobs, for_seconds=args.for_seconds, on_result=show)

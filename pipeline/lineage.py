@@ -225,7 +225,10 @@ def format_walk(w: dict[str, Any]) -> str:
                      f"groups, estimator {s.get('advantage_estimator', '?')}, admitted at policy version "
                      f"{s.get('current_policy_version', '?')}")
         if s.get("source_versions"):
-            lines.append(f"       read tables at {s['source_versions']}")
+            sv = s["source_versions"]
+            pairs = sv.items() if isinstance(sv, dict) else sv
+            lines.append("       read tables at " + ", ".join(
+                f"{t} version {v}" if v is not None and int(v) >= 0 else f"{t} (absent)" for t, v in pairs))
         if "trajectories_found" in s:
             lines.append(f"     <- {s['trajectories_found']} trajectories (trajectories table version "
                          f"{s.get('trajectories_table_version')})")

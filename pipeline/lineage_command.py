@@ -17,8 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _lineage(args: argparse.Namespace) -> None:
-    from pipeline.cli import emit
-    from pipeline.lake.delta import Lake
+    from pipeline.cli import emit, open_lake
     from pipeline.lineage import format_walk, walk
 
-    emit(walk(Lake(args.lake), args.checkpoint_id), args, format_walk)
+    emit(walk(open_lake(args), args.checkpoint_id), args, format_walk)

@@ -16,14 +16,15 @@ from typing import Any
 def register(sub: argparse._SubParsersAction) -> None:
     from pipeline.admission.config import AdmissionConfig
     from pipeline.cli import add_config_options, common
-    from pipeline.config import describe
+    from pipeline.config import keys_epilog
 
-    keys = "\n".join(f"  {name} (default {default!r}): {help_}" for name, default, help_ in describe(AdmissionConfig))
+    keys = keys_epilog(AdmissionConfig)
     p = common(sub.add_parser(
         "admit", help="run admission: receipts per group, one immutable snapshot of the admitted members",
         description="Decide every complete (or timed-out) undecided group with the checks in sql/admission_*.sql; "
-                    "write one receipt per group and materialize one content-addressed snapshot.",
-        epilog="config keys (--config FILE / --set key=value):\n" + keys,
+                    "write one receipt per group and materialize one content-addressed snapshot.\n"
+                    "Prints the snapshot id on its last line (nothing to decide: exit code 0, no snapshot).",
+        epilog=keys,
         formatter_class=argparse.RawDescriptionHelpFormatter))
     add_config_options(p)
     p.add_argument("--current-policy-version", type=int, default=None, metavar="V",
@@ -42,10 +43,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls = common(ssub.add_parser("list", help="every snapshot of the lake, newest first"))
     ls.set_defaults(handler=_list)
     sh = common(ssub.add_parser("show", help="a snapshot's row, manifest and decision counts"))
-    sh.add_argument("snapshot_id")
+    sh.add_argument("snapshot_id", help="the 64-character id `pipeline admit` printed")
     sh.set_defaults(handler=_show)
     vf = common(ssub.add_parser("verify", help="rehash a snapshot's files against its manifest and the table"))
-    vf.add_argument("snapshot_id")
+    vf.add_argument("snapshot_id", help="the 64-character id `pipeline admit` printed")
     vf.set_defaults(handler=_verify)
     s.set_defaults(handler=lambda args: s.print_help() or 0)
 
@@ -53,12 +54,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _admit(args: argparse.Namespace) -> int | None:
     from pipeline.admission.config import AdmissionConfig
     from pipeline.admission.run import admit
-    from pipeline.cli import emit
+    from pipeline.cli import emit, open_lake
     from pipeline.config import load_config, parse_set
-    from pipeline.lake.delta import Lake
 
     cfg = load_config(AdmissionConfig, args.config, parse_set(args.set))
-    res = admit(Lake(args.lake), cfg, current_policy_version=args.current_policy_version, dry_run=args.dry_run,
+    res = admit(open_lake(args), cfg, current_policy_version=args.current_policy_version, dry_run=args.dry_run,
                 engine=args.engine, dask_scheduler=args.dask_scheduler, target_groups=args.target_groups)
     out = res.as_dict(with_receipts=args.dry_run)
     emit(out, args, _admit_text)
@@ -72,9 +72,9 @@ def _admit_text(d: dict[str, Any]) -> str:
             excl = ", ".join(f"{k}={v}" for k, v in r["excluded_members"]) or "-"
             lines.append(f"{r['group_id']}: {r['decision']}  valid={len(r['valid_members'])}/{r['arrived_members']}"
                          f"  excluded: {excl}")
-        lines.append(f"dry run: {d['decided_groups']} group(s) would be decided: {d['counts']}")
+        lines.append(f"dry run: {d['decided_groups']} group(s) would be decided: {_counts(d['counts'])}")
     else:
-        lines.append(f"decided {d['decided_groups']} group(s): {d['counts']}")
+        lines.append(f"decided {d['decided_groups']} group(s): {_counts(d['counts'])}")
     if d.get("target"):
         t = d["target"]
         lines.append(f"target {t['target_groups']} groups: {t['missing_groups']} missing, admit rate "
@@ -88,11 +88,14 @@ def _admit_text(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _list(args: argparse.Namespace) -> None:
-    from pipeline.cli import emit
-    from pipeline.lake.delta import Lake
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
 
-    lake = Lake(args.lake)
+
+def _list(args: argparse.Namespace) -> None:
+    from pipeline.cli import emit, open_lake, out
+
+    lake = open_lake(args)
     cols = ["snapshot_id", "created_at", "advantage_estimator", "num_groups", "num_members", "num_tokens",
             "current_policy_version"]
     rows = sorted(lake.read("snapshots", columns=cols).to_pylist(), key=lambda r: r["created_at"], reverse=True)
@@ -100,10 +103,10 @@ def _list(args: argparse.Namespace) -> None:
         emit({"snapshots": rows}, args)
         return
     for r in rows:
-        print(f"{r['snapshot_id']}  {r['created_at']:%Y-%m-%d %H:%M:%S}  {r['advantage_estimator']:<20} "
+        out(f"{r['snapshot_id']}  {r['created_at']:%Y-%m-%d %H:%M:%S}  {r['advantage_estimator']:<20} "
               f"groups={r['num_groups']} members={r['num_members']} tokens={r['num_tokens']} "
               f"policy={r['current_policy_version']}")
-    print(f"({len(rows)} snapshot{'s' if len(rows) != 1 else ''})")
+    out(f"({len(rows)} snapshot{'s' if len(rows) != 1 else ''})")
 
 
 def _show(args: argparse.Namespace) -> None:
@@ -112,10 +115,9 @@ def _show(args: argparse.Namespace) -> None:
     import pyarrow.compute as pc
 
     from pipeline.admission.snapshot import open_snapshot
-    from pipeline.cli import emit
-    from pipeline.lake.delta import Lake
+    from pipeline.cli import emit, open_lake
 
-    lake = Lake(args.lake)
+    lake = open_lake(args)
     snap = open_snapshot(lake, args.snapshot_id)
     rows = [r for r in lake.read("snapshots").to_pylist() if r["snapshot_id"] == args.snapshot_id]
     rec = lake.read("receipts", columns=["decision", "snapshot_id"])
@@ -133,10 +135,9 @@ def _show(args: argparse.Namespace) -> None:
 
 def _verify(args: argparse.Namespace) -> dict[str, Any]:
     from pipeline.admission.snapshot import verify_snapshot
-    from pipeline.cli import emit
-    from pipeline.lake.delta import Lake
+    from pipeline.cli import emit, open_lake
 
-    out = verify_snapshot(Lake(args.lake), args.snapshot_id)
+    out = verify_snapshot(open_lake(args), args.snapshot_id)
     emit(out, args, lambda d: f"ok: snapshot {d['snapshot_id']} verifies ({d['members']} members, "
                               f"{d['files']} file(s), registered={d['registered']})\n{d['snapshot_id']}")
     return None

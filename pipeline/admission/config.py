@@ -40,17 +40,17 @@ def parse_gate(text: str) -> Gate:
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    max_policy_lag: int = field(default=1, metadata={
+    max_policy_lag: int = field(default=1, metadata={"ge": 0,
         "help": "Exclude members whose oldest sampled token is more than this many versions behind "
                 "the current policy (stale_policy)."})
-    max_queue_wait_ms: int | None = field(default=None, metadata={
+    max_queue_wait_ms: int | None = field(default=None, metadata={"ge": 0,
         "help": "Exclude members that waited longer than this in the queue (stale_wait); null = no limit."})
-    min_valid_members: int = field(default=2, metadata={
+    min_valid_members: int = field(default=2, metadata={"ge": 1,
         "help": "Groups with fewer valid members are decided insufficient_valid."})
-    min_reward_std: float = field(default=1e-6, metadata={
+    min_reward_std: float = field(default=1e-6, metadata={"ge": 0,
         "help": "After max(reward) > min(reward), the population std of valid rewards must reach this "
                 "(else zero_variance)."})
-    group_timeout_s: float = field(default=600.0, metadata={
+    group_timeout_s: float = field(default=600.0, metadata={"ge": 0,
         "help": "An incomplete group whose oldest member finished this long ago is decided with what arrived."})
     admit_incomplete: bool = field(default=True, metadata={
         "help": "Whether a timed-out incomplete group may be admitted (false: decision incomplete)."})
@@ -59,8 +59,8 @@ class AdmissionConfig:
     advantage_scaling: Literal["group", "batch", "none"] = field(default="group", metadata={
         "help": "grpo only: divide centred rewards by the group std (group), by the std of all centred "
                 "rewards in the snapshot (batch), or not at all (none)."})
-    eps: float = field(default=1e-6, metadata={"help": "Added to the std before dividing."})
-    baseline_momentum: float | None = field(default=None, metadata={
+    eps: float = field(default=1e-6, metadata={"ge": 0, "help": "Added to the std before dividing."})
+    baseline_momentum: float | None = field(default=None, metadata={"ge": 0, "lt": 1,
         "help": "reinforce_batch_norm only: running-mean baseline carried between snapshots, "
                 "b = m*b_prev + (1-m)*mean(batch); null = the batch mean."})
     current_policy_version: int | None = field(default=None, metadata={
@@ -72,18 +72,18 @@ class AdmissionConfig:
     component_caps: dict[str, float] = field(default_factory=dict, metadata={
         "help": "Caps on heuristic reward components: reward used = reward - sum(max(0, c - cap)) "
                 "(e.g. {format: 0.1})."})
-    length_edges: tuple[int, ...] = field(default=(256, 1024, 4096), metadata={
+    length_edges: tuple[int, ...] = field(default=(256, 1024, 4096), metadata={"ge": 0,
         "help": "Response-length bucket edges (tokens); the group's bucket uses its longest member."})
-    tool_call_edges: tuple[int, ...] = field(default=(1, 4, 16), metadata={
+    tool_call_edges: tuple[int, ...] = field(default=(1, 4, 16), metadata={"ge": 0,
         "help": "Tool-call bucket edges; the group's bucket uses its largest count."})
-    reward_std_edges: tuple[float, ...] = field(default=(1e-6, 0.25), metadata={
+    reward_std_edges: tuple[float, ...] = field(default=(1e-6, 0.25), metadata={"ge": 0,
         "help": "Reward-std bucket edges over the valid members' population std."})
     bucket_caps: dict[str, int] = field(default_factory=dict, metadata={
         "help": "Max admitted groups per run for a bucket label, keyed 'FIELD:LABEL' "
                 "(e.g. {'difficulty:easy': 100}); groups past a cap are decided capped (by group_id order)."})
     quality: bool = field(default=True, metadata={
         "help": "Run the great-expectations suites (from schemas/) on candidates and on the snapshot."})
-    batch_rows: int = field(default=65536, metadata={
+    batch_rows: int = field(default=65536, metadata={"ge": 1,
         "help": "Rows per batch when scanning token columns and materializing payload."})
 
     def __post_init__(self) -> None:

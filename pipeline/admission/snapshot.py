@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -43,9 +44,20 @@ def compute_snapshot_id(members: Iterable[tuple[str, str]], config_hash: str, es
     return h.hexdigest()
 
 
+# what a snapshot id may look like (ids are sha256 hex; never a path: no '/', no '..')
+SNAPSHOT_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def check_snapshot_id(snapshot_id: str) -> str:
+    if not isinstance(snapshot_id, str) or not SNAPSHOT_ID_RE.fullmatch(snapshot_id):
+        raise NotFoundError(f"{snapshot_id!r} is not a snapshot id (64 hexadecimal characters)",
+                            hint="pipeline snapshots list shows the snapshots of this lake")
+    return snapshot_id
+
+
 def snapshot_dir(snapshot_id: str) -> str:
     """Directory of a snapshot relative to the lake root."""
-    return f"_snapshots/{snapshot_id}"
+    return f"_snapshots/{check_snapshot_id(snapshot_id)}"
 
 
 @dataclass(frozen=True)
@@ -180,15 +192,54 @@ def _try_open(lake, snapshot_id: str) -> Snapshot | None:
             mbytes = f.read()
     except (FileNotFoundError, OSError):
         return None
-    return Snapshot(snapshot_id, rel, json.loads(mbytes), _sha(mbytes))
+    return Snapshot(snapshot_id, rel, _parse_manifest(snapshot_id, mbytes), _sha(mbytes))
+
+
+def _parse_manifest(snapshot_id: str, mbytes: bytes) -> dict[str, Any]:
+    bad = IntegrityError(f"snapshot {snapshot_id}: {MANIFEST} is not a valid manifest",
+                         hint="the snapshot's files were damaged; restore the snapshot directory from a copy, "
+                              "or re-run admission on a lake copy to rebuild it")
+    try:
+        manifest = json.loads(mbytes)
+    except (ValueError, UnicodeDecodeError):
+        raise bad from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(v, dict) and "sha256" in v for v in files.values()) \
+            or DATA_FILE not in files:
+        raise bad
+    return manifest
+
+
+def _registered(lake, snapshot_id: str) -> bool:
+    if not lake.exists("snapshots"):
+        return False
+    import pyarrow.compute as pc
+
+    rows = lake.read("snapshots", columns=["snapshot_id"])
+    return bool(pc.any(pc.equal(rows.column("snapshot_id"), snapshot_id)).as_py())
 
 
 def open_snapshot(lake, snapshot_id: str) -> Snapshot:
+    check_snapshot_id(snapshot_id)
     snap = _try_open(lake, snapshot_id)
     if snap is None:
-        raise NotFoundError(f"snapshot {snapshot_id} not found under {lake.uri}/snapshots",
+        if _registered(lake, snapshot_id):
+            raise IntegrityError(f"snapshot {snapshot_id} is registered but its {MANIFEST} is missing "
+                                 f"({lake.uri}/{snapshot_dir(snapshot_id)})",
+                                 hint="the snapshot's files were deleted; restore the directory from a copy")
+        raise NotFoundError(f"snapshot {snapshot_id} not found under {lake.uri}/_snapshots",
                             hint="pipeline snapshots list shows the snapshots of this lake")
     return snap
+
+
+def _read_file(lake, snap: Snapshot, name: str) -> bytes:
+    fs, root = lake.filesystem()
+    try:
+        with fs.open_input_stream(f"{root}/{snap.path}/{name}") as f:
+            return f.read()
+    except (FileNotFoundError, OSError):
+        raise IntegrityError(f"snapshot {snap.snapshot_id}: {name} listed in the manifest is missing",
+                             hint="the snapshot's files were deleted; restore the directory from a copy") from None
 
 
 def verify_snapshot(lake, snapshot_id: str) -> dict[str, Any]:
@@ -196,14 +247,15 @@ def verify_snapshot(lake, snapshot_id: str) -> dict[str, Any]:
     snapshots table (when it has the row), and recompute the id from the members.
     Raises IntegrityError on any mismatch."""
     snap = open_snapshot(lake, snapshot_id)
-    fs, root = lake.filesystem()
     for name, info in snap.manifest["files"].items():
-        with fs.open_input_stream(f"{root}/{snap.path}/{name}") as f:
-            data = f.read()
+        data = _read_file(lake, snap, name)
         if _sha(data) != info["sha256"]:
             raise IntegrityError(f"snapshot {snapshot_id}: {name} has sha256 {_sha(data)}, manifest says {info['sha256']}",
                                  hint="the snapshot's files were modified; restore them from a copy")
     table = read_snapshot_table(lake, snap, verify=False)
+    if "config_hash" not in snap.manifest or "advantage_estimator" not in snap.manifest:
+        raise IntegrityError(f"snapshot {snapshot_id}: the manifest lacks config_hash/advantage_estimator",
+                             hint="the manifest was edited or truncated; restore it from a copy")
     recomputed = compute_snapshot_id(
         zip(table.column("trajectory_id").to_pylist(), table.column("content_hash").to_pylist()),
         snap.manifest["config_hash"], snap.manifest["advantage_estimator"])
@@ -228,9 +280,7 @@ def read_snapshot_table(lake, snap: Snapshot | str, *, verify: bool = True, colu
     """The snapshot's members with payload. ``verify`` rehashes the files first."""
     if isinstance(snap, str):
         snap = open_snapshot(lake, snap)
-    fs, root = lake.filesystem()
-    with fs.open_input_stream(f"{root}/{snap.path}/{DATA_FILE}") as f:
-        data = f.read()
+    data = _read_file(lake, snap, DATA_FILE)
     if verify and _sha(data) != snap.manifest["files"][DATA_FILE]["sha256"]:
         raise IntegrityError(f"snapshot {snap.snapshot_id}: {DATA_FILE} does not match its manifest")
     return pq.read_table(pa.BufferReader(data), columns=columns)

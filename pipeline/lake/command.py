@@ -12,8 +12,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = common(sub.add_parser(
         "ingest", help="land externally produced trajectories (Parquet, Arrow IPC, JSONL)",
         description="Validate every row against schemas/trajectories.yaml; land valid rows, quarantine "
-                    "the rest with a reason. Idempotent: re-ingesting a file or a landed row is a no-op."))
-    p.add_argument("files", nargs="+", metavar="FILE")
+                    "the rest with a reason. Idempotent: re-ingesting a file or a landed row is a no-op. "
+                    "Creates the lake if it does not exist. Exit code 1 when rows were read but none landed "
+                    "(every row quarantined)."))
+    p.add_argument("files", nargs="+", metavar="FILE", help="Parquet, Arrow IPC or JSON-lines files")
     p.set_defaults(handler=_ingest)
 
     lake = sub.add_parser("lake", help="lake maintenance and inspection")
@@ -22,22 +24,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--retention-hours", type=int, default=168,
                    help="vacuum files removed from the log longer ago than this (default 168 = 7 days)")
     m.add_argument("--dry-run", action="store_true", help="report what vacuum would delete")
-    m.add_argument("--table", action="append", default=None, help="only these tables (repeatable)")
+    m.add_argument("--table", action="append", default=None, metavar="NAME",
+                   help="only these tables (repeatable; default: every table)")
     m.add_argument("--orphan-age-minutes", type=float, default=None,
                    help="remove data files no commit references (and _snapshots/.tmp-* directories) once they "
                         "are this old (default 60: a live writer never commits a file older than 30 minutes)")
     m.set_defaults(handler=_maintain)
-    i = common(lsub.add_parser("info", help="tables, versions, row and file counts"))
+    i = common(lsub.add_parser("info", help="tables, versions, row and file counts, sizes"))
     i.set_defaults(handler=_info)
     lake.set_defaults(handler=lambda a: lake.print_help())
 
 
-def _ingest(args: argparse.Namespace) -> dict[str, Any]:
-    from pipeline.cli import emit
-    from pipeline.lake.delta import Lake
+def _ingest(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pipeline.cli import emit, note, open_lake
+    from pipeline.errors import InputFileError
     from pipeline.lake.ingest import ingest_files
 
-    report = ingest_files(Lake(args.lake), args.files, command="pipeline ingest")
+    for f in args.files:   # before the lake is created: a typo must not leave a new empty lake behind
+        if not Path(f).is_file():
+            raise InputFileError(f"{f}: no such file" if not Path(f).exists() else f"{f}: not a file",
+                                 hint="give Parquet, Arrow IPC or JSON-lines files")
+    report = ingest_files(open_lake(args, create=True), args.files, command="pipeline ingest")
     out = report.as_dict()
     emit(out, args, lambda r: (
         f"ingest {r['ingest_id']}: {r['rows_read']} rows read from {r['files']} file(s): "
@@ -47,42 +56,93 @@ def _ingest(args: argparse.Namespace) -> dict[str, Any]:
         + (f"\n  trajectories version {r['trajectories_version']}" if r["trajectories_version"] is not None else "")
         + (f"\n  quarantine version {r['quarantine_version']}; see: pipeline sql \"SELECT source_row, reason "
            f"FROM quarantine WHERE ingest_id = '{r['ingest_id']}'\"" if r["quarantine_version"] is not None else "")))
-    return None  # type: ignore[return-value]
+    code = ingest_exit_code(out)
+    if code:
+        note(f"nothing landed: all {out['rows_read']} row(s) were quarantined (exit code {code})")
+    return code
+
+
+def ingest_exit_code(r: dict[str, Any]) -> int:
+    """1 when rows were read and none landed or was already there (every row
+    quarantined): the command achieved nothing. 0 otherwise (re-ingesting is a no-op)."""
+    from pipeline.cli import EXIT_NOTHING_DONE, EXIT_OK
+
+    if r["rows_read"] > 0 and r["landed"] == 0 and r["duplicates"] == 0 and r["quarantined"] > 0:
+        return EXIT_NOTHING_DONE
+    return EXIT_OK
 
 
 def _maintain(args: argparse.Namespace) -> None:
-    from pipeline.cli import emit
-    from pipeline.lake.delta import Lake
+    from pipeline.cli import emit, open_lake
+    from pipeline.errors import ConfigError
     from pipeline.lake.maintain import maintain
+    from pipeline.schema import TABLES
 
+    if args.retention_hours < 0:
+        raise ConfigError(f"--retention-hours {args.retention_hours}: must be >= 0")
+    if args.orphan_age_minutes is not None and args.orphan_age_minutes < 0:
+        raise ConfigError(f"--orphan-age-minutes {args.orphan_age_minutes}: must be >= 0")
+    unknown = sorted(set(args.table or ()) - set(TABLES) - {"metrics"})
+    if unknown:
+        raise ConfigError(f"unknown table(s) {', '.join(unknown)}", hint=f"tables: {', '.join(TABLES + ('metrics',))}")
     age = None if args.orphan_age_minutes is None else args.orphan_age_minutes * 60
-    out = maintain(Lake(args.lake), retention_hours=args.retention_hours, dry_run=args.dry_run, tables=args.table,
+    out = maintain(open_lake(args), retention_hours=args.retention_hours, dry_run=args.dry_run, tables=args.table,
                    orphan_min_age_s=age)
-    emit(out, args, lambda r: ("\n".join(
-        f"{t}: files {v['files_before']} -> {v['files_after']}, checkpoint at version {v['version']}, "
-        f"vacuum {'would delete' if args.dry_run else 'deleted'} {v['vacuumed']} file(s), "
-        f"{'would remove' if args.dry_run else 'removed'} {v['orphans_removed']} orphan file(s)"
-        + (f" (kept versions {v['kept_versions']})" if v.get("kept_versions") else "")
-        for t, v in r["tables"].items()) or "no tables")
-        + (f"\n_snapshots: {'would remove' if args.dry_run else 'removed'} "
-           f"{len(r['snapshot_temp_dirs_removed'])} temporary director(ies)"
-           if r["snapshot_temp_dirs_removed"] else ""))
+    emit(out, args, _maintain_text)
+
+
+def _maintain_text(r: dict[str, Any]) -> str:
+    lines = []
+    for t, v in r["tables"].items():
+        kept = f" (kept versions {', '.join(map(str, v['kept_versions']))})" if v.get("kept_versions") else ""
+        if r.get("dry_run"):
+            lines.append(f"{t}: {v['files_before']} files; compaction would rewrite {v['would_compact_files']} "
+                         f"(~{v['files_after_estimate']} files after); a checkpoint would be written at the next "
+                         f"version; vacuum would now delete {v['would_vacuum']} file(s); "
+                         f"{v['would_remove_orphans']} orphan file(s) would be removed{kept}")
+        else:
+            lines.append(f"{t}: files {v['files_before']} -> {v['files_after']}, checkpoint at version "
+                         f"{v['version']}, vacuum deleted {v['vacuumed']} file(s), removed {v['orphans_removed']} "
+                         f"orphan file(s){kept}")
+    temps = r.get("snapshot_temp_dirs_removed") or []
+    if temps:
+        lines.append(f"_snapshots: {'would remove' if r.get('dry_run') else 'removed'} {len(temps)} temporary "
+                     f"director{'y' if len(temps) == 1 else 'ies'}")
+    if r.get("dry_run") and lines:
+        lines.append("dry run: nothing was changed")
+    return "\n".join(lines) or "no tables"
 
 
 def _info(args: argparse.Namespace) -> None:
-    from pipeline.cli import emit
-    from pipeline.lake.delta import Lake
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from pipeline.cli import emit, open_lake
     from pipeline.schema import TABLES
 
-    lake = Lake(args.lake)
+    lake = open_lake(args)
     tables = {}
     for name in TABLES + ("metrics",):
-        try:
-            if not lake.exists(name):
-                continue
-        except Exception:
+        if not lake.exists(name):
             continue
         dt = lake.table(name)
-        tables[name] = {"version": dt.version(), "files": len(dt.file_uris()), "rows": dt.count()}
-    emit({"lake": lake.uri, "tables": tables}, args, lambda r: f"lake {r['lake']}\n" + "\n".join(
-        f"  {t}: version {v['version']}, {v['rows']} rows in {v['files']} files" for t, v in r["tables"].items()))
+        adds = pa.table(dt.get_add_actions(flatten=True))
+        size = int(pc.sum(adds.column("size_bytes")).as_py() or 0) if adds.num_rows else 0
+        tables[name] = {"version": dt.version(), "files": adds.num_rows, "rows": dt.count(), "bytes": size}
+    emit({"lake": lake.uri, "tables": tables, "bytes": sum(v["bytes"] for v in tables.values())}, args, _info_text)
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _info_text(r: dict[str, Any]) -> str:
+    lines = [f"lake {r['lake']}"]
+    lines += [f"  {t}: version {v['version']}, {v['rows']} rows in {v['files']} files, {human_bytes(v['bytes'])}"
+              for t, v in r["tables"].items()]
+    lines.append(f"  total: {human_bytes(r['bytes'])} in live data files" if r["tables"] else "  no tables yet")
+    return "\n".join(lines)

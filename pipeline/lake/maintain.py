@@ -39,11 +39,25 @@ def maintain(lake, *, retention_hours: int = 168, dry_run: bool = False,
 
     age = ORPHAN_MIN_AGE_S if orphan_min_age_s is None else orphan_min_age_s
     keep = snapshot_source_versions(lake)
-    report: dict[str, Any] = {"tables": {}}
+    report: dict[str, Any] = {"tables": {}, "dry_run": dry_run}
     for name in tables or list(TABLES) + ["metrics"]:
         if not lake.exists(name):
             continue
         before = lake.file_count(name)
+        if dry_run:   # compaction and checkpoints write; plan them, and ask vacuum what it would delete now
+            kept = sorted(keep.get(name, ()))
+            vac = lake.vacuum(name, retention_hours=retention_hours, keep_versions=kept, dry_run=True)
+            rewrite, after = compaction_plan(lake, name)
+            report["tables"][name] = {
+                "files_before": before,
+                "would_compact_files": rewrite,
+                "files_after_estimate": after,
+                "version": lake.version(name),
+                "would_vacuum": len(vac),
+                "would_remove_orphans": len(lake.remove_orphans(name, min_age_s=age, dry_run=True)),
+                "kept_versions": kept,
+            }
+            continue
         compacted: dict[str, Any] = {}
         if not dry_run:
             compacted = lake.compact(name)
@@ -100,3 +114,19 @@ def remove_snapshot_temps(lake, *, min_age_s: float, dry_run: bool = False) -> l
             except (FileNotFoundError, OSError):
                 pass  # removed by a concurrent maintain
     return out
+
+
+def compaction_plan(lake, name: str) -> tuple[int, int]:
+    """(files ``lake.compact(name)`` would rewrite, files the table would have after it),
+    from the same bin plan compaction itself uses."""
+    import inspect
+
+    import pyarrow as pa
+
+    from pipeline.lake.delta import Lake, _compaction_plan
+
+    target = inspect.signature(Lake.compact).parameters["target_bytes"].default
+    adds = pa.table(lake.table(name).get_add_actions(flatten=True))
+    plan = _compaction_plan(adds, target)
+    rewrite = sum(len(b) for b in plan)
+    return rewrite, adds.num_rows - rewrite + len(plan)

@@ -31,14 +31,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _report(args: argparse.Namespace) -> dict[str, Any] | None:
-    from pipeline.cli import emit
+    from pipeline.cli import emit, open_lake
     from pipeline.errors import PipelineError
-    from pipeline.lake.delta import Lake
     from pipeline.report.build import ReportOptions, write_report
 
     if args.pass_k < 1 or args.receipts < 1:
         raise PipelineError("--pass-k and --receipts must be >= 1")
-    result = write_report(Lake(args.lake), args.out, ReportOptions(
+    result = write_report(open_lake(args), args.out, ReportOptions(
         run_id=args.run_id, bucket=args.bucket, pass_k=args.pass_k, receipts=args.receipts))
     emit(result, args, text=_text)
     return None

@@ -11,18 +11,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = common(sub.add_parser(
         "rollout", help="run rollout workers for an environment and land trajectories + events",
-        description="Sample N groups of G trajectories from a policy on a verifiable environment; land "
-                    "trajectories and events in the lake with exactly-once batches. Rerun with the same "
-                    "--run-id to resume a crashed run. Every RolloutConfig key can be set with --set KEY=VALUE "
-                    "(limits: max_turns, max_tokens_per_turn, max_total_tokens, wall_clock_s; fault injection: "
-                    "tool_timeout_p, env_crash_p, verifier_error_p; temperature, top_p, flush_rows, ...)."))
+        description="Sample N groups of G trajectories from a policy on a verifiable environment; land\n"
+                    "trajectories and events in the lake with exactly-once batches. Rerun with the same\n"
+                    "--run-id to resume a crashed run. Creates the lake if it does not exist.\n"
+                    "Options below override the config key of the same name.",
+        epilog=lambda: _keys("pipeline.rollout.run", "RolloutConfig"), formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--env", default=None, help="environment: arithmetic-tool | reverse-digits | module:Class")
     p.add_argument("--engine", choices=["hf", "vllm"], default=None, help="generation engine (default hf)")
     p.add_argument("--policy", default=None, metavar="PATH_OR_VERSION",
                    help="policy version, checkpoint id, 'latest' (default) or an HF directory")
     p.add_argument("--groups", type=int, default=None, metavar="N", help="groups to sample")
     p.add_argument("--group-size", type=int, default=None, metavar="G", help="samples per group")
-    p.add_argument("--seed", type=int, default=None, metavar="S")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="task and sampling seed")
     p.add_argument("--workers", type=int, default=None, metavar="K", help="worker processes")
     p.add_argument("--run-id", default=None, help="experiment id (same id = resume)")
     p.add_argument("--follow-latest", action="store_true", default=None,
@@ -34,21 +34,41 @@ def register(sub: argparse._SubParsersAction) -> None:
     psub = pol.add_subparsers(dest="policy_command", metavar="ACTION")
     i = common(psub.add_parser(
         "init", help="build the tokenizer + tiny Llama, warm-start it, publish policy version 0",
-        description="Build the char tokenizer and a tiny Llama from PolicyInitConfig, run a short supervised "
-                    "warm start on synthetic demonstrations, save it in HF format under <lake>/_checkpoints/ and "
-                    "publish it as policy version 0."))
-    i.add_argument("--seed", type=int, default=None)
-    i.add_argument("--warm-start-steps", type=int, default=None)
+        description="Build the char tokenizer and a tiny Llama from PolicyInitConfig, run a short supervised\n"
+                    "warm start on synthetic demonstrations (20-40 s on a CPU; a progress bar on a terminal),\n"
+                    "save it in HF format under <lake>/_checkpoints/ and publish it as policy version 0.\n"
+                    "Idempotent for the same config. Creates the lake if it does not exist.",
+        epilog=lambda: _keys("pipeline.rollout.policy", "PolicyInitConfig"), formatter_class=argparse.RawDescriptionHelpFormatter))
+    i.add_argument("--seed", type=int, default=None, help="sets the seed key")
+    i.add_argument("--warm-start-steps", type=int, default=None, help="sets the warm_start_steps key")
+    i.add_argument("--if-missing", action="store_true",
+                   help="do nothing when the lake already has a published policy (any version, e.g. imported): "
+                        "the deployment's bootstrap step")
     add_config_options(i)
     i.set_defaults(handler=_init)
-    e = common(psub.add_parser("eval", help="greedy success on the environment's fixed held-out set"))
-    e.add_argument("--policy", default="latest", metavar="PATH_OR_VERSION")
-    e.add_argument("--env", default="arithmetic-tool")
-    e.add_argument("--engine", choices=["hf", "vllm"], default="hf")
-    e.add_argument("--n", type=int, default=200, help="held-out tasks")
-    e.add_argument("--seed", type=int, default=0)
+    e = common(psub.add_parser(
+        "eval", help="greedy success on the environment's fixed held-out set",
+        description="Greedy (temperature 0) episodes on the first N tasks of the environment's held-out split,\n"
+                    "which training never sees; prints success, format and tool-use rates and success per\n"
+                    "difficulty. --policy is a version number, checkpoint id or 'latest' of the lake, or a\n"
+                    "local HF directory (then no lake is needed).",
+        formatter_class=argparse.RawDescriptionHelpFormatter))
+    e.add_argument("--policy", default="latest", metavar="PATH_OR_VERSION",
+                   help="policy version, checkpoint id, 'latest' (default) or an HF directory")
+    e.add_argument("--env", default="arithmetic-tool", help="environment name or module:Class (default arithmetic-tool)")
+    e.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="generation engine (default hf)")
+    e.add_argument("--n", type=int, default=200, help="held-out tasks (default 200)")
+    e.add_argument("--seed", type=int, default=0, help="seed of the held-out task sample (default 0)")
     e.set_defaults(handler=_eval)
     pol.set_defaults(handler=lambda a: pol.print_help())
+
+
+def _keys(module: str, cls: str) -> str:
+    import importlib
+
+    from pipeline.config import keys_epilog
+
+    return keys_epilog(getattr(importlib.import_module(module), cls))
 
 
 def _overrides(args: argparse.Namespace, mapping: dict[str, str]) -> dict[str, Any]:
@@ -63,9 +83,8 @@ def _overrides(args: argparse.Namespace, mapping: dict[str, str]) -> dict[str, A
 
 
 def _rollout(args: argparse.Namespace) -> None:
-    from pipeline.cli import emit
+    from pipeline.cli import emit, open_lake
     from pipeline.config import load_config
-    from pipeline.lake.delta import Lake
     from pipeline.rollout.run import RolloutConfig, run_rollout
 
     over = _overrides(args, {"env": "env", "engine": "engine", "policy": "policy", "groups": "groups",
@@ -74,7 +93,7 @@ def _rollout(args: argparse.Namespace) -> None:
     if not args.json:
         over.setdefault("progress", True)
     cfg = load_config(RolloutConfig, args.config, over)
-    s = run_rollout(Lake(args.lake), cfg).as_dict()
+    s = run_rollout(open_lake(args, create=True), cfg).as_dict()
     emit(s, args, lambda r: (
         f"rollout {r['run_id']}: {r['trajectories']} trajectories on {r['env']} ({r['engine']}, "
         f"policy v{','.join(map(str, r['policy_versions']))}), {r['landed']} landed, {r['events']} events"
@@ -92,24 +111,44 @@ def _fmt(x: float | None) -> str:
 
 
 def _init(args: argparse.Namespace) -> None:
-    from pipeline.cli import emit
+    import sys
+
+    from pipeline.cli import emit, open_lake, progress_bar
     from pipeline.config import load_config
-    from pipeline.lake.delta import Lake
     from pipeline.rollout.policy import PolicyInitConfig, init_policy
 
     cfg = load_config(PolicyInitConfig, args.config,
                       _overrides(args, {"seed": "seed", "warm_start_steps": "warm_start_steps"}))
-    ref = init_policy(Lake(args.lake), cfg)
-    out = {"checkpoint_id": ref.checkpoint_id, "policy_version": ref.policy_version, "path": str(ref.hf_dir)}
+    lake = open_lake(args, create=True)
+    if args.if_missing:
+        from pipeline.policy_store import latest_policy_version, resolve_policy
+
+        latest = latest_policy_version(lake)
+        if latest is not None:
+            ref = resolve_policy(lake, latest)
+            out = {"checkpoint_id": ref.checkpoint_id, "policy_version": ref.policy_version,
+                   "path": str(ref.hf_dir), "already_present": True}
+            emit(out, args, lambda r: f"policy version {r['policy_version']} already published: "
+                                      f"{r['checkpoint_id']} (nothing to do)")
+            return
+    with progress_bar(cfg.warm_start_steps, "warm start", enabled=sys.stderr.isatty()) as bar:
+        ref = init_policy(lake, cfg, progress=bar)
+    out = {"checkpoint_id": ref.checkpoint_id, "policy_version": ref.policy_version, "path": str(ref.hf_dir),
+           "already_present": False}
     emit(out, args, lambda r: f"policy version {r['policy_version']}: {r['checkpoint_id']} ({r['path']})")
 
 
 def _eval(args: argparse.Namespace) -> None:
-    from pipeline.cli import emit
-    from pipeline.lake.delta import Lake
+    from pathlib import Path
+
+    from pipeline.cli import emit, open_lake
+    from pipeline.errors import ConfigError
     from pipeline.rollout.evaluate import evaluate
 
-    r = evaluate(args.policy, args.env, n=args.n, seed=args.seed, engine=args.engine, lake=Lake(args.lake))
+    if args.n < 1:
+        raise ConfigError(f"--n {args.n}: must be >= 1")
+    lake = None if Path(str(args.policy)).is_dir() else open_lake(args)
+    r = evaluate(args.policy, args.env, n=args.n, seed=args.seed, engine=args.engine, lake=lake)
     emit(r, args, lambda r: (
         f"policy v{r['policy_version']} on {r['env']} (held-out, greedy, n={r['n']}): success {r['success_rate']:.3f}, "
         f"format {r['format_rate']:.3f}, tool use {r['tool_use_rate']:.3f}"

@@ -188,7 +188,8 @@ class HFEngine:
 
 # -- the supervised warm start ---------------------------------------------------------------
 def warm_start(model: LlamaForCausalLM, sequences: list[list[int]], masks: list[list[int]], *, steps: int,
-               batch_size: int = 64, lr: float = 3e-3, seed: int = 0, log_every: int = 0) -> dict[str, float]:
+               batch_size: int = 64, lr: float = 3e-3, seed: int = 0, log_every: int = 0,
+               progress=None) -> dict[str, float]:
     """Next-token cross-entropy on the tokens whose mask is 1 (the demonstration's
     policy tokens), AdamW with linear warmup/decay. Deterministic for a seed."""
     g = torch.Generator().manual_seed(seed)
@@ -221,6 +222,8 @@ def warm_start(model: LlamaForCausalLM, sequences: list[list[int]], masks: list[
         loss_val = float(loss.detach())
         if log_every and step % log_every == 0:
             print(f"warm start step {step}: loss {loss_val:.4f}", flush=True)
+        if progress is not None:
+            progress(1)
     model.eval()
     return {"loss": loss_val, "steps": steps, "seconds": time.perf_counter() - t0}
 

@@ -33,22 +33,22 @@ from pipeline.rollout import vocab
 
 @dataclass(frozen=True)
 class PolicyInitConfig:
-    seed: int = field(default=0, metadata={"help": "model init, demonstration sampling and training seed"})
-    hidden_size: int = field(default=64, metadata={"help": "model width"})
-    num_layers: int = field(default=2, metadata={"help": "transformer blocks"})
-    num_heads: int = field(default=2, metadata={"help": "attention heads (head size 32: vLLM CPU's smallest)"})
-    intermediate_size: int = field(default=256, metadata={"help": "MLP width"})
-    max_positions: int = field(default=128, metadata={"help": "longest context (prompt + response)"})
+    seed: int = field(default=0, metadata={"ge": 0, "help": "model init, demonstration sampling and training seed"})
+    hidden_size: int = field(default=64, metadata={"ge": 1, "help": "model width"})
+    num_layers: int = field(default=2, metadata={"ge": 1, "help": "transformer blocks"})
+    num_heads: int = field(default=2, metadata={"ge": 1, "help": "attention heads (head size 32: vLLM CPU's smallest)"})
+    intermediate_size: int = field(default=256, metadata={"ge": 1, "help": "MLP width"})
+    max_positions: int = field(default=128, metadata={"ge": 8, "help": "longest context (prompt + response)"})
     envs: tuple[str, ...] = field(default=("arithmetic-tool", "reverse-digits"),
                                   metadata={"help": "environments whose demonstrations the warm start uses"})
-    env_weights: tuple[float, ...] = field(default=(0.8, 0.2), metadata={"help": "share of demonstrations per env"})
-    demonstrations: int = field(default=4000, metadata={"help": "synthetic demonstrations"})
-    tool_fraction: float = field(default=0.4, metadata={
+    env_weights: tuple[float, ...] = field(default=(0.8, 0.2), metadata={"ge": 0, "help": "share of demonstrations per env"})
+    demonstrations: int = field(default=4000, metadata={"ge": 1, "help": "synthetic demonstrations"})
+    tool_fraction: float = field(default=0.4, metadata={"ge": 0, "le": 1,
         "help": "share of arithmetic demonstrations that use the calculator (the rest answer directly)"})
-    warm_start_steps: int = field(default=300, metadata={"help": "supervised steps (0 = random weights)"})
-    batch_size: int = field(default=64, metadata={"help": "demonstrations per step"})
-    lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW, warmup + linear decay)"})
-    threads: int = field(default=1, metadata={"help": "torch threads (1 is fastest for tiny models on shared CPUs)"})
+    warm_start_steps: int = field(default=300, metadata={"ge": 0, "help": "supervised steps (0 = random weights)"})
+    batch_size: int = field(default=64, metadata={"ge": 1, "help": "demonstrations per step"})
+    lr: float = field(default=3e-3, metadata={"gt": 0, "help": "peak learning rate (AdamW, warmup + linear decay)"})
+    threads: int = field(default=1, metadata={"ge": 1, "help": "torch threads (1 is fastest for tiny models on shared CPUs)"})
 
 
 def build_tokenizer():
@@ -89,9 +89,10 @@ def demonstrations(cfg: PolicyInitConfig) -> tuple[list[list[int]], list[list[in
     return seqs, masks
 
 
-def init_policy(lake, cfg: PolicyInitConfig | None = None, **overrides: Any) -> PolicyRef:
+def init_policy(lake, cfg: PolicyInitConfig | None = None, *, progress=None, **overrides: Any) -> PolicyRef:
     """Build, warm-start, save and publish policy version 0. Idempotent for the
-    same config (returns the already published version)."""
+    same config (returns the already published version). ``progress(n)`` is
+    called after every warm-start step (the CLI's progress bar)."""
     from pipeline.rollout import hf
     from pipeline.policy_store import latest_policy_version
 
@@ -119,7 +120,7 @@ def init_policy(lake, cfg: PolicyInitConfig | None = None, **overrides: Any) -> 
     if cfg.warm_start_steps:
         seqs, masks = demonstrations(cfg)
         stats = hf.warm_start(model, seqs, masks, steps=cfg.warm_start_steps, batch_size=cfg.batch_size,
-                              lr=cfg.lr, seed=cfg.seed)
+                              lr=cfg.lr, seed=cfg.seed, progress=progress)
     root = local_checkpoint_dir(lake, ckpt_id)
     if root.exists():
         shutil.rmtree(root)       # an unpublished leftover of a crashed init

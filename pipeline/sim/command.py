@@ -42,28 +42,35 @@ def _epilog() -> str:
     from pipeline.sim.config import CONFIG_DIR, SimConfig
 
     examples = __doc__.split("\n\n", 1)[1].split("\n\nWith", 1)[0]
-    keys = "\n".join(f"  {name} (default {default!r})" for name, default, _ in describe(SimConfig)
+    keys = "\n".join(f"  {name} (default {default!r}): {help_}" for name, default, help_ in describe(SimConfig)
                      if name != "task_mix")
     packaged = ", ".join(sorted(q.stem for q in CONFIG_DIR.glob("*.yaml")))
     return (f"examples:\n{examples}\n\npackaged configs (--config NAME): {packaged}\n\n"
             f"config keys (--set/--sweep; task_mix.CLASS.KEY reaches into the task mix, e.g. "
-            f"task_mix.slow.median_s):\n{keys}\n\nmeaning of every key: pipeline/sim/config.py (SimConfig)")
+            f"task_mix.slow.median_s):\n{keys}\n  task_mix: {_task_mix_help()}")
+
+
+def _task_mix_help() -> str:
+    from pipeline.sim.config import SimConfig
+    import dataclasses
+
+    return next(f.metadata.get("help", "") for f in dataclasses.fields(SimConfig) if f.name == "task_mix")
 
 
 def _runner(args: argparse.Namespace):
     if not args.land:
         return None
-    from pipeline.lake.delta import Lake
+    from pipeline.cli import open_lake
     from pipeline.sim.lake_mode import simulate_in_lake
 
-    lake = Lake(args.lake)
+    lake = open_lake(args, create=True)
     return lambda cfg: simulate_in_lake(lake, cfg)
 
 
 def _simulate(args: argparse.Namespace) -> dict[str, Any] | None:
     import json
 
-    from pipeline.cli import emit
+    from pipeline.cli import emit, out
     from pipeline.config import parse_set
     from pipeline.sim.config import load_sim_config
     from pipeline.sim.metrics import render_text
@@ -96,6 +103,6 @@ def _simulate(args: argparse.Namespace) -> dict[str, Any] | None:
               "rows": [{**r["point"], **{k: v for k, v in r.items() if k not in ("point", "config", "per_class")}}
                        for r in result["rows"]]}, args)
         return None
-    print(render_table(result))
-    print(f"{len(result['rows'])} runs in {result['wall_s']:.1f} s; table {paths['markdown']}, plot {paths['plot']}")
+    out(render_table(result))
+    out(f"{len(result['rows'])} runs in {result['wall_s']:.1f} s; table {paths['markdown']}, plot {paths['plot']}")
     return None

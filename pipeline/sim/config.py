@@ -175,14 +175,12 @@ def apply_overrides(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str
 
 def load_sim_config(file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> SimConfig:
     """Defaults <- YAML file <- overrides (dotted keys allowed)."""
-    import yaml
-
-    from pipeline.config import config_dict, load_config
+    from pipeline.config import config_dict, load_config, yaml_load
 
     values: dict[str, Any] = config_dict(SimConfig())
     if file is not None:
         path = resolve_config_path(file)
-        loaded = yaml.safe_load(path.read_text()) or {}
+        loaded = yaml_load(path.read_text()) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping of key: value")
         if "task_mix" in loaded:  # a file's task_mix replaces the default mix, it does not merge into it

@@ -176,9 +176,25 @@ def render_text(s: dict[str, Any]) -> str:
     lines.append(f"  trainer idle {s['trainer_idle_fraction']:.1%}, training {s['trainer_busy_fraction']:.1%}, "
                  f"syncing {s['trainer_sync_fraction']:.1%}; worker utilization {s['worker_utilization']:.1%}")
     lines.append(f"  queue age p50 {fmt(s['queue_age_p50_s'], '{:.0f}')} s, p95 {fmt(s['queue_age_p95_s'], '{:.0f}')} s; "
-                 f"policy lag at decision {s['policy_lag_hist']}")
-    lines.append(f"  group decisions {s['group_decisions']}; pending groups {s['pending_groups']}")
+                 f"policy lag at decision {_kv(s['policy_lag_hist'], ': ')}")
+    lines.append(f"  group decisions {_kv(s['group_decisions'])}; pending groups {s['pending_groups']}")
     for name, pc in s["per_class"].items():
+        reasons = _kv(pc["reasons"])
         lines.append(f"  {name}: decided {pc['decided']:,}, admitted {pc['admitted']:,}, "
-                     f"rejected {fmt(pc['rejection_rate'], '{:.1%}')} {pc['reasons']}")
+                     f"rejected {fmt(pc['rejection_rate'], '{:.1%}')}" + (f" ({reasons})" if pc["reasons"] else ""))
+    if s.get("lake"):
+        lk = s["lake"]
+        lines.append(f"  lake {lk['uri']}: {lk['landed']:,} trajectories and {lk['events']:,} events landed, "
+                     f"{lk['quarantined']:,} quarantined; {lk['admission_runs']} admission runs decided "
+                     f"{lk['groups_decided']:,} groups into {len(lk['snapshots'])} snapshots; gate mismatches "
+                     f"{lk['gate_mismatches']}")
+    if s.get("out"):
+        lines.append(f"  summary written to {s['out']}")
     return "\n".join(lines)
+
+
+def _kv(d: dict[Any, Any] | None, sep: str = " ") -> str:
+    """``{"admit": 3, "stale": 1}`` -> ``admit 3, stale 1`` (text output never shows a Python dict)."""
+    if not d:
+        return "none"
+    return ", ".join(f"{k}{sep}{v:,}" if isinstance(v, int) else f"{k}{sep}{v}" for k, v in d.items())

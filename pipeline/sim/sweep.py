@@ -20,14 +20,14 @@ from pipeline.sim.metrics import SUMMARY_FIELDS, fmt
 
 def parse_sweep(items: list[str] | None) -> list[tuple[str, list[Any]]]:
     """``["max_policy_lag=0,1,2"]`` -> ``[("max_policy_lag", [0, 1, 2])]`` (values parsed as YAML scalars)."""
-    import yaml
+    from pipeline.config import yaml_load
 
     out: list[tuple[str, list[Any]]] = []
     for item in items or []:
         if "=" not in item:
             raise ConfigError(f"--sweep {item!r}: expected key=v1,v2,...", hint="e.g. --sweep max_policy_lag=0,1,2,4,8")
         key, raw = item.split("=", 1)
-        values = [yaml.safe_load(v) for v in raw.split(",") if v.strip() != ""]
+        values = [yaml_load(v) for v in raw.split(",") if v.strip() != ""]
         if not values:
             raise ConfigError(f"--sweep {item!r}: no values")
         if any(k == key.strip() for k, _ in out):

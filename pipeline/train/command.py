@@ -7,16 +7,16 @@ import argparse
 
 def register(sub: argparse._SubParsersAction) -> None:
     from pipeline.cli import add_config_options, common
-    from pipeline.config import describe
+    from pipeline.config import keys_epilog
     from pipeline.train.config import TrainConfig
 
-    keys = "\n".join(f"  {name} (default {default!r}): {help_}" for name, default, help_ in describe(TrainConfig))
+    keys = keys_epilog(TrainConfig)
     p = common(sub.add_parser(
         "train", help="train the policy on one snapshot with DeepSpeed; publish the next policy version",
         description="Trains on exactly the snapshot's own files (verified first), writes\n"
                     "<lake>/_checkpoints/<id>/ (DeepSpeed state, RNG, data cursor, config, hf/ export, 'latest' last)\n"
                     "and publishes it as the next policy version, with a metrics row per step and lineage.",
-        epilog="config keys (--config FILE / --set key=value):\n" + keys,
+        epilog=keys,
         formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--batch-snapshot", required=True, metavar="ID", help="snapshot id (pipeline admit prints it)")
     add_config_options(p)
@@ -31,17 +31,29 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
-    from pipeline.cli import emit
+    from pipeline.cli import emit, note, open_lake
     from pipeline.config import load_config, parse_set
-    from pipeline.lake.delta import Lake
+    from pipeline.errors import ConfigError
     from pipeline.train.config import TrainConfig
     from pipeline.train.run import train_snapshot
 
     cfg = load_config(TrainConfig, args.config, parse_set(args.set))
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc}: must be >= 1")
     src = args.from_checkpoint
-    res = train_snapshot(Lake(args.lake), args.batch_snapshot, cfg, from_checkpoint=src, resume=args.resume,
+    res = train_snapshot(open_lake(args), args.batch_snapshot, cfg, from_checkpoint=src, resume=args.resume,
                          nproc=args.nproc, force=args.force, progress=False if args.no_progress else None)
     emit(res.to_dict(), args, _text)
+    if res.worker_exit_codes and any(res.worker_exit_codes):
+        # the checkpoint was published and verified, but a process did not exit cleanly: say so, and let a
+        # job runner see it (a rerun is a no-op: "already published")
+        note(f"warning: checkpoint {res.checkpoint_id} was published, but the training processes exited with "
+             f"{res.worker_exit_codes} (e.g. an abort while native runtimes shut down); see the output above")
+        return EXIT_WORKER_EXIT
+    return None
+
+
+EXIT_WORKER_EXIT = 3   # published, but a training process did not exit cleanly (README "Exit codes")
 
 
 def _text(r: dict) -> str:

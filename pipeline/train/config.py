@@ -20,16 +20,16 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mea
 @dataclass(frozen=True)
 class TrainConfig:
     # -- optimisation -------------------------------------------------------
-    seed: int = field(default=0, metadata={"help": "seed for data order, dropout and every RNG"})
-    lr: float = field(default=1e-5, metadata={"help": "AdamW learning rate (constant after warmup)"})
-    warmup_steps: int = field(default=0, metadata={"help": "linear LR warmup over this many optimizer steps"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping (0 = off)"})
-    epochs: int = field(default=1, metadata={"help": "passes over the snapshot"})
-    max_steps: int = field(default=0, metadata={"help": "stop after this many optimizer steps (0 = no cap)"})
-    micro_batch_tokens: int = field(default=4096, metadata={
+    seed: int = field(default=0, metadata={"ge": 0, "help": "seed for data order, dropout and every RNG"})
+    lr: float = field(default=1e-5, metadata={"gt": 0, "help": "AdamW learning rate (constant after warmup)"})
+    warmup_steps: int = field(default=0, metadata={"ge": 0, "help": "linear LR warmup over this many optimizer steps"})
+    weight_decay: float = field(default=0.0, metadata={"ge": 0, "help": "AdamW weight decay"})
+    max_grad_norm: float = field(default=1.0, metadata={"ge": 0, "help": "gradient clipping (0 = off)"})
+    epochs: int = field(default=1, metadata={"ge": 1, "help": "passes over the snapshot"})
+    max_steps: int = field(default=0, metadata={"ge": 0, "help": "stop after this many optimizer steps (0 = no cap)"})
+    micro_batch_tokens: int = field(default=4096, metadata={"ge": 1,
         "help": "token budget of one micro-batch, padding included (rows x longest row)"})
-    grad_accum: int = field(default=1, metadata={
+    grad_accum: int = field(default=1, metadata={"ge": 1,
         "help": "micro-batches per optimizer step (the step's loss is normalized over all of them)"})
     # -- DeepSpeed ----------------------------------------------------------
     zero_stage: int = field(default=0, metadata={"help": "DeepSpeed ZeRO stage: 0, 1 or 2"})
@@ -38,37 +38,37 @@ class TrainConfig:
     offload: bool = field(default=False, metadata={"help": "ZeRO-Offload of optimizer state to CPU (zero_stage >= 1)"})
     activation_checkpointing: bool = field(default=False, metadata={
         "help": "recompute decoder activations in backward (less memory, ~30% more compute)"})
-    threads: int = field(default=1, metadata={"help": "torch intra-op threads (1 is fastest for tiny models)"})
+    threads: int = field(default=1, metadata={"ge": 1, "help": "torch intra-op threads (1 is fastest for tiny models)"})
     # -- loss ---------------------------------------------------------------
     policy_loss: Literal["auto", "ppo", "reinforce"] = field(default="auto", metadata={
         "help": "ppo (clipped surrogate), reinforce (no ratio), auto = reinforce iff every group has one member"})
-    clip_low: float = field(default=0.2, metadata={"help": "PPO clip below: ratio >= 1 - clip_low"})
-    clip_high: float = field(default=0.2, metadata={
+    clip_low: float = field(default=0.2, metadata={"ge": 0, "lt": 1, "help": "PPO clip below: ratio >= 1 - clip_low"})
+    clip_high: float = field(default=0.2, metadata={"ge": 0,
         "help": "PPO clip above: ratio <= 1 + clip_high (DAPO clip-higher: 0.28)"})
     ratio_level: Literal["token", "sequence"] = field(default="token", metadata={
         "help": "token (PPO/GRPO) or sequence (GSPO: length-normalized sequence ratio; use clips ~3e-4/4e-4)"})
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = field(
         default="token-mean", metadata={"help": "loss aggregation over tokens and sequences"})
-    norm_len: int = field(default=0, metadata={
+    norm_len: int = field(default=0, metadata={"ge": 0,
         "help": "Dr.GRPO constant normalizer for seq-mean-token-sum-norm (0 = longest response of the snapshot)"})
     kl_kind: Literal["k1", "k2", "k3"] = field(default="k3", metadata={"help": "KL estimator (k3: e^u - u - 1)"})
-    kl_coef: float = field(default=0.0, metadata={"help": "KL penalty coefficient (0 = no reference policy)"})
+    kl_coef: float = field(default=0.0, metadata={"ge": 0, "help": "KL penalty coefficient (0 = no reference policy)"})
     kl_reference: str = field(default="parent", metadata={
         "help": "frozen reference policy: 'parent' (the starting weights), a policy version or checkpoint id"})
-    entropy_coef: float = field(default=0.0, metadata={"help": "entropy bonus coefficient"})
+    entropy_coef: float = field(default=0.0, metadata={"ge": 0, "help": "entropy bonus coefficient"})
     old_logprobs: Literal["recompute", "rollout"] = field(default="recompute", metadata={
         "help": "recompute: old log-probs from the frozen starting weights (+ truncated IS vs the rollout's); "
                 "rollout: the rollout engine's log-probs"})
-    tis_cap: float = field(default=2.0, metadata={
+    tis_cap: float = field(default=2.0, metadata={"ge": 0,
         "help": "truncated importance-sampling cap for the engine/trainer mismatch (recompute mode; 0 = off)"})
     # -- memory / data ------------------------------------------------------
-    logprob_chunk: int = field(default=1024, metadata={"help": "rows per chunk of the log-prob head"})
-    vocab_chunk: int = field(default=0, metadata={"help": "vocabulary columns per chunk (0 = whole vocabulary)"})
+    logprob_chunk: int = field(default=1024, metadata={"ge": 1, "help": "rows per chunk of the log-prob head"})
+    vocab_chunk: int = field(default=0, metadata={"ge": 0, "help": "vocabulary columns per chunk (0 = whole vocabulary)"})
     shuffle: bool = field(default=True, metadata={"help": "shuffle micro-batch order each epoch (seeded)"})
     carry_optimizer: bool = field(default=True, metadata={
         "help": "start from the parent checkpoint's optimizer state (AdamW moments) when it was trained by this "
                 "trainer with the same zero_stage, precision, offload and world size; else a fresh optimizer"})
-    save_every: int = field(default=0, metadata={
+    save_every: int = field(default=0, metadata={"ge": 0,
         "help": "save a resumable state every N optimizer steps (0 = only the final checkpoint)"})
 
     def __post_init__(self) -> None:

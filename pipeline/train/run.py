@@ -60,6 +60,7 @@ class TrainResult:
     already_published: bool = False
     seconds: float = 0.0
     lineage_run_id: str | None = None
+    worker_exit_codes: list[int] | None = None   # --nproc N: the launcher's exit code when it was not 0
 
     @property
     def hf_dir(self) -> Path:
@@ -150,6 +151,10 @@ def _launch(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume
             data = json.loads(out.read_text())
             if "error" in data:
                 raise PipelineError(data["error"], hint=data.get("hint"))
+            if proc.returncode != 0:
+                # published and verified by rank 0, yet a process died afterwards (e.g. SIGABRT while native
+                # runtimes shut down): the caller must hear about it, not get a silent success
+                data["worker_exit_codes"] = [proc.returncode]
             return TrainResult(**data)
         raise PipelineError(f"{nproc}-process training failed (exit code {proc.returncode})",
                             hint="see the worker output above; rerun with --resume to continue from the last saved step")

@@ -30,13 +30,42 @@ def main(argv: list[str]) -> int:
         res = train_snapshot(Lake(job["lake"]), job["snapshot_id"], cfg, from_checkpoint=job["from_checkpoint"],
                              resume=job["resume"], force=job["force"], progress=job["progress"])
     except PipelineError as exc:
-        if rank == 0:
+        if rank == 0:   # the launching process prints it as one error line: no traceback here
             Path(job["result"]).write_text(json.dumps({"error": exc.message, "hint": exc.hint}))
-        raise
+        return 2
     if rank == 0:
         Path(job["result"]).write_text(json.dumps(res.to_dict(), default=str))
     return 0
 
 
+def _finish(code: int) -> None:
+    """Leave without interpreter teardown (native runtimes were seen to abort there,
+    after the checkpoint was published), once every rank is done."""
+    import logging
+    import os
+
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            if code == 0:
+                dist.barrier()
+            dist.destroy_process_group()
+    except Exception:   # a peer already gone: the exit code below still tells the launcher
+        pass
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.environ.get("PIPELINE_DRILL_ABORT_AT_EXIT") == "1" and os.environ.get("RANK", "0") == "0":
+        os.abort()   # failure drill: the teardown abort seen in the wild, after the result was written
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    import os as _os
+
+    from pipeline.cli import quiet_third_party
+
+    with quiet_third_party(_os.environ.get("PIPELINE_VERBOSE") == "1"):
+        _code = main(sys.argv[1:])
+    _finish(_code)
