@@ -496,21 +496,21 @@ class Lake:
 
     def keys(self, name: str, dt: DeltaTable, *, since: int | None = None) -> np.ndarray:
         """``row_key`` of every row in ``dt`` (since=None) or in the files committed
-        after version ``since``. The full set is cached per process and brought
-        forward by reading only the files added since the cached version."""
+        after version ``since``; unsorted, may repeat (test with ``key_member``).
+        The full set is cached per process and brought forward by reading only
+        the files added since the cached version."""
         version = dt.version()
         if since is not None:
             if since >= version:
                 return np.empty(0, np.int64)
             return self._read_keys(name, self.files_added(name, dt, since=since))
         cached = _KEY_CACHE.get((self.uri, name))
+        live = self.live_files(dt)
         if cached is not None and cached[0] <= version:
-            live = self.live_files(dt)
             extra = [f for f in live if f[0] not in cached[1]]
-            keys = np.union1d(cached[2], self._read_keys(name, extra)) if extra else cached[2]
+            keys = np.concatenate([cached[2], self._read_keys(name, extra)]) if extra else cached[2]
         else:
-            live = self.live_files(dt)
-            keys = np.unique(self._read_keys(name, live))
+            keys = self._read_keys(name, live)
         _KEY_CACHE[(self.uri, name)] = (version, frozenset(p for p, _ in live), keys)
         return keys
 
