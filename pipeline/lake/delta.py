@@ -506,12 +506,14 @@ class Lake:
             return self._read_keys(name, self.files_added(name, dt, since=since))
         cached = _KEY_CACHE.get((self.uri, name))
         live = self.live_files(dt)
-        if cached is not None and cached[0] <= version:
+        names = frozenset(p for p, _ in live)
+        if cached is not None and cached[0] <= version and cached[1] <= names:
+            # only appends since the cached version: read just the new files
             extra = [f for f in live if f[0] not in cached[1]]
             keys = np.concatenate([cached[2], self._read_keys(name, extra)]) if extra else cached[2]
-        else:
+        else:  # first use, or a compaction replaced files: read every live file once
             keys = self._read_keys(name, live)
-        _KEY_CACHE[(self.uri, name)] = (version, frozenset(p for p, _ in live), keys)
+        _KEY_CACHE[(self.uri, name)] = (version, names, keys)
         return keys
 
     def _read_keys(self, name: str, files: list[tuple[str, dict[str, str | None]]]) -> np.ndarray:
