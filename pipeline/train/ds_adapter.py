@@ -89,9 +89,13 @@ def ds_config(*, zero_stage: int, precision: str, offload: bool, max_grad_norm: 
         # the default 5e8-element buckets cost 1-3.5 s/step and 2.4 GB even on a tiny model
         zero.update(reduce_bucket_size=int(5e5), allgather_bucket_size=int(5e5))
     if zero_stage == 3:
+        # memory first: every parameter partitioned (threshold 0), released right after its module ran
+        # (reuse distance 0: the LM head is full only for the chunked call, nothing stays gathered from
+        # forward to backward), small buckets, and the optimizer stepping 1e7-element sub-groups (one
+        # flat AdamW step over the whole partition makes several partition-sized temporaries)
         zero.update(reduce_bucket_size=int(5e5), stage3_prefetch_bucket_size=int(5e5),
-                    stage3_param_persistence_threshold=0, stage3_max_live_parameters=int(1e8),
-                    stage3_max_reuse_distance=int(1e8))
+                    stage3_param_persistence_threshold=0, stage3_max_live_parameters=int(1e7),
+                    stage3_max_reuse_distance=0, sub_group_size=int(1e7))
         if offload:
             zero["offload_param"] = {"device": "cpu"}
     if offload and not inference:
