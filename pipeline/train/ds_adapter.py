@@ -277,10 +277,13 @@ class DeepSpeedStrategy:
         rank0 = self.is_rank_0()
         gathered = _import_deepspeed().zero.GatheredParameters if self.zero_stage == 3 else None
         for name, t in module.state_dict(keep_vars=True).items():
-            ctx = gathered([t], modifier_rank=None) if gathered and hasattr(t, "ds_id") else nullcontext()
-            with ctx:
+            if not (gathered and hasattr(t, "ds_id")):
                 if rank0:
-                    out[name] = t.detach().to("cpu", torch.float32).clone()
+                    out[name] = t.detach().to("cpu", torch.float32)
+                continue
+            with gathered([t], modifier_rank=None):      # collective: every rank, same order
+                if rank0:
+                    out[name] = t.detach().to("cpu", torch.float32).clone()   # the gathered buffer is freed on exit
         return out if rank0 else None
 
     # -- state ----------------------------------------------------------------

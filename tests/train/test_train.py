@@ -252,7 +252,10 @@ def test_two_processes_match_one_up_to_reduction_order(tlake, tlake2):
      "logprob_chunk": 7},
     {"zero_stage": 2, "offload": True, "kl_coef": 0.05, "kl_reference": "tiny-v0", "old_logprobs": "rollout",
      "clip_high": 0.28, "warmup_steps": 2},
-], ids=["bf16-zero1-actckpt", "gspo-kl-entropy", "reinforce-rollout-vocabchunk", "zero2-offload-ref"])
+    {"zero_stage": 3, "precision": "bf16", "activation_checkpointing": True, "kl_coef": 0.05,
+     "kl_reference": "tiny-v0", "vocab_chunk": 100, "logprob_chunk": 7},
+], ids=["bf16-zero1-actckpt", "gspo-kl-entropy", "reinforce-rollout-vocabchunk", "zero2-offload-ref",
+        "bf16-zero3-actckpt-ref"])
 def test_config_variants_train_and_publish(tlake, sets):
     import math
 
