@@ -12,8 +12,8 @@ MASTER_PORT (gloo): ``single_process_env`` sets them.
 
 ZeRO-3 partitions every parameter across ranks (all of them: the persistence
 threshold is 0, so the accounting is exact and even tiny test models are
-really partitioned). The model is built partitioned (``zero3_load_context``
-around ``from_pretrained``), the LM head is gathered only around the chunked
+really partitioned). The model is built partitioned (``zero3_init``;
+see pipeline.train.model.load_causal_lm), the LM head is gathered only around the chunked
 log-prob call (see pipeline.train.model.ChunkedHead), a frozen reference model
 runs as an inference-only engine under the same stage (``inference_engine``),
 and the published HF export is consolidated parameter by parameter on rank 0
@@ -31,9 +31,9 @@ import os
 import socket
 import sys
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
-from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -250,7 +250,7 @@ class DeepSpeedStrategy:
         only: under ZeRO-3 its parameters are partitioned (and offloaded with
         ``offload``) exactly like the policy's, so it adds 1/world_size of a
         model per rank and no optimizer state. Build ``module`` inside
-        ``zero3_load_context(self.inference_config)``. Release it with
+        ``load_causal_lm(..., ds_config=self.inference_config)``. Release it with
         ``release_inference_engine``."""
         module.eval()
         for p in module.parameters():

@@ -111,21 +111,27 @@ def _load_partitioned(lm: torch.nn.Module, hf_dir: Path) -> None:
                                  hint="ZeRO-3 loads safetensors weights; re-save the model with safe_serialization")
         with safe_open(str(single), framework="pt") as f:
             where = {k: single for k in f.keys()}
+    # every rank checks names and shapes from the file headers first: an error raised on rank 0 alone,
+    # inside a gather, would leave the other ranks waiting in the next collective
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(set(where.values())):
+        with safe_open(str(f), framework="pt") as h:
+            shapes.update({k: tuple(h.get_slice(k).get_shape()) for k in h.keys()})
+    for name, param in lm.named_parameters():
+        want = tuple(getattr(param, "ds_shape", param.shape))
+        if name not in shapes:
+            raise IntegrityError(f"{hf_dir}: weight {name} is missing from the safetensors files")
+        if shapes[name] != want:
+            raise IntegrityError(f"{hf_dir}: {name} has shape {shapes[name]}, the config says {want}")
     rank0 = dist.get_rank() == 0
     handles: dict[Path, Any] = {}
     try:
         for name, param in lm.named_parameters():
-            if name not in where:
-                raise IntegrityError(f"{hf_dir}: weight {name} is missing from the safetensors files")
             with gathered_for_write(param):
                 if rank0:
                     if where[name] not in handles:
                         handles[where[name]] = safe_open(str(where[name]), framework="pt")
-                    src = handles[where[name]].get_tensor(name)
-                    if tuple(src.shape) != tuple(param.shape):
-                        raise IntegrityError(f"{hf_dir}: {name} has shape {tuple(src.shape)}, "
-                                             f"the config says {tuple(param.shape)}")
                     with torch.no_grad():
-                        param.copy_(src.to(param.dtype))
+                        param.copy_(handles[where[name]].get_tensor(name).to(param.dtype))
     finally:
         handles.clear()
