@@ -276,7 +276,13 @@ class DeepSpeedStrategy:
         out: dict[str, torch.Tensor] = {}
         rank0 = self.is_rank_0()
         gathered = _import_deepspeed().zero.GatheredParameters if self.zero_stage == 3 else None
+        first: dict[int, str] = {}
         for name, t in module.state_dict(keep_vars=True).items():
+            if id(t) in first:                           # a tied weight: the same tensor, as HF expects
+                if rank0:
+                    out[name] = out[first[id(t)]]
+                continue
+            first[id(t)] = name
             if not (gathered and hasattr(t, "ds_id")):
                 if rank0:
                     out[name] = t.detach().to("cpu", torch.float32)

@@ -105,6 +105,36 @@ def test_zero3_matches_zero0_with_an_inference_only_reference(tlake, tlake2):
     AutoModelForCausalLM.from_pretrained(Path(z3.path) / "hf")                     # loads cleanly
 
 
+def test_zero3_tied_qwen2_exports_what_zero0_exports(tmp_path):
+    """A Qwen2 with tied embeddings (the small Qwen2 configs tie): ZeRO-3 keeps
+    the tie through partitioned loading and the consolidated export (same
+    keys as ZeRO-0, no separate lm_head copy) and trains to the same weights."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from pipeline.lake.delta import Lake
+    from pipeline.policy_store import HF_SUBDIR, local_checkpoint_dir, next_policy_version, publish_checkpoint
+    from pipeline.train.fixtures import TINY, publish_synthetic_snapshot, tiny_tokenizer
+
+    out = {}
+    for stage in (0, 3):
+        lake = Lake(tmp_path / f"lake{stage}")
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2))
+        hf = local_checkpoint_dir(lake, "qwen-v0") / HF_SUBDIR
+        model.save_pretrained(str(hf))
+        tiny_tokenizer(TINY["vocab_size"]).save_pretrained(str(hf))
+        publish_checkpoint(lake, checkpoint_id="qwen-v0", policy_version=next_policy_version(lake),
+                           parent_checkpoint_id=None, snapshot_ids=[], train_config={"kind": "tiny-qwen2"},
+                           train_config_hash="tiny-qwen2", seed=0, command="test fixture")
+        sid = publish_synthetic_snapshot(lake, 16, seed=7, median_len=16, prompt_len=6)
+        res = train_snapshot(lake, sid, TrainConfig(lr=3e-3, micro_batch_tokens=256, max_steps=2, zero_stage=stage),
+                             progress=False)
+        out[stage] = _load(res)
+    assert "lm_head.weight" not in out[3]
+    _assert_close_weights(out[3], out[0])
+
+
 def _env():
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
