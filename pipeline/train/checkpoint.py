@@ -141,15 +141,18 @@ def load_state(strategy, root: Path) -> dict[str, Any] | None:
 # -- the published checkpoint ---------------------------------------------------
 
 
-def export_hf(lm: torch.nn.Module, parent_hf: Path, out: Path) -> None:
+def export_hf(lm: torch.nn.Module, parent_hf: Path, out: Path, state: dict[str, torch.Tensor] | None = None) -> None:
     """HF directory of the trained weights: tokenizer and other files copied
-    from the parent policy, then config + safetensors from the model (fp32)."""
+    from the parent policy, then config + safetensors (fp32) from ``state``
+    (the consolidated state dict; ZeRO-3 keeps only partitions in ``lm``) or
+    else from the model itself."""
     out.mkdir(parents=True, exist_ok=True)
     for p in sorted(parent_hf.iterdir()):
         if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES) and p.name not in (
                 "config.json", "generation_config.json", "model.safetensors.index.json"):
             shutil.copy2(p, out / p.name)
-    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in lm.state_dict().items()}
+    if state is None:
+        state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in lm.state_dict().items()}
     lm.save_pretrained(str(out), state_dict=state, safe_serialization=True)
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
@@ -160,16 +163,18 @@ def export_hf(lm: torch.nn.Module, parent_hf: Path, out: Path) -> None:
 
 def write_final(strategy, root: Path, *, client_state: dict[str, Any], train_config: dict[str, Any],
                 lm: torch.nn.Module, parent_hf: Path) -> None:
-    """Every rank: DeepSpeed state + RNG; rank 0: cursor, config, hf/, then ``latest`` last."""
+    """Every rank: DeepSpeed state + RNG and its share of the consolidated
+    weights; rank 0: cursor, config, hf/, then ``latest`` last."""
     if strategy.is_rank_0() and root.exists():
         shutil.rmtree(root)           # an unpublished leftover of a crashed publish
     strategy.barrier()
     _save_engine_and_rng(strategy, root, FINAL_TAG, client_state)
+    state = strategy.consolidated_state_dict(lm)      # collective under ZeRO-3; None off rank 0
     if strategy.is_rank_0():
         cursor = {k: v for k, v in client_state.items() if k != "metrics"}
         atomic_write(root / "cursor.json", json.dumps(cursor, sort_keys=True, indent=1, default=str))
         atomic_write(root / "train_config.json", json.dumps(train_config, sort_keys=True, indent=1, default=str))
-        export_hf(lm, parent_hf, root / HF_SUBDIR)
+        export_hf(lm, parent_hf, root / HF_SUBDIR, state)
         atomic_write(root / LATEST, FINAL_TAG)
     strategy.barrier()
 

@@ -32,10 +32,13 @@ class TrainConfig:
     grad_accum: int = field(default=1, metadata={"ge": 1,
         "help": "micro-batches per optimizer step (the step's loss is normalized over all of them)"})
     # -- DeepSpeed ----------------------------------------------------------
-    zero_stage: int = field(default=0, metadata={"help": "DeepSpeed ZeRO stage: 0, 1 or 2"})
+    zero_stage: int = field(default=0, metadata={
+        "help": "DeepSpeed ZeRO stage: 0, 1, 2 or 3 (3 partitions the parameters too; the LM head is gathered "
+                "only for the chunked log-prob call)"})
     precision: Literal["fp32", "bf16"] = field(default="fp32", metadata={
         "help": "fp32 or bf16 (fp16 is refused by DeepSpeed on CPU)"})
-    offload: bool = field(default=False, metadata={"help": "ZeRO-Offload of optimizer state to CPU (zero_stage >= 1)"})
+    offload: bool = field(default=False, metadata={
+        "help": "ZeRO-Offload to CPU (zero_stage >= 1): the optimizer state; with zero_stage=3 the parameters too"})
     activation_checkpointing: bool = field(default=False, metadata={
         "help": "recompute decoder activations in backward (less memory, ~30% more compute)"})
     threads: int = field(default=1, metadata={"ge": 1, "help": "torch intra-op threads (1 is fastest for tiny models)"})
@@ -72,9 +75,8 @@ class TrainConfig:
         "help": "save a resumable state every N optimizer steps (0 = only the final checkpoint)"})
 
     def __post_init__(self) -> None:
-        if self.zero_stage not in (0, 1, 2):
-            raise ConfigError(f"zero_stage={self.zero_stage}: supported stages are 0, 1, 2",
-                              hint="ZeRO-3 partitions the LM head, which the chunked log-prob head reads whole")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero_stage={self.zero_stage}: DeepSpeed ZeRO stages are 0, 1, 2 and 3")
         if self.offload and self.zero_stage == 0:
             raise ConfigError("offload needs zero_stage >= 1", hint="--set zero_stage=1 --set offload=true")
         for name in ("epochs", "micro_batch_tokens", "grad_accum", "logprob_chunk", "threads"):

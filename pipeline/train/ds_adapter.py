@@ -8,7 +8,20 @@ many micro-batches a step has, ``backward`` only accumulates, and
 ``optimizer_step`` is the boundary (reduction + clip + AdamW + LR schedule).
 
 One process without a launcher needs RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/
-MASTER_PORT (gloo): ``single_process_env`` sets them (shared/VERIFIED.md).
+MASTER_PORT (gloo): ``single_process_env`` sets them.
+
+ZeRO-3 partitions every parameter across ranks (all of them: the persistence
+threshold is 0, so the accounting is exact and even tiny test models are
+really partitioned). The model is built partitioned (``zero3_init``;
+see pipeline.train.model.load_causal_lm), the LM head is gathered only around the chunked
+log-prob call (see pipeline.train.model.ChunkedHead), a frozen reference model
+runs as an inference-only engine under the same stage (``inference_engine``),
+and the published HF export is consolidated parameter by parameter on rank 0
+(``consolidated_state_dict``). ``offload`` with ZeRO-3 moves both the
+parameters and the optimizer state to CPU; the optimizer stays torch's AdamW
+(DeepSpeed allows a client optimizer with offload when
+``zero_force_ds_cpu_optimizer`` is false), so no C++ extension is compiled and
+the update is the same arithmetic as in ZeRO-0.
 """
 
 from __future__ import annotations
@@ -17,6 +30,8 @@ import logging
 import os
 import socket
 import sys
+import warnings
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +69,9 @@ def _import_deepspeed():
     from deepspeed.utils import logger
 
     logger.setLevel(logging.WARNING)
+    # ZeRO-3's collectives call the torch names deprecated in favour of *_single, once per call
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
     if get_accelerator().device_name() == "cpu" and os.environ.get("PIPELINE_DS_SHM") != "1":
         # The CPU accelerator compiles a shared-memory all-reduce kernel on first
         # init (45 s - 3 min here) that only inference_all_reduce uses; training
@@ -62,12 +80,25 @@ def _import_deepspeed():
     return deepspeed
 
 
-def ds_config(*, zero_stage: int, precision: str, offload: bool, max_grad_norm: float) -> dict[str, Any]:
+def ds_config(*, zero_stage: int, precision: str, offload: bool, max_grad_norm: float,
+              inference: bool = False) -> dict[str, Any]:
+    """The DeepSpeed config of the trainer (``inference=True``: of a frozen
+    model's engine: same stage and parameter offload, no optimizer state)."""
     zero: dict[str, Any] = {"stage": zero_stage}
     if zero_stage in (1, 2):
-        # default buckets cost 1-3.5 s/step and 2.4 GB on a tiny model (VERIFIED.md)
+        # the default 5e8-element buckets cost 1-3.5 s/step and 2.4 GB even on a tiny model
         zero.update(reduce_bucket_size=int(5e5), allgather_bucket_size=int(5e5))
-    if offload:
+    if zero_stage == 3:
+        # memory first: every parameter partitioned (threshold 0), released right after its module ran
+        # (reuse distance 0: the LM head is full only for the chunked call, nothing stays gathered from
+        # forward to backward), small buckets, and the optimizer stepping 1e7-element sub-groups (one
+        # flat AdamW step over the whole partition makes several partition-sized temporaries)
+        zero.update(reduce_bucket_size=int(5e5), stage3_prefetch_bucket_size=int(5e5),
+                    stage3_param_persistence_threshold=0, stage3_max_live_parameters=int(1e7),
+                    stage3_max_reuse_distance=0, sub_group_size=int(1e7))
+        if offload:
+            zero["offload_param"] = {"device": "cpu"}
+    if offload and not inference:
         zero["offload_optimizer"] = {"device": "cpu"}
     return {
         "train_micro_batch_size_per_gpu": 1,      # bookkeeping only: batches are token-budgeted
@@ -106,16 +137,43 @@ def _drop_stale_groups() -> None:
             setattr(groups, name, None)
 
 
+def init_distributed() -> None:
+    """The default process group (gloo on CPU, nccl on GPUs), once per process."""
+    ds = _import_deepspeed()
+    single_process_env()
+    if not torch.distributed.is_initialized():
+        ds.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+    _drop_stale_groups()
+
+
+def is_zero3(config: dict[str, Any] | None) -> bool:
+    return bool(config) and config.get("zero_optimization", {}).get("stage") == 3
+
+
+def zero3_init(config: dict[str, Any] | None):
+    """Around building a model: under a ZeRO-3 config every parameter is
+    partitioned as soon as its module is constructed (deepspeed.zero.Init), so
+    no rank ever holds the whole model; any other config: a no-op."""
+    if not is_zero3(config):
+        return nullcontext()
+    ds = _import_deepspeed()
+    init_distributed()
+    return ds.zero.Init(config_dict_or_path=config)
+
+
+def gathered_for_write(param: torch.nn.Parameter):
+    """The full tensor of a ZeRO-3 parameter, for rank 0 to overwrite; on exit
+    rank 0's values are broadcast and every rank keeps its partition."""
+    return _import_deepspeed().zero.GatheredParameters([param], modifier_rank=0)
+
+
 class DeepSpeedStrategy:
     """DeepSpeed engine + torch AdamW + linear-warmup LR, behind a narrow interface."""
 
     def __init__(self, module: torch.nn.Module, *, lr: float, weight_decay: float, warmup_steps: int,
                  zero_stage: int, precision: str, offload: bool, max_grad_norm: float) -> None:
         ds = _import_deepspeed()
-        single_process_env()
-        if not torch.distributed.is_initialized():
-            ds.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
-        _drop_stale_groups()
+        init_distributed()
         self.max_grad_norm = max_grad_norm
         opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
         warm = max(warmup_steps, 0)
@@ -124,6 +182,8 @@ class DeepSpeedStrategy:
         self.engine, self.optimizer, _, self.scheduler = ds.initialize(
             model=module, optimizer=opt, lr_scheduler=sched, config=config, dist_init_required=False)
         self.zero_stage = zero_stage
+        self.inference_config = ds_config(zero_stage=zero_stage, precision=precision, offload=offload,
+                                          max_grad_norm=max_grad_norm, inference=True)
 
     # -- identity -----------------------------------------------------------
     @property
@@ -183,6 +243,54 @@ class DeepSpeedStrategy:
         box = [obj]
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
+
+    # -- ZeRO-3 -------------------------------------------------------------
+    def inference_engine(self, module: torch.nn.Module) -> torch.nn.Module:
+        """A frozen model (the KL reference) under the same ZeRO stage, inference
+        only: under ZeRO-3 its parameters are partitioned (and offloaded with
+        ``offload``) exactly like the policy's, so it adds 1/world_size of a
+        model per rank and no optimizer state. Build ``module`` inside
+        ``load_causal_lm(..., ds_config=self.inference_config)``. Release it with
+        ``release_inference_engine``."""
+        module.eval()
+        for p in module.parameters():
+            p.requires_grad_(False)
+        if self.zero_stage != 3:
+            return module.to(self.device)   # stages 0-2 partition optimizer state, which a frozen model has none of
+        ds = _import_deepspeed()
+        engine, *_ = ds.initialize(model=module, config=self.inference_config, dist_init_required=False)
+        engine.eval()
+        return engine
+
+    @staticmethod
+    def release_inference_engine(engine: torch.nn.Module) -> None:
+        destroy = getattr(engine, "destroy", None)
+        if callable(destroy):
+            destroy()
+
+    def consolidated_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """``module.state_dict()`` as full fp32 CPU tensors on rank 0 (None on the
+        other ranks; every rank must call this). Under ZeRO-3 each parameter is
+        gathered on its own, so rank 0 holds the full model once (the export)
+        and the other ranks never do."""
+        out: dict[str, torch.Tensor] = {}
+        rank0 = self.is_rank_0()
+        gathered = _import_deepspeed().zero.GatheredParameters if self.zero_stage == 3 else None
+        first: dict[int, str] = {}
+        for name, t in module.state_dict(keep_vars=True).items():
+            if id(t) in first:                           # a tied weight: the same tensor, as HF expects
+                if rank0:
+                    out[name] = out[first[id(t)]]
+                continue
+            first[id(t)] = name
+            if not (gathered and hasattr(t, "ds_id")):
+                if rank0:
+                    out[name] = t.detach().to("cpu", torch.float32)
+                continue
+            with gathered([t], modifier_rank=None):      # collective: every rank, same order
+                if rank0:
+                    out[name] = t.detach().to("cpu", torch.float32).clone()   # the gathered buffer is freed on exit
+        return out if rank0 else None
 
     # -- state ----------------------------------------------------------------
     def save(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:

@@ -123,13 +123,13 @@ def train_snapshot(lake, snapshot_id: str, cfg: TrainConfig | None = None, *, fr
     cfg = cfg or TrainConfig()
     if nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return _launch(lake, snapshot_id, cfg, from_checkpoint=from_checkpoint, resume=resume, nproc=nproc,
-                       force=force, progress=progress)
+                       force=force, progress=progress, crash_at=crash_at)
     return _train(lake, snapshot_id, cfg, from_checkpoint=from_checkpoint, resume=resume, force=force,
                   progress=progress, crash_at=crash_at)
 
 
 def _launch(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume: bool, nproc: int, force: bool,
-            progress: bool | None) -> TrainResult:
+            progress: bool | None, crash_at: str | None = None) -> TrainResult:
     """N processes via torchrun running pipeline.train.worker; rank 0 writes the result."""
     import socket
 
@@ -138,7 +138,7 @@ def _launch(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume
         out = Path(tmp) / "result.json"
         spec.write_text(json.dumps({"lake": lake.uri, "snapshot_id": snapshot_id, "config": config_dict(cfg),
                                     "from_checkpoint": from_checkpoint, "resume": resume, "force": force,
-                                    "progress": progress, "result": str(out)}))
+                                    "progress": progress, "result": str(out), "crash_at": crash_at}))
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -185,7 +185,7 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
     from pipeline.policy_store import local_checkpoint_dir, resolve_policy
     from pipeline.train import checkpoint as ck
     from pipeline.train.data import check_members, load_members, receipt_counts
-    from pipeline.train.ds_adapter import DeepSpeedStrategy
+    from pipeline.train.ds_adapter import DeepSpeedStrategy, ds_config
     from pipeline.train.model import PolicyLogprobs, load_causal_lm
     from pipeline.train.packing import plan_steps
 
@@ -232,7 +232,9 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
     try:
         # 2. the snapshot, verified, and the pre-training assertions
         members, _ = load_members(lake, snapshot_id)
-        lm = load_causal_lm(parent.hf_dir, activation_checkpointing=cfg.activation_checkpointing)
+        lm = load_causal_lm(parent.hf_dir, activation_checkpointing=cfg.activation_checkpointing,
+                            ds_config=ds_config(zero_stage=cfg.zero_stage, precision=cfg.precision,
+                                                offload=cfg.offload, max_grad_norm=cfg.max_grad_norm))
         check_members(members, vocab_size=int(lm.config.vocab_size),
                       max_positions=getattr(lm.config, "max_position_embeddings", None),
                       valid_counts=receipt_counts(lake, snapshot_id))
@@ -419,9 +421,13 @@ def _prepass(strategy, members, cfg: TrainConfig, lake, parent) -> None:
             from pipeline.train.model import PolicyLogprobs, load_causal_lm
 
             ref = resolve_policy(lake, cfg.kl_reference)
-            ref_lm = load_causal_lm(ref.hf_dir).to(strategy.device).eval()
-            run(PolicyLogprobs(ref_lm, chunk=cfg.logprob_chunk, vocab_chunk=cfg.vocab_chunk), members.ref_logprobs)
-            del ref_lm
+            # the same ZeRO stage as the policy, inference only: under ZeRO-3 partitioned, not a second full copy
+            ref_lm = load_causal_lm(ref.hf_dir, ds_config=strategy.inference_config)
+            ref_engine = strategy.inference_engine(PolicyLogprobs(ref_lm, chunk=cfg.logprob_chunk,
+                                                                  vocab_chunk=cfg.vocab_chunk))
+            run(ref_engine, members.ref_logprobs)
+            strategy.release_inference_engine(ref_engine)
+            del ref_engine, ref_lm
     strategy.train()
 
 
@@ -558,7 +564,7 @@ def _crash_while_publishing(strategy, final: Path, client_state, train_config, l
     final.mkdir(parents=True, exist_ok=True)
     strategy.save(final / "ds", ck.FINAL_TAG, client_state)
     hf = final / "hf"
-    ck.export_hf(lm, parent.hf_dir, hf)
+    ck.export_hf(lm, parent.hf_dir, hf, strategy.consolidated_state_dict(lm))
     w = hf / "model.safetensors"
     data = w.read_bytes()
     w.write_bytes(data[: len(data) // 2])

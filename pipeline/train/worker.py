@@ -28,7 +28,8 @@ def main(argv: list[str]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         res = train_snapshot(Lake(job["lake"]), job["snapshot_id"], cfg, from_checkpoint=job["from_checkpoint"],
-                             resume=job["resume"], force=job["force"], progress=job["progress"])
+                             resume=job["resume"], force=job["force"], progress=job["progress"],
+                             crash_at=job.get("crash_at"))
     except PipelineError as exc:
         if rank == 0:   # the launching process prints it as one error line: no traceback here
             Path(job["result"]).write_text(json.dumps({"error": exc.message, "hint": exc.hint}))

@@ -252,7 +252,10 @@ def test_two_processes_match_one_up_to_reduction_order(tlake, tlake2):
      "logprob_chunk": 7},
     {"zero_stage": 2, "offload": True, "kl_coef": 0.05, "kl_reference": "tiny-v0", "old_logprobs": "rollout",
      "clip_high": 0.28, "warmup_steps": 2},
-], ids=["bf16-zero1-actckpt", "gspo-kl-entropy", "reinforce-rollout-vocabchunk", "zero2-offload-ref"])
+    {"zero_stage": 3, "precision": "bf16", "activation_checkpointing": True, "kl_coef": 0.05,
+     "kl_reference": "tiny-v0", "vocab_chunk": 100, "logprob_chunk": 7},
+], ids=["bf16-zero1-actckpt", "gspo-kl-entropy", "reinforce-rollout-vocabchunk", "zero2-offload-ref",
+        "bf16-zero3-actckpt-ref"])
 def test_config_variants_train_and_publish(tlake, sets):
     import math
 
@@ -286,8 +289,8 @@ def test_cli_errors_say_what_to_do(tlake, capsys):
     assert main(["train", "--lake", lake.uri, "--batch-snapshot", "0" * 64]) == 2
     err = capsys.readouterr().err
     assert "not found" in err and "hint" in err
-    assert main(["train", "--lake", lake.uri, "--batch-snapshot", sid, "--set", "zero_stage=3"]) == 2
-    assert "ZeRO-3" in capsys.readouterr().err
+    assert main(["train", "--lake", lake.uri, "--batch-snapshot", sid, "--set", "zero_stage=4"]) == 2
+    assert "ZeRO stages are 0, 1, 2 and 3" in capsys.readouterr().err
     assert main(["train", "--lake", lake.uri, "--batch-snapshot", sid, "--set", "nope=1"]) == 2
     assert main(["train", "--lake", lake.uri, "--batch-snapshot", sid, "--resume", "--json"]) == 2
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["kind"] == "NotFoundError"
