@@ -251,6 +251,8 @@ def run_all(cfg: GatesConfig, root: Path) -> dict[str, Any]:
             lake_dir = root / f"{arm.name}-seed{seed}"
             shutil.copytree(base, lake_dir)
             runs.append(run_arm(Lake(lake_dir), arm, seed, cfg, v0s[seed]))
+            if os.environ.get("GATES_PARTIAL"):     # keep what finished if a long run dies later
+                Path(os.environ["GATES_PARTIAL"]).write_text(json.dumps({"version0": v0s, "runs": runs}))
             shutil.rmtree(lake_dir, ignore_errors=True)
         shutil.rmtree(base, ignore_errors=True)
     info["loadavg_end"] = os.getloadavg()

@@ -90,7 +90,7 @@ def warm_start_overrides(env: str) -> dict[str, Any]:
 
     if env in PolicyInitConfig.envs or ":" in env:
         return {}
-    return {"envs": (env, "arithmetic-tool"), "env_weights": (0.8, 0.2), "tool_fraction": 0.3}
+    return {"envs": (env, "arithmetic-tool"), "env_weights": (0.8, 0.2)}
 
 
 def _group_reasons(receipts) -> tuple[int, int]:
