@@ -22,7 +22,9 @@ the summary is mean +- std over seeds.
 
     python benchmarks/bench_gates.py                  # full: 3 seeds, writes results/gates-<time>.json + docs plot
     python benchmarks/bench_gates.py --quick          # smoke run (1 seed, 2 iterations; nothing written)
-    python benchmarks/bench_gates.py --plot FILE.json # redraw docs/gates.png from a results file
+    python benchmarks/bench_gates.py --arms tool_gates_on,tool_infra_as_zero   # (b) on arithmetic-tool
+    python benchmarks/bench_gates.py --plot A.json B.json   # redraw docs/gates.png from results files
+    python benchmarks/bench_gates.py --table A.json B.json  # the README table
 
 Everything runs in this process with the library's own functions
 (``init_policy``, ``run_rollout``, ``admit`` with ``AdmissionConfig``
@@ -63,6 +65,7 @@ class Arm:
     admission: dict[str, Any] = field(default_factory=dict)
     infra_as_zero: bool = False
     slow_lag: int = 0               # > 0: half the groups sampled by the policy this many versions behind
+    env: str = ENV
 
 
 ARMS = (
@@ -71,7 +74,11 @@ ARMS = (
     Arm("zero_var_kept", admission={"drop_zero_variance": False}),
     Arm("async_no_freshness", admission={"max_policy_lag": 1000}, slow_lag=3),
     Arm("async_lag1", slow_lag=3),
+    # (b) again on arithmetic-tool, where answering without the tool sometimes pays (+ and -)
+    Arm("tool_gates_on", env="arithmetic-tool"),
+    Arm("tool_infra_as_zero", infra_as_zero=True, env="arithmetic-tool"),
 )
+MAIN_ARMS = ("gates_on", "infra_as_zero", "zero_var_kept", "async_no_freshness", "async_lag1")
 
 
 @dataclass(frozen=True)
@@ -84,19 +91,17 @@ class GatesConfig:
     tool_timeout_p: float = 0.2
     lr: float = 3e-4
     epochs: int = 1
-    arms: tuple[str, ...] = tuple(a.name for a in ARMS)
+    arms: tuple[str, ...] = MAIN_ARMS
 
 
 def _register_infra0_env() -> None:
-    """``arithmetic-chain`` with the naive scoring: a tool timeout is a reward-0 policy failure."""
-    from pipeline.rollout.envs.arithmetic import ArithmeticChain
+    """``<env>-infra0``: the env with the naive scoring: a tool timeout is a reward-0 policy failure."""
+    from pipeline.rollout.envs.arithmetic import ArithmeticChain, ArithmeticTool
     from pipeline.rollout.envs.base import _REGISTRY
 
-    class ArithmeticChainInfraAsZero(ArithmeticChain):
-        name = ENV_INFRA0
-        infra_failure_reward = 0.0
-
-    _REGISTRY[ENV_INFRA0] = ArithmeticChainInfraAsZero
+    for base in (ArithmeticChain, ArithmeticTool):
+        _REGISTRY[f"{base.name}-infra0"] = type(f"{base.__name__}InfraAsZero", (base,), {
+            "name": f"{base.name}-infra0", "infra_failure_reward": 0.0})
 
 
 def _policy_tokens(lake) -> dict[str, int]:
@@ -112,12 +117,12 @@ def _policy_tokens(lake) -> dict[str, int]:
     return dict(zip(t.column("trajectory_id").to_pylist(), sums.tolist()))
 
 
-def _evaluate(lake, eval_n: int) -> tuple[int, float, float]:
+def _evaluate(lake, eval_n: int, env: str = ENV) -> tuple[int, float, float]:
     from pipeline.policy_store import resolve_policy
     from pipeline.rollout.evaluate import evaluate
 
     ref = resolve_policy(lake)
-    ev = evaluate(ref, ENV, n=eval_n, seed=0)
+    ev = evaluate(ref, env, n=eval_n, seed=0)
     return ref.policy_version, float(ev["success_rate"]), float(ev["tool_use_rate"])
 
 
@@ -131,7 +136,7 @@ def run_arm(lake, arm: Arm, seed: int, cfg: GatesConfig, v0: dict[str, Any]) -> 
     from pipeline.train.config import TrainConfig
     from pipeline.train.run import train_snapshot
 
-    env = ENV_INFRA0 if arm.infra_as_zero else ENV
+    env = f"{arm.env}-infra0" if arm.infra_as_zero else arm.env
     adm = AdmissionConfig(**arm.admission)
     curve = [{"iteration": 0, "policy_version": 0, "heldout_success": v0["heldout_success"],
               "heldout_tool_use": v0["heldout_tool_use"]}]
@@ -174,7 +179,7 @@ def run_arm(lake, arm: Arm, seed: int, cfg: GatesConfig, v0: dict[str, Any]) -> 
             train_snapshot(lake, a.snapshot_id, TrainConfig(lr=cfg.lr, epochs=cfg.epochs, seed=seed * 100 + k),
                            progress=False)
             row["train_s"] = round(time.perf_counter() - t1, 2)
-        row["policy_version"], row["heldout_success"], row["heldout_tool_use"] = _evaluate(lake, cfg.eval_n)
+        row["policy_version"], row["heldout_success"], row["heldout_tool_use"] = _evaluate(lake, cfg.eval_n, arm.env)
         curve.append(row)
         print(f"  {arm.name:<19} seed {seed} iter {k}: v{row['policy_version']} held-out "
               f"{row['heldout_success']:.2f} (tool {row['heldout_tool_use']:.2f}) admitted {a.admitted_groups}/"
@@ -239,22 +244,26 @@ def run_all(cfg: GatesConfig, root: Path) -> dict[str, Any]:
     info = machine_info()
     t_all = time.perf_counter()
     runs, v0s = [], {}
+    envs = sorted({a.env for a in arms})
     for i, seed in enumerate(cfg.seeds):
-        base = root / f"v0-seed{seed}"
-        t0 = time.perf_counter()
-        init_policy(Lake(base), seed=seed, **warm_start_overrides(ENV))
-        _, s0, tool0 = _evaluate(Lake(base), cfg.eval_n)
-        v0s[seed] = {"heldout_success": s0, "heldout_tool_use": tool0, "warm_start_s": round(time.perf_counter() - t0, 1)}
-        print(f"seed {seed}: version 0 held-out success {s0:.2f} (tool use {tool0:.2f})", flush=True)
+        for env in envs:
+            base = root / f"v0-{env}-seed{seed}"
+            t0 = time.perf_counter()
+            init_policy(Lake(base), seed=seed, **warm_start_overrides(env))
+            _, s0, tool0 = _evaluate(Lake(base), cfg.eval_n, env)
+            v0s[f"{env}/{seed}"] = {"heldout_success": s0, "heldout_tool_use": tool0,
+                                    "warm_start_s": round(time.perf_counter() - t0, 1)}
+            print(f"seed {seed}: {env} version 0 held-out success {s0:.2f} (tool use {tool0:.2f})", flush=True)
         order = arms[i % len(arms):] + arms[:i % len(arms)]     # rotate the arm order per seed
         for arm in order:
             lake_dir = root / f"{arm.name}-seed{seed}"
-            shutil.copytree(base, lake_dir)
-            runs.append(run_arm(Lake(lake_dir), arm, seed, cfg, v0s[seed]))
+            shutil.copytree(root / f"v0-{arm.env}-seed{seed}", lake_dir)
+            runs.append(run_arm(Lake(lake_dir), arm, seed, cfg, v0s[f"{arm.env}/{seed}"]))
             if os.environ.get("GATES_PARTIAL"):     # keep what finished if a long run dies later
                 Path(os.environ["GATES_PARTIAL"]).write_text(json.dumps({"version0": v0s, "runs": runs}))
             shutil.rmtree(lake_dir, ignore_errors=True)
-        shutil.rmtree(base, ignore_errors=True)
+        for env in envs:
+            shutil.rmtree(root / f"v0-{env}-seed{seed}", ignore_errors=True)
     info["loadavg_end"] = os.getloadavg()
     return {"benchmark": "gates", "config": asdict(cfg), "machine": info, "arms": [asdict(a) for a in arms],
             "version0": v0s, "runs": runs, "summary": summarize(runs, cfg),
@@ -262,7 +271,8 @@ def run_all(cfg: GatesConfig, root: Path) -> dict[str, Any]:
 
 
 COLORS = {"gates_on": "#1f77b4", "infra_as_zero": "#d62728", "zero_var_kept": "#2ca02c",
-          "async_no_freshness": "#ff7f0e", "async_lag1": "#9467bd"}
+          "async_no_freshness": "#ff7f0e", "async_lag1": "#9467bd", "tool_gates_on": "#1f77b4",
+          "tool_infra_as_zero": "#d62728"}
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -275,7 +285,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     panels = [("(a) vs (b): 20% tool timeouts", ["gates_on", "infra_as_zero"]),
               ("(c) async, slow class 3 versions behind", ["async_lag1", "async_no_freshness"]),
               ("(d) zero-variance groups", ["gates_on", "zero_var_kept"])]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=True)
+    if "tool_gates_on" in s:
+        panels.append(("(b) on arithmetic-tool, 20% tool timeouts", ["tool_gates_on", "tool_infra_as_zero"]))
+    panels = [p for p in panels if any(n in s for n in p[1])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.8), sharey=True, squeeze=False)
+    axes = axes[0]
     for ax, (title, names) in zip(axes, panels):
         for name in names:
             if name not in s:
@@ -289,7 +303,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
             ax.plot(xs, m, marker="o", color=COLORS[name], label=label)
             ax.fill_between(xs, [a - b for a, b in zip(m, sd)], [a + b for a, b in zip(m, sd)],
                             color=COLORS[name], alpha=0.15)
-            if title.startswith("(a)"):
+            if "timeouts" in title:
                 t = [p["mean"] for p in s[name]["heldout_tool_use_by_iteration"]]
                 ax.plot(xs, t, linestyle="--", color=COLORS[name], alpha=0.7, label=f"{name}: held-out tool use")
         ax.set_title(title, fontsize=10)
@@ -299,12 +313,31 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.legend(fontsize=7, loc="lower right")
     axes[0].set_ylabel("held-out greedy success")
     seeds = result["config"]["seeds"]
-    fig.suptitle(f"arithmetic-chain, {result['config']['groups']}x{result['config']['group_size']} rollouts per "
+    fig.suptitle(f"{result['config']['groups']}x{result['config']['group_size']} rollouts per "
                  f"iteration, mean ± std over seeds {list(seeds)}", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The README table: held-out success per version (mean ± std over seeds) and token economics."""
+    s = result["summary"]
+    k = len(next(iter(s.values()))["heldout_success_by_iteration"])
+    head = ("| arm | " + " | ".join(f"v{i}" if i == 0 else f"after {i}" for i in range(k))
+            + " | mean after v0 | held-out tool use (last) | admitted groups | useful / trained tokens "
+            "| useful tokens per train-s |")
+    lines = [head, "|" + "---|" * (k + 6)]
+    for name, v in s.items():
+        cells = [f"{p['mean']:.2f} ± {p['std']:.2f}" for p in v["heldout_success_by_iteration"]]
+        m = v["mean_heldout_success_after_v0"]
+        tool = v["heldout_tool_use_by_iteration"][-1]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | **{m['mean']:.3f} ± {m['std']:.3f}** | "
+                     f"{tool['mean']:.2f} ± {tool['std']:.2f} | {v['admitted_groups']}/{v['sampled'] // result['config']['group_size']} | "
+                     f"{v['useful_tokens']}/{v['trained_tokens']} ({100 * (v['useful_share'] or 0):.0f}%) | "
+                     f"{v['useful_tokens_per_train_s'] or 0:.0f} |")
+    return "\n".join(lines)
 
 
 def run(quick: bool = False) -> list:
@@ -337,14 +370,26 @@ def _write(res: dict[str, Any]) -> Path:
     return out
 
 
+def _merge(paths: list[str]) -> dict[str, Any]:
+    """Results files of separate runs (e.g. the main arms and the arithmetic-tool arms) as one."""
+    results = [json.loads(Path(p).read_text()) for p in paths]
+    out = dict(results[0])
+    out["summary"] = {k: v for r in results for k, v in r["summary"].items()}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 seed, 2 iterations, nothing written")
-    ap.add_argument("--plot", help="redraw docs/gates.png from this results file and exit")
+    ap.add_argument("--plot", nargs="+", help="redraw docs/gates.png from results files (arms merged) and exit")
     ap.add_argument("--arms", help="comma-separated subset of arms")
+    ap.add_argument("--table", nargs="+", help="print the README table of these results files and exit")
     args = ap.parse_args(argv)
     if args.plot:
-        plot(json.loads(Path(args.plot).read_text()), ROOT / "docs" / "gates.png")
+        plot(_merge(args.plot), ROOT / "docs" / "gates.png")
+        return 0
+    if args.table:
+        print(markdown_table(_merge(args.table)))
         return 0
     cfg = GatesConfig(seeds=(0,), iterations=2, groups=8, eval_n=40) if args.quick else GatesConfig()
     if args.arms:
@@ -352,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-gates-") as tmp:
         res = run_all(cfg, Path(tmp))
     print(json.dumps(res["summary"], indent=1))
+    print(markdown_table(res))
     if not args.quick:
         print(f"wrote {_write(res)}")
     return 0

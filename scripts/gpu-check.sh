@@ -3,7 +3,7 @@
 # needs into its own venv, then run the vLLM GPU engine and DeepSpeed (bf16,
 # ZeRO-2) on a model of a real architecture built from a config (Qwen2.5-0.5B's
 # shape, random weights), print generated tokens/s and the optimizer step
-# time, and run the tests marked `gpu` (they skip on machines without CUDA).
+# time, and run the tests marked `gpu` (pytest -m gpu; they skip without CUDA).
 #
 #   bash scripts/gpu-check.sh                 # install into .venv-gpu, check, test
 #   bash scripts/gpu-check.sh --no-install    # reuse .venv-gpu as it is
@@ -51,5 +51,5 @@ print(f"torch {torch.__version__} (CUDA {torch.version.cuda}) on {torch.cuda.get
 PY
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
 "$VENV/bin/python" scripts/gpu_check.py --arch "$ARCH" --json "$OUT_JSON"
-"$VENV/bin/python" -m pytest -q -m gpu tests/gpu
+"$VENV/bin/python" -m pytest -q -m gpu tests     # tests/gpu/ and the 2-GPU ZeRO-3 memory test (skips on 1 GPU)
 echo "gpu-check: done; results in $OUT_JSON"
