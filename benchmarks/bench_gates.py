@@ -298,8 +298,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
             sd = [p["std"] for p in s[name]["heldout_success_by_iteration"]]
             xs = list(range(len(m)))
             label = name
-            if title.startswith("(d)") and s[name].get("useful_tokens_per_train_s"):
-                label += f" ({s[name]['useful_tokens_per_train_s']:.0f} useful tok/s trained)"
+            if title.startswith("(d)") and s[name].get("useful_share") is not None:
+                label += f" ({100 * s[name]['useful_share']:.0f}% of trained tokens useful)"
             ax.plot(xs, m, marker="o", color=COLORS[name], label=label)
             ax.fill_between(xs, [a - b for a, b in zip(m, sd)], [a + b for a, b in zip(m, sd)],
                             color=COLORS[name], alpha=0.15)
