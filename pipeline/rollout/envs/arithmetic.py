@@ -118,7 +118,10 @@ class ArithmeticChain(ArithmeticTool):
     directly almost never pays; one call and then an answer is wrong too. The
     warm start mixes full chains with direct answers, so version 0 starts low
     (it must pick the chain and copy the intermediate result without a slip)
-    and RL improves it over several updates instead of one. Reward as in
+    and RL improves it over several updates instead of one (measured in
+    benchmarks/bench_gates.py: greedy held-out 0% -> ~0.3 -> 0.84 over two
+    updates for two of three warm-start seeds; the third never samples a right
+    chain, so GRPO has no signal). Reward as in
     ``arithmetic-tool`` (two calls: 0.9 for a right answer). Held-out split by
     expression, as in ``arithmetic-tool``.
     """
