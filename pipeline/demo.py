@@ -82,6 +82,17 @@ HEADER = ("iter  ver  traj  admit  zvar stale infra reward  heldout  lag   secs\
           "---- ---- ------ ----- ----- ----- ----- ------ -------- ---- ------")
 
 
+def warm_start_overrides(env: str) -> dict[str, Any]:
+    """Policy-init overrides for ``env``: the default warm start covers the built-in
+    ``arithmetic-tool`` and ``reverse-digits``; for another environment the
+    demonstrations come mostly from that environment (so version 0 knows its format)."""
+    from pipeline.rollout.policy import PolicyInitConfig
+
+    if env in PolicyInitConfig.envs or ":" in env:
+        return {}
+    return {"envs": (env, "arithmetic-tool"), "env_weights": (0.8, 0.2)}
+
+
 def _group_reasons(receipts) -> tuple[int, int]:
     """(groups with a stale member, groups with an infra-failed member) in receipts."""
     stale = infra = 0
@@ -147,7 +158,7 @@ def run_demo(lake, cfg: DemoConfig, *, out=print) -> dict[str, Any]:
 
     steps = PolicyInitConfig().warm_start_steps
     with progress_bar(steps, "policy v0 warm start", enabled=sys.stderr.isatty()) as bar:   # 20-40 s on a CPU
-        ref = init_policy(lake, seed=cfg.seed, progress=bar)
+        ref = init_policy(lake, seed=cfg.seed, progress=bar, **warm_start_overrides(cfg.env))
     version, heldout0 = _evaluate(lake, cfg)
     out(f"policy version {ref.policy_version} (warm start) in {time.perf_counter() - t0:.1f}s: "
         f"held-out success {heldout0:.3f}")

@@ -50,8 +50,9 @@ CHECKS: tuple[CheckSpec, ...] = (
               "all group_size members arrived (else the group timed out and is decided with what arrived)"),
     CheckSpec("min_valid_members", _always, "error", "insufficient_valid",
               "at least min_valid_members valid members"),
-    CheckSpec("reward_spread", _always, "error", "zero_variance",
-              "max(reward) > min(reward) and population std >= min_reward_std (group estimators only)"),
+    CheckSpec("reward_spread", lambda cfg: cfg.drop_zero_variance, "error", "zero_variance",
+              "max(reward) > min(reward) and population std >= min_reward_std (group estimators only; "
+              "drop_zero_variance=false admits such groups with advantage 0)"),
     CheckSpec("update_if", _always, "error", "gated",
               "every reward-decomposition gate holds over the valid members"),
     CheckSpec("bucket_cap", _always, "warning", "capped",

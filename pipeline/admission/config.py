@@ -50,6 +50,9 @@ class AdmissionConfig:
     min_reward_std: float = field(default=1e-6, metadata={"ge": 0,
         "help": "After max(reward) > min(reward), the population std of valid rewards must reach this "
                 "(else zero_variance)."})
+    drop_zero_variance: bool = field(default=True, metadata={
+        "help": "Decide groups without reward spread zero_variance (dropped). false: admit them with advantage 0 "
+                "(they cost training compute and carry no group-relative signal; for ablations)."})
     group_timeout_s: float = field(default=600.0, metadata={"ge": 0,
         "help": "An incomplete group whose oldest member finished this long ago is decided with what arrived."})
     admit_incomplete: bool = field(default=True, metadata={
@@ -136,6 +139,8 @@ class AdmissionConfig:
 
         d = config_dict(self)
         d.pop("batch_rows")
+        if self.drop_zero_variance:  # the default: hashes stay those of configs written before the field existed
+            d.pop("drop_zero_variance")
         return d
 
 

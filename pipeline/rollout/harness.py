@@ -32,6 +32,10 @@ Terminal outcomes (status / verdict / stop_reason / reward):
 - environment crash                             INFRA_FAILED / ENV_ERROR / stop_sequence / null
 - verifier error or UNKNOWN                     INFRA_FAILED / UNKNOWN / eos / null
 
+(An environment that sets ``infra_failure_reward`` to a number gets the naive
+scoring instead: a tool timeout ends REJECTED / FAIL / env_timeout with that
+reward. It exists for the gate ablations in benchmarks/bench_gates.py.)
+
 A null reward is "no valid evaluation" and never 0.0: admission drops those
 members from group baselines instead of counting them as policy failures.
 """
@@ -280,6 +284,13 @@ class Harness:
                 out = self.env.step(ep.task, p["text"], key=f"{ep.episode_id}/{p['action_id']}")
                 self.tool_executions += 1
             except ToolTimeout as exc:
+                if getattr(self.env, "infra_failure_reward", None) is not None:
+                    # ablation only (benchmarks/bench_gates.py): the naive harness that scores a
+                    # timeout as the policy's failure instead of recording "no valid evaluation"
+                    v = self.env.verify(ep.task, None, ep.tool_calls)
+                    self._terminal(ep, "REJECTED", "FAIL", "env_timeout", float(self.env.infra_failure_reward),
+                                   v.components, {"error": str(exc)})
+                    continue
                 self._terminal(ep, "INFRA_FAILED", "ENV_ERROR", "env_timeout", None, None, {"error": str(exc)})
                 continue
             except Exception as exc:  # noqa: BLE001 - any environment failure is an infra failure

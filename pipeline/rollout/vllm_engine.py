@@ -41,7 +41,7 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(self, hf_dir: Path, *, threads: int | None = None, max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.3) -> None:
+                 gpu_memory_utilization: float = 0.3, dtype: str = "float32") -> None:
         vllm = _import_vllm()
         if threads:
             # our thread count, not vLLM's auto-binding to the cores of a NUMA node (workers would share them)
@@ -54,7 +54,7 @@ class VLLMEngine:
 
         cfg = json.loads((self.hf_dir / "config.json").read_text())
         self._vllm = vllm
-        self.llm = vllm.LLM(model=str(self.hf_dir), tokenizer=str(self.hf_dir), dtype="float32", seed=0,
+        self.llm = vllm.LLM(model=str(self.hf_dir), tokenizer=str(self.hf_dir), dtype=dtype, seed=0,
                             max_model_len=max_model_len or int(cfg.get("max_position_embeddings", 128)),
                             enforce_eager=True, gpu_memory_utilization=gpu_memory_utilization)
         # the first generate call pays a one-off warm-up (seconds): take it here, with start-up

@@ -173,6 +173,24 @@ def test_zero_variance_exact_and_threshold(lake):
     assert res.admitted_members == 4 and res.counts == {"admit": 1, "zero_variance": 3}
 
 
+def test_zero_variance_kept_with_advantage_zero_when_not_dropped(lake):
+    """drop_zero_variance=false (the ablation in benchmarks/bench_gates.py): groups
+    without spread are admitted, each member's advantage exactly 0; the check's
+    outcome is still recorded; the default config's hash does not change."""
+    from pipeline.admission.config import admission_config_hash
+
+    rows = ([traj(f"z{k}", "g1", reward=1.0) for k in range(4)]
+            + [traj("w0", "g4", reward=0.0), traj("w1", "g4", reward=1.0)])
+    keep = AdmissionConfig(quality=False, drop_zero_variance=False)
+    res, rec = run(lake, rows, keep)
+    assert {g: r["decision"] for g, r in rec.items()} == {"g1": "admit", "g4": "admit"}
+    assert rec["g1"]["checks"]["reward_spread"] == "fail:no reward spread among valid members"
+    adv = dict(zip(res.members.column("trajectory_id").to_pylist(), res.members.column("advantage").to_pylist()))
+    assert [adv[f"z{k}"] for k in range(4)] == [0.0] * 4 and adv["w1"] > 0 > adv["w0"]
+    assert "drop_zero_variance" not in BASE.decision_dict()
+    assert admission_config_hash(keep) != admission_config_hash(BASE)
+
+
 def test_incomplete_group_past_timeout(lake):
     young = [traj("j1", "young", reward=1.0, age_s=60), traj("j2", "young", reward=0.0, age_s=30)]
     old = [traj("k1", "old", reward=1.0, age_s=700), traj("k2", "old", reward=0.0, age_s=100),

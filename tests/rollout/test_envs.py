@@ -99,3 +99,52 @@ def test_user_environment_in_a_few_lines():
         register_env(type("Other", (), {"name": "echo-digits-test"}))
     with pytest.raises(ConfigError):
         get_env("no-such-env")
+
+
+def test_arithmetic_chain_needs_two_single_operation_calls():
+    env = get_env("arithmetic-chain")
+    task = env.reset(11)
+    a, b, c = task.meta["a"], task.meta["b"], task.meta["c"]
+    assert task.prompt == f"{a}*{b}+{c}=" and task.answer == a * b + c and 100 <= c <= 999
+    assert env.step(task, f"{a}*{b}", key="k1") == str(a * b)
+    assert env.step(task, f"{a}*{b}+{c}", key="k2") == "err"      # one operation per call: no shortcut
+    assert env.verify(task, str(task.answer), num_tool_calls=2).reward == pytest.approx(0.9)
+    segs = env.demonstration(task, random.Random(0), tool_fraction=1.0)
+    assert [p for _, p in segs] == [True, False, True, False, True]
+    text = "".join(t for t, _ in segs)
+    assert text.count("<call>") == 2 and text.endswith(f"<ans>{task.answer}<eos>")
+    assert vocab.UNK_ID not in vocab.encode(text)
+    train = {env.reset(s, "train").prompt for s in range(2000)}
+    held = {env.reset(s, "eval").prompt for s in range(200)}
+    assert held and not train & held
+
+
+def test_infra_failure_reward_attribute_switches_to_naive_scoring(tmp_path):
+    """The ablation hook: an environment declaring infra_failure_reward gets its tool
+    timeouts scored as that reward (REJECTED), not excluded (INFRA_FAILED, null)."""
+    from pipeline.rollout.engine import Completion, Sampling
+    from pipeline.rollout.envs.arithmetic import ArithmeticChain
+    from pipeline.rollout.harness import Faults, Harness
+    from pipeline.rollout.spool import Spool
+
+    class Scripted:   # always calls the tool
+        def generate(self, requests, sampling):
+            ids = vocab.encode("<call>12*3</call>")
+            return [[Completion(ids, [0.0] * len(ids), "stop")] for _ in requests]
+
+        def close(self):
+            pass
+
+    class Naive(ArithmeticChain):
+        infra_failure_reward = 0.0
+
+    out = {}
+    for name, env in (("default", ArithmeticChain()), ("naive", Naive())):
+        spool = Spool(tmp_path / name, "w", fsync=False)
+        h = Harness(env, lambda: (Scripted(), 0), spool, run_id=name, worker_id="w",
+                    sampling=Sampling(1.0, 1.0, 16), faults=Faults(tool_timeout=1.0))
+        ep = h.new_episode(episode_id="e", group_id="g", group_size=1, task=env.reset(1), seed=1, policy_version=0)
+        h.run([ep])
+        out[name] = (ep.status, ep.stop_reason, ep.reward)
+    assert out["default"] == ("INFRA_FAILED", "env_timeout", None)
+    assert out["naive"] == ("REJECTED", "env_timeout", 0.0)

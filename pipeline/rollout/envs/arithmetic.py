@@ -98,3 +98,68 @@ class ArithmeticTool:
             expr = task.meta["expr"]
             return [(f"<call>{expr}</call>", True), (f"<obs>{calculate(expr)}</obs>", False), (ans, True)]
         return [(ans, True)]
+
+
+_ONE_OP = re.compile(r"^\d{1,6}[+\-*]\d{1,6}$")
+
+
+@register_env
+class ArithmeticChain(ArithmeticTool):
+    """``arithmetic-chain``: the harder variant, for measuring what the gates change.
+
+    The prompt is ``a*b+c=`` with two-digit ``a, b`` and a three-digit ``c``
+    (``37*45+123=``); the calculator takes ONE binary operation per call, so
+    the only reliable way to the answer is two calls, the second one reusing
+    the first call's observation::
+
+        <call>37*45</call><obs>1665</obs><call>1665+123</call><obs>1788</obs><ans>1788<eos>
+
+    A tiny model cannot multiply two-digit numbers in its head, so answering
+    directly almost never pays; one call and then an answer is wrong too. The
+    warm start mixes full chains with direct answers, so version 0 starts low
+    (it must pick the chain and copy the intermediate result without a slip)
+    and RL improves it over several updates instead of one (measured in
+    benchmarks/bench_gates.py: greedy held-out 0% -> ~0.3 -> 0.84 over two
+    updates for two of three warm-start seeds; the third never samples a right
+    chain, so GRPO has no signal). Reward as in
+    ``arithmetic-tool`` (two calls: 0.9 for a right answer). Held-out split by
+    expression, as in ``arithmetic-tool``.
+    """
+
+    name = "arithmetic-chain"
+    version = "1"
+    env_version = "arithmetic-chain/1"
+    verifier_version = "arithmetic-verifier/1"
+    prompt_template_rev = "a*b+c=/1"
+
+    def __init__(self, low: int = 10, high: int = 99, c_low: int = 100, c_high: int = 999,
+                 tool_log: str | None = None) -> None:
+        super().__init__(low, high, "*", tool_log)
+        self.c_low, self.c_high = c_low, c_high
+
+    def reset(self, seed: int, split: str = "train") -> Task:
+        rng = random.Random(seed)
+        while True:
+            a, b = rng.randint(self.low, self.high), rng.randint(self.low, self.high)
+            c = rng.randint(self.c_low, self.c_high)
+            expr = f"{a}*{b}+{c}"
+            if split_of(expr) == split:
+                return Task(task_id=f"chain-{expr}", prompt=f"{expr}=", answer=calculate(expr),
+                            difficulty="hard", meta={"expr": expr, "a": a, "b": b, "c": c})
+
+    def step(self, task: Task, action: str, *, key: str) -> str:
+        if self.tool_log:
+            with open(Path(self.tool_log), "a") as f:
+                f.write(f"{key}\n")
+        if not _ONE_OP.match(action):
+            return "err"           # one operation per call; a malformed call is the policy's failure
+        return str(calculate(action))
+
+    def demonstration(self, task: Task, rng: random.Random, tool_fraction: float = 0.5) -> list[tuple[str, bool]]:
+        ans = f"<ans>{task.answer}<eos>"
+        if rng.random() < tool_fraction:
+            m = task.meta
+            p = m["a"] * m["b"]
+            return [(f"<call>{m['a']}*{m['b']}</call>", True), (f"<obs>{p}</obs>", False),
+                    (f"<call>{p}+{m['c']}</call>", True), (f"<obs>{p + m['c']}</obs>", False), (ans, True)]
+        return [(ans, True)]

@@ -1,0 +1,407 @@
+"""Gate ablations (issue 17): does admission change what the policy learns?
+
+On ``arithmetic-chain`` (two calculator calls per answer; version 0 starts
+near 0% held-out success), every arm gets the same rollout budget per
+iteration (``groups x group_size`` trajectories), the same warm-started
+version 0 per seed, and differs in ONE thing:
+
+    gates_on            the defaults: infra failures excluded from baselines, max_policy_lag=1,
+                        zero-variance groups dropped; 20% injected tool timeouts per call
+    infra_as_zero       the same timeouts scored as reward 0 (a policy failure) instead of excluded
+    zero_var_kept       groups without reward spread admitted with advantage 0 (drop_zero_variance=false)
+    async_no_freshness  simulated async collection: half the groups (the slow class) were sampled by
+                        the policy ``slow_lag`` versions behind; max_policy_lag off (1000)
+    async_lag1          the same collection with max_policy_lag=1 (the default)
+
+Measured per policy version: held-out greedy success (fixed evaluation split,
+never trained on) and held-out tool use; per iteration: admitted groups and
+members, trained policy tokens, *useful* tokens (policy tokens of members
+with a non-zero advantage) and training seconds. Each arm runs for ``seeds``
+seeds (the warm start, the rollouts and the training all follow the seed);
+the summary is mean +- std over seeds.
+
+    python benchmarks/bench_gates.py                  # full: 3 seeds, writes results/gates-<time>.json + docs plot
+    python benchmarks/bench_gates.py --quick          # smoke run (1 seed, 2 iterations; nothing written)
+    python benchmarks/bench_gates.py --arms tool_gates_on,tool_infra_as_zero   # (b) on arithmetic-tool
+    python benchmarks/bench_gates.py --plot A.json B.json   # redraw docs/gates.png from results files
+    python benchmarks/bench_gates.py --table A.json B.json  # the README table
+
+Everything runs in this process with the library's own functions
+(``init_policy``, ``run_rollout``, ``admit`` with ``AdmissionConfig``
+variations, ``train_snapshot``, ``evaluate``). The async arms are a
+deterministic simulation of async collection (a slow class of episodes that
+finishes ``slow_lag`` updates after it started), not the multi-process demo:
+the same staleness in every seed, so the gate's effect is not confounded
+with scheduling noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+ENV = "arithmetic-chain"
+ENV_INFRA0 = "arithmetic-chain-infra0"
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    admission: dict[str, Any] = field(default_factory=dict)
+    infra_as_zero: bool = False
+    slow_lag: int = 0               # > 0: half the groups sampled by the policy this many versions behind
+    env: str = ENV
+
+
+ARMS = (
+    Arm("gates_on"),
+    Arm("infra_as_zero", infra_as_zero=True),
+    Arm("zero_var_kept", admission={"drop_zero_variance": False}),
+    Arm("async_no_freshness", admission={"max_policy_lag": 1000}, slow_lag=3),
+    Arm("async_lag1", slow_lag=3),
+    # (b) again on arithmetic-tool, where answering without the tool sometimes pays (+ and -)
+    Arm("tool_gates_on", env="arithmetic-tool"),
+    Arm("tool_infra_as_zero", infra_as_zero=True, env="arithmetic-tool"),
+)
+MAIN_ARMS = ("gates_on", "infra_as_zero", "zero_var_kept", "async_no_freshness", "async_lag1")
+
+
+@dataclass(frozen=True)
+class GatesConfig:
+    seeds: tuple[int, ...] = (0, 1, 2)
+    iterations: int = 4
+    groups: int = 16
+    group_size: int = 8
+    eval_n: int = 100
+    tool_timeout_p: float = 0.2
+    lr: float = 3e-4
+    epochs: int = 1
+    arms: tuple[str, ...] = MAIN_ARMS
+
+
+def _register_infra0_env() -> None:
+    """``<env>-infra0``: the env with the naive scoring: a tool timeout is a reward-0 policy failure."""
+    from pipeline.rollout.envs.arithmetic import ArithmeticChain, ArithmeticTool
+    from pipeline.rollout.envs.base import _REGISTRY
+
+    for base in (ArithmeticChain, ArithmeticTool):
+        _REGISTRY[f"{base.name}-infra0"] = type(f"{base.__name__}InfraAsZero", (base,), {
+            "name": f"{base.name}-infra0", "infra_failure_reward": 0.0})
+
+
+def _policy_tokens(lake) -> dict[str, int]:
+    """trajectory_id -> number of policy-sampled (loss_mask 1) tokens."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    t = lake.read("trajectories", columns=["trajectory_id", "loss_mask"])
+    masks = t.column("loss_mask").combine_chunks()
+    flat = np.asarray(pc.list_flatten(masks).to_numpy(zero_copy_only=False), np.int64)
+    parents = np.asarray(pc.list_parent_indices(masks).to_numpy(zero_copy_only=False), np.int64)
+    sums = np.bincount(parents, weights=flat, minlength=t.num_rows).astype(np.int64)
+    return dict(zip(t.column("trajectory_id").to_pylist(), sums.tolist()))
+
+
+def _evaluate(lake, eval_n: int, env: str = ENV) -> tuple[int, float, float]:
+    from pipeline.policy_store import resolve_policy
+    from pipeline.rollout.evaluate import evaluate
+
+    ref = resolve_policy(lake)
+    ev = evaluate(ref, env, n=eval_n, seed=0)
+    return ref.policy_version, float(ev["success_rate"]), float(ev["tool_use_rate"])
+
+
+def run_arm(lake, arm: Arm, seed: int, cfg: GatesConfig, v0: dict[str, Any]) -> dict[str, Any]:
+    """K iterations of rollout -> admit -> train -> evaluate on a lake holding version 0."""
+    from pipeline.admission.config import AdmissionConfig
+    from pipeline.admission.run import admit
+    from pipeline.demo import _group_reasons
+    from pipeline.policy_store import resolve_policy
+    from pipeline.rollout.run import run_rollout
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.run import train_snapshot
+
+    env = f"{arm.env}-infra0" if arm.infra_as_zero else arm.env
+    adm = AdmissionConfig(**arm.admission)
+    curve = [{"iteration": 0, "policy_version": 0, "heldout_success": v0["heldout_success"],
+              "heldout_tool_use": v0["heldout_tool_use"]}]
+    t_arm = time.perf_counter()
+    for k in range(1, cfg.iterations + 1):
+        version = resolve_policy(lake).policy_version
+        common = dict(env=env, group_size=cfg.group_size, seed=seed * 1000 + k, tool_timeout_p=cfg.tool_timeout_p)
+        t0 = time.perf_counter()
+        if arm.slow_lag:
+            fast = cfg.groups // 2
+            parts = [run_rollout(lake, groups=fast, group_offset=k * 1000, run_id=f"{arm.name}-{seed}",
+                                 policy="latest", **common),
+                     run_rollout(lake, groups=cfg.groups - fast, group_offset=k * 1000 + fast,
+                                 run_id=f"{arm.name}-{seed}-slow", policy=str(max(0, version - arm.slow_lag)),
+                                 **common)]
+        else:
+            parts = [run_rollout(lake, groups=cfg.groups, group_offset=k * 1000, run_id=f"{arm.name}-{seed}",
+                                 policy="latest", **common)]
+        rollout_s = time.perf_counter() - t0
+        rewards = [(p.reward_mean, p.trajectories) for p in parts if p.reward_mean is not None]
+        a = admit(lake, adm, command="bench_gates")
+        stale, infra = _group_reasons(a.receipts)
+        row: dict[str, Any] = {
+            "iteration": k, "sampled": sum(p.trajectories for p in parts), "rollout_s": round(rollout_s, 2),
+            "sampled_reward": (sum(r * n for r, n in rewards) / sum(n for _, n in rewards)) if rewards else None,
+            "sampled_success": statistics.fmean([p.success_rate for p in parts if p.success_rate is not None] or [0]),
+            "decisions": dict(a.counts), "admitted_groups": a.admitted_groups, "admitted_members": a.admitted_members,
+            "groups_with_stale": stale, "groups_with_infra": infra, "trained_tokens": 0, "useful_tokens": 0,
+            "train_s": 0.0,
+        }
+        if a.snapshot_id:
+            toks = _policy_tokens(lake)
+            ids = a.members.column("trajectory_id").to_pylist()
+            adv = a.members.column("advantage").to_pylist()
+            lags = a.members.column("policy_lag").to_pylist()
+            row["trained_tokens"] = sum(toks[i] for i in ids)
+            row["useful_tokens"] = sum(toks[i] for i, x in zip(ids, adv) if abs(x) > 1e-9)
+            row["max_policy_lag_admitted"] = max(lags)
+            t1 = time.perf_counter()
+            train_snapshot(lake, a.snapshot_id, TrainConfig(lr=cfg.lr, epochs=cfg.epochs, seed=seed * 100 + k),
+                           progress=False)
+            row["train_s"] = round(time.perf_counter() - t1, 2)
+        row["policy_version"], row["heldout_success"], row["heldout_tool_use"] = _evaluate(lake, cfg.eval_n, arm.env)
+        curve.append(row)
+        print(f"  {arm.name:<19} seed {seed} iter {k}: v{row['policy_version']} held-out "
+              f"{row['heldout_success']:.2f} (tool {row['heldout_tool_use']:.2f}) admitted {a.admitted_groups}/"
+              f"{cfg.groups} groups, {row['useful_tokens']}/{row['trained_tokens']} useful tokens, "
+              f"train {row['train_s']:.1f}s", flush=True)
+    return {"arm": arm.name, "seed": seed, "curve": curve, "seconds": round(time.perf_counter() - t_arm, 1)}
+
+
+def _mean_std(xs: list[float]) -> dict[str, float]:
+    return {"mean": round(statistics.fmean(xs), 4), "std": round(statistics.pstdev(xs), 4) if len(xs) > 1 else 0.0,
+            "n": len(xs)}
+
+
+def summarize(runs: list[dict[str, Any]], cfg: GatesConfig) -> dict[str, Any]:
+    """Per arm: held-out success per iteration (mean +- std over seeds), the final
+    value, and the token economics (useful tokens per training second)."""
+    out: dict[str, Any] = {}
+    for name in cfg.arms:
+        rs = [r for r in runs if r["arm"] == name]
+        if not rs:
+            continue
+        k_max = min(len(r["curve"]) for r in rs)
+        per_iter = [_mean_std([r["curve"][k]["heldout_success"] for r in rs]) for k in range(k_max)]
+        tool = [_mean_std([r["curve"][k]["heldout_tool_use"] for r in rs]) for k in range(k_max)]
+        its = [c for r in rs for c in r["curve"][1:]]
+        trained = sum(c["trained_tokens"] for c in its)
+        useful = sum(c["useful_tokens"] for c in its)
+        train_s = sum(c["train_s"] for c in its)
+        mean_curve = [statistics.fmean(r["curve"][k]["heldout_success"] for k in range(1, k_max)) for r in rs]
+        out[name] = {
+            "heldout_success_by_iteration": per_iter, "heldout_tool_use_by_iteration": tool,
+            "final_heldout_success": per_iter[-1], "mean_heldout_success_after_v0": _mean_std(mean_curve),
+            "admitted_groups": sum(c["admitted_groups"] for c in its), "sampled": sum(c["sampled"] for c in its),
+            "trained_tokens": trained, "useful_tokens": useful, "useful_share": round(useful / trained, 4)
+            if trained else None, "train_s": round(train_s, 1),
+            "useful_tokens_per_train_s": round(useful / train_s, 1) if train_s else None,
+            "trained_tokens_per_train_s": round(trained / train_s, 1) if train_s else None,
+        }
+    return out
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                                timeout=5).stdout.strip()
+    except Exception:  # noqa: BLE001
+        commit = ""
+    return {"platform": platform.platform(), "python": platform.python_version(), "machine": platform.machine(),
+            "cpu_count": os.cpu_count(), "loadavg": os.getloadavg(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "git_commit": commit}
+
+
+def run_all(cfg: GatesConfig, root: Path) -> dict[str, Any]:
+    from pipeline.demo import warm_start_overrides
+    from pipeline.lake.delta import Lake
+    from pipeline.rollout.policy import init_policy
+
+    _register_infra0_env()
+    arms = [a for a in ARMS if a.name in cfg.arms]
+    info = machine_info()
+    t_all = time.perf_counter()
+    runs, v0s = [], {}
+    envs = sorted({a.env for a in arms})
+    for i, seed in enumerate(cfg.seeds):
+        for env in envs:
+            base = root / f"v0-{env}-seed{seed}"
+            t0 = time.perf_counter()
+            init_policy(Lake(base), seed=seed, **warm_start_overrides(env))
+            _, s0, tool0 = _evaluate(Lake(base), cfg.eval_n, env)
+            v0s[f"{env}/{seed}"] = {"heldout_success": s0, "heldout_tool_use": tool0,
+                                    "warm_start_s": round(time.perf_counter() - t0, 1)}
+            print(f"seed {seed}: {env} version 0 held-out success {s0:.2f} (tool use {tool0:.2f})", flush=True)
+        order = arms[i % len(arms):] + arms[:i % len(arms)]     # rotate the arm order per seed
+        for arm in order:
+            lake_dir = root / f"{arm.name}-seed{seed}"
+            shutil.copytree(root / f"v0-{arm.env}-seed{seed}", lake_dir)
+            runs.append(run_arm(Lake(lake_dir), arm, seed, cfg, v0s[f"{arm.env}/{seed}"]))
+            if os.environ.get("GATES_PARTIAL"):     # keep what finished if a long run dies later
+                Path(os.environ["GATES_PARTIAL"]).write_text(json.dumps({"version0": v0s, "runs": runs}))
+            shutil.rmtree(lake_dir, ignore_errors=True)
+        for env in envs:
+            shutil.rmtree(root / f"v0-{env}-seed{seed}", ignore_errors=True)
+    info["loadavg_end"] = os.getloadavg()
+    return {"benchmark": "gates", "config": asdict(cfg), "machine": info, "arms": [asdict(a) for a in arms],
+            "version0": v0s, "runs": runs, "summary": summarize(runs, cfg),
+            "seconds": round(time.perf_counter() - t_all, 1)}
+
+
+COLORS = {"gates_on": "#1f77b4", "infra_as_zero": "#d62728", "zero_var_kept": "#2ca02c",
+          "async_no_freshness": "#ff7f0e", "async_lag1": "#9467bd", "tool_gates_on": "#1f77b4",
+          "tool_infra_as_zero": "#d62728"}
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = result["summary"]
+    panels = [("(a) vs (b): 20% tool timeouts", ["gates_on", "infra_as_zero"]),
+              ("(c) async, slow class 3 versions behind", ["async_lag1", "async_no_freshness"]),
+              ("(d) zero-variance groups", ["gates_on", "zero_var_kept"])]
+    if "tool_gates_on" in s:
+        panels.append(("(b) on arithmetic-tool, 20% tool timeouts", ["tool_gates_on", "tool_infra_as_zero"]))
+    panels = [p for p in panels if any(n in s for n in p[1])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.8), sharey=True, squeeze=False)
+    axes = axes[0]
+    for ax, (title, names) in zip(axes, panels):
+        for name in names:
+            if name not in s:
+                continue
+            m = [p["mean"] for p in s[name]["heldout_success_by_iteration"]]
+            sd = [p["std"] for p in s[name]["heldout_success_by_iteration"]]
+            xs = list(range(len(m)))
+            label = name
+            if title.startswith("(d)") and s[name].get("useful_share") is not None:
+                label += f" ({100 * s[name]['useful_share']:.0f}% of trained tokens useful)"
+            ax.plot(xs, m, marker="o", color=COLORS[name], label=label)
+            ax.fill_between(xs, [a - b for a, b in zip(m, sd)], [a + b for a, b in zip(m, sd)],
+                            color=COLORS[name], alpha=0.15)
+            if "timeouts" in title:
+                t = [p["mean"] for p in s[name]["heldout_tool_use_by_iteration"]]
+                ax.plot(xs, t, linestyle="--", color=COLORS[name], alpha=0.7, label=f"{name}: held-out tool use")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("iteration (policy updates)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    axes[0].set_ylabel("held-out greedy success")
+    seeds = result["config"]["seeds"]
+    fig.suptitle(f"{result['config']['groups']}x{result['config']['group_size']} rollouts per "
+                 f"iteration, mean ± std over seeds {list(seeds)}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The README table: held-out success per version (mean ± std over seeds) and token economics."""
+    s = result["summary"]
+    k = len(next(iter(s.values()))["heldout_success_by_iteration"])
+    head = ("| arm | " + " | ".join(f"v{i}" if i == 0 else f"after {i}" for i in range(k))
+            + " | mean after v0 | held-out tool use (last) | admitted groups | useful / trained tokens "
+            "| useful tokens per train-s |")
+    lines = [head, "|" + "---|" * (k + 6)]
+    for name, v in s.items():
+        cells = [f"{p['mean']:.2f} ± {p['std']:.2f}" for p in v["heldout_success_by_iteration"]]
+        m = v["mean_heldout_success_after_v0"]
+        tool = v["heldout_tool_use_by_iteration"][-1]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | **{m['mean']:.3f} ± {m['std']:.3f}** | "
+                     f"{tool['mean']:.2f} ± {tool['std']:.2f} | {v['admitted_groups']}/{v['sampled'] // result['config']['group_size']} | "
+                     f"{v['useful_tokens']}/{v['trained_tokens']} ({100 * (v['useful_share'] or 0):.0f}%) | "
+                     f"{v['useful_tokens_per_train_s'] or 0:.0f} |")
+    return "\n".join(lines)
+
+
+def run(quick: bool = False) -> list:
+    """For benchmarks/run.py: ratios of each ablation's mean held-out success to gates_on's."""
+    from run import Result
+
+    cfg = GatesConfig(seeds=(0,), iterations=2, groups=8, eval_n=40) if quick else GatesConfig()
+    with tempfile.TemporaryDirectory(prefix="bench-gates-") as tmp:
+        res = run_all(cfg, Path(tmp))
+    if not quick:
+        _write(res)
+    s = res["summary"]
+    base = s["gates_on"]["mean_heldout_success_after_v0"]["mean"]
+    out = []
+    for name, v in s.items():
+        if name == "gates_on":
+            continue
+        m = v["mean_heldout_success_after_v0"]
+        out.append(Result(f"gates: {name} mean held-out success / gates_on", m["mean"] / base if base else 0.0,
+                          None, f"{m['mean']:.3f} ± {m['std']:.3f}", f"{base:.3f}", higher_is_better=True))
+    return out
+
+
+def _write(res: dict[str, Any]) -> Path:
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    out = HERE / "results" / f"gates-{stamp}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    plot(res, ROOT / "docs" / "gates.png")
+    return out
+
+
+def _merge(paths: list[str]) -> dict[str, Any]:
+    """Results files of separate runs (e.g. the main arms and the arithmetic-tool arms) as one."""
+    results = [json.loads(Path(p).read_text()) for p in paths]
+    out = dict(results[0])
+    out["summary"] = {k: v for r in results for k, v in r["summary"].items()}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="1 seed, 2 iterations, nothing written")
+    ap.add_argument("--plot", nargs="+", help="redraw docs/gates.png from results files (arms merged) and exit")
+    ap.add_argument("--arms", help="comma-separated subset of arms")
+    ap.add_argument("--table", nargs="+", help="print the README table of these results files and exit")
+    args = ap.parse_args(argv)
+    if args.plot:
+        plot(_merge(args.plot), ROOT / "docs" / "gates.png")
+        return 0
+    if args.table:
+        print(markdown_table(_merge(args.table)))
+        return 0
+    cfg = GatesConfig(seeds=(0,), iterations=2, groups=8, eval_n=40) if args.quick else GatesConfig()
+    if args.arms:
+        cfg = GatesConfig(**{**asdict(cfg), "arms": tuple(args.arms.split(","))})
+    with tempfile.TemporaryDirectory(prefix="bench-gates-") as tmp:
+        res = run_all(cfg, Path(tmp))
+    print(json.dumps(res["summary"], indent=1))
+    print(markdown_table(res))
+    if not args.quick:
+        print(f"wrote {_write(res)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
