@@ -122,3 +122,32 @@ def test_a_lock_created_but_never_written_expires_by_age(lake):
     old = time.time() - 120
     os.utime(lock, (old, old))
     assert JobLock(lake, "e", lease_s=60).acquire()
+
+
+def test_admission_job_runs_on_the_dask_cluster_infra_starts():
+    """compose and Kubernetes start a scheduler and workers, point admission at
+    it with PIPELINE_DASK_SCHEDULER, and give workers no lake credentials (the
+    driver sends the lake's storage options); the admission job's engine is
+    auto, so that variable selects Dask (tests/admission/test_dask_cluster.py runs it)."""
+    compose = yaml.safe_load((ROOT / "infra" / "compose.yaml").read_text())["services"]
+    addr = compose["scheduler"]["environment"]["PIPELINE_DASK_SCHEDULER"]
+    assert addr == "tcp://dask-scheduler:8786"
+    assert compose["dask-scheduler"]["entrypoint"][:2] == ["dask", "scheduler"]
+    assert compose["dask-worker"]["entrypoint"][:3] == ["dask", "worker", addr]
+    assert not [k for k in compose["dask-worker"].get("environment") or {} if k.startswith("AWS_")]
+    cm = yaml.safe_load((ROOT / "infra" / "k8s" / "configmap.yaml").read_text())["data"]
+    assert cm["PIPELINE_DASK_SCHEDULER"] == addr
+    docs = {(d["kind"], d["metadata"]["name"]): d
+            for d in yaml.safe_load_all((ROOT / "infra" / "k8s" / "dask.yaml").read_text())}
+    svc = docs[("Service", "dask-scheduler")]
+    assert 8786 in [p["port"] for p in svc["spec"]["ports"]]
+    sched = docs[("Deployment", "dask-scheduler")]["spec"]["template"]["spec"]["containers"][0]
+    assert sched["command"][:2] == ["dask", "scheduler"]
+    worker = docs[("Deployment", "dask-worker")]["spec"]["template"]["spec"]["containers"][0]
+    assert worker["command"][:3] == ["dask", "worker", addr]
+    assert "admit" in load_jobs()["admission"].args and "--engine" not in load_jobs()["admission"].args
+
+    from pipeline.admission.command import resolve_engine
+
+    assert resolve_engine("auto", addr) == ("dask", addr)
+    assert resolve_engine("auto", None)[0] in ("duckdb", "dask")  # dask only if the env names a cluster
