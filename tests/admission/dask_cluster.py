@@ -36,7 +36,7 @@ class Cluster:
     def add_worker(self, i: int) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "distributed.cli.dask_worker", self.address, "--nthreads", "1",
-             "--nworkers", "1", "--no-dashboard", "--name", f"w{i}-{time.time_ns()}"],
+             "--no-nanny", "--no-dashboard", "--name", f"w{i}-{time.time_ns()}"],
             env=self.env, stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"worker-{i}.log", "a"))
 
     def wait_for(self, n: int) -> None:

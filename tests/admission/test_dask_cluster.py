@@ -49,21 +49,36 @@ def test_s3_lake_admits_on_workers_without_aws_variables(s3_lake, make_traj, clu
     assert verify_snapshot(s3_lake, got.snapshot_id)["registered"]
 
 
-def test_env_selects_the_cluster_and_no_live_worker_is_one_line(lake, make_traj, tmp_path):
+def _wait_for_task(hold, proc):
+    deadline = time.time() + 240
+    while not list(hold.glob("task-*")):          # a read task is running on a worker
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.02)
+
+
+def test_env_selects_the_cluster_and_losing_every_worker_is_one_line(lake, make_traj, tmp_path):
     lake.append("trajectories", stamp_derived(make_traj(24, seed=5), "i1"), command="test")
-    c = Cluster(tmp_path, n_workers=0)             # a scheduler nobody works for
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    c = Cluster(tmp_path, n_workers=1, env={"PIPELINE_DASK_TEST_HOLD": str(hold)})
     try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        env.update(PIPELINE_DASK_SCHEDULER=c.address, PIPELINE_DASK_WORKER_TIMEOUT_S="3")
         t0 = time.monotonic()
-        p = _cli(["admit", "--lake", lake.uri], {"PIPELINE_DASK_SCHEDULER": c.address,
-                                                 "PIPELINE_DASK_WORKER_TIMEOUT_S": "3"})
-        assert p.returncode == 2, p.stdout + p.stderr
-        assert "Traceback" not in p.stderr
-        assert p.stderr.startswith(f"error: no Dask worker alive at {c.address}"), p.stderr
-        assert len(p.stderr.strip().splitlines()) <= 2, p.stderr  # the error and its hint
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline", "admit", "--lake", lake.uri],  # engine: auto
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        _wait_for_task(hold, proc)
+        c.kill_workers()                            # every worker dies mid-admission
+        (hold / "go").write_text("")
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 2, out + err
+        assert "Traceback" not in err, err[-3000:]
+        assert err.startswith(f"error: no Dask worker alive at {c.address} for 3s"), err[-3000:]
+        assert len(err.strip().splitlines()) <= 2, err  # the error and its hint
         assert time.monotonic() - t0 < 120
         assert not lake.exists("receipts")
-        # with a worker, the scheduled admission job (jobs/admission.yaml) admits on that cluster
-        c.workers = [c.add_worker(0)]
+        # with a worker again, the scheduled admission job (jobs/admission.yaml) admits on that cluster
+        c.workers = [c.add_worker(1)]
         c.wait_for(1)
         ok = _cli(["jobs", "run", "admission", "--lake", lake.uri, "--json"], {"PIPELINE_DASK_SCHEDULER": c.address})
         assert ok.returncode == 0, ok.stdout + ok.stderr[-3000:]
@@ -84,10 +99,7 @@ def test_lost_scheduler_is_one_line(lake, make_traj, tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "pipeline", "admit", "--lake", lake.uri, "--engine", "dask",
                                  "--dask-scheduler", c.address], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=dict(os.environ, PIPELINE_DASK_WORKER_TIMEOUT_S="20"))
-        deadline = time.time() + 240
-        while not list(hold.glob("task-*")):      # a read task is running on the worker
-            assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
-            time.sleep(0.02)
+        _wait_for_task(hold, proc)
         c.scheduler.kill()
         c.scheduler.wait(timeout=30)
         (hold / "go").write_text("")
