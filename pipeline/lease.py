@@ -132,7 +132,7 @@ class Lease:
         nxt, old_expires = self.generation + 1, self.expires
         self.expires = time.time() + (self.ttl if ttl is None else ttl)
         if not objects.put_if_absent(self.lake, _rel(self.name, nxt), self._body(nxt)) or \
-                _generations(self.lake, self.name)[-1] != nxt:
+                (_generations(self.lake, self.name) or [None])[-1] != nxt:
             self.expires = old_expires
             raise LeaseLostError(f"lease {self.name!r} was taken over while renewing", hint="stop: another owner "
                                  "runs now")
@@ -247,7 +247,7 @@ def try_acquire(lake, name: str, *, owner: str | None = None, ttl: float
         lease = Lease(lake, name, owner, ttl, nxt, time.time() + ttl, token)
         if not objects.put_if_absent(lake, _rel(name, nxt), lease._body(nxt)):
             continue  # another racer created generation nxt: it holds the lease (or look again)
-        if _generations(lake, name)[-1] != nxt:
+        if (_generations(lake, name) or [None])[-1] != nxt:
             # we read an old listing: a newer generation already existed, so ours is no lease
             objects.delete(lake, _rel(name, nxt))
             continue

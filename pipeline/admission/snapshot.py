@@ -243,7 +243,14 @@ def _publish_object_store(lake, parts, snapshot_id: str, manifest_extra: dict[st
         sha, nbytes, rows = _write_payload(fs, data_path, parts)
         manifest, mbytes = _manifest_bytes(snapshot_id, data_name, sha, nbytes, rows, manifest_extra)
         _barrier_point(snapshot_id)
-        committed = objects.put_if_absent(lake, f"{rel}/{MANIFEST}", mbytes)   # the commit point
+        for attempt in range(5):
+            committed = objects.put_if_absent(lake, f"{rel}/{MANIFEST}", mbytes)   # the commit point
+            if committed or _try_open(lake, snapshot_id) is not None:
+                break
+            # refused, yet no manifest: a concurrent conditional write was in flight (409) and failed
+            import time
+
+            time.sleep(0.2 * (attempt + 1))
     finally:
         if not committed:
             try:
