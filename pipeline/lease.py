@@ -131,8 +131,11 @@ class Lease:
                                  f"is newer than ours, {self.generation})", hint="stop: another owner runs now")
         nxt, old_expires = self.generation + 1, self.expires
         self.expires = time.time() + (self.ttl if ttl is None else ttl)
-        if not objects.put_if_absent(self.lake, _rel(self.name, nxt), self._body(nxt)) or \
-                (_generations(self.lake, self.name) or [None])[-1] != nxt:
+        created = objects.put_if_absent(self.lake, _rel(self.name, nxt), self._body(nxt))
+        if not created:  # ours after all if a retried PUT's first attempt landed
+            rec = _read(self.lake, self.name, nxt) or {}
+            created = rec.get("token") == self.token and not rec.get("released")
+        if not created or (_generations(self.lake, self.name) or [None])[-1] != nxt:
             self.expires = old_expires
             raise LeaseLostError(f"lease {self.name!r} was taken over while renewing", hint="stop: another owner "
                                  "runs now")
@@ -150,7 +153,9 @@ class Lease:
             return False
         nxt = self.generation + 1
         if not objects.put_if_absent(self.lake, _rel(self.name, nxt), self._body(nxt, released=True)):
-            return False
+            rec = _read(self.lake, self.name, nxt) or {}
+            if not (rec.get("token") == self.token and rec.get("released")):
+                return False  # taken over after it expired
         _forget_below(self.lake, self.name, nxt)
         return True
 
@@ -246,7 +251,10 @@ def try_acquire(lake, name: str, *, owner: str | None = None, ttl: float
             nxt = 1
         lease = Lease(lake, name, owner, ttl, nxt, time.time() + ttl, token)
         if not objects.put_if_absent(lake, _rel(name, nxt), lease._body(nxt)):
-            continue  # another racer created generation nxt: it holds the lease (or look again)
+            mine = _read(lake, name, nxt)
+            if not mine or mine.get("token") != token:
+                continue  # another racer created generation nxt: it holds the lease (or look again)
+            # ours after all: a retried PUT whose first attempt had landed
         if (_generations(lake, name) or [None])[-1] != nxt:
             # we read an old listing: a newer generation already existed, so ours is no lease
             objects.delete(lake, _rel(name, nxt))

@@ -133,3 +133,22 @@ def test_simultaneous_takeover_of_an_expired_lease_has_exactly_one_winner(kind, 
         assert holder(lk, f"race-{t}")["owner"] == f"racer-{win['racer']}"
         assert {r["holder"] for r in rows if not r["got"]} == {f"racer-{win['racer']}"}, \
             "every refusal names the live owner"
+
+
+def test_a_retried_put_that_had_landed_is_still_ours(any_lake, monkeypatch):
+    """A PUT retried after an ambiguous failure is refused (412) although its
+    first attempt created the object: the lease compares tokens, not outcomes."""
+    import pipeline.lease as L
+
+    real = L.objects.put_if_absent
+
+    def landed_but_refused(lake, rel, data):
+        real(lake, rel, data)
+        return False
+
+    monkeypatch.setattr(L.objects, "put_if_absent", landed_but_refused)
+    lease = acquire(any_lake, "job-r", owner="me", ttl=60)
+    assert lease is not None and holder(any_lake, "job-r")["owner"] == "me"
+    lease.renew()
+    assert lease.held()
+    assert lease.release() and holder(any_lake, "job-r") is None

@@ -245,7 +245,10 @@ def _publish_object_store(lake, parts, snapshot_id: str, manifest_extra: dict[st
         _barrier_point(snapshot_id)
         for attempt in range(5):
             committed = objects.put_if_absent(lake, f"{rel}/{MANIFEST}", mbytes)   # the commit point
-            if committed or _try_open(lake, snapshot_id) is not None:
+            published = None if committed else _try_open(lake, snapshot_id)
+            if published is not None and published.manifest_sha256 == _sha(mbytes):
+                committed = True  # ours (it names our payload): a retried PUT whose first attempt landed
+            if committed or published is not None:
                 break
             # refused, yet no manifest: a concurrent conditional write was in flight (409) and failed
             import time

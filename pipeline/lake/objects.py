@@ -20,6 +20,7 @@ The only module importing boto3 (deltalake does not expose its object store).
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from pathlib import Path
 
@@ -44,6 +45,7 @@ def s3_bucket_key(lake, rel: str) -> tuple[str, str]:
 
 
 _CLIENTS: dict[tuple, object] = {}
+_CLIENTS_LOCK = threading.Lock()  # boto3's default session is not thread-safe (jobs schedule runs threads)
 
 
 def s3_client(lake):
@@ -56,16 +58,17 @@ def s3_client(lake):
                             hint="pip install boto3 (a dependency of trajectory-lakehouse)") from exc
     opts = lake.storage_options or {}
     key = (os.getpid(), tuple(sorted(opts.items())))
-    client = _CLIENTS.get(key)
-    if client is None:
-        client = boto3.client("s3", endpoint_url=opts.get("AWS_ENDPOINT_URL"),
-                              aws_access_key_id=opts.get("AWS_ACCESS_KEY_ID"),
-                              aws_secret_access_key=opts.get("AWS_SECRET_ACCESS_KEY"),
-                              aws_session_token=opts.get("AWS_SESSION_TOKEN"),
-                              region_name=opts.get("AWS_REGION", "us-east-1"),
-                              config=Config(retries={"max_attempts": 8, "mode": "standard"}))
+    with _CLIENTS_LOCK:
+        client = _CLIENTS.get(key)
+        if client is not None:
+            return client
+        client = boto3.session.Session().client(
+            "s3", endpoint_url=opts.get("AWS_ENDPOINT_URL"), aws_access_key_id=opts.get("AWS_ACCESS_KEY_ID"),
+            aws_secret_access_key=opts.get("AWS_SECRET_ACCESS_KEY"), aws_session_token=opts.get("AWS_SESSION_TOKEN"),
+            region_name=opts.get("AWS_REGION", "us-east-1"),
+            config=Config(retries={"max_attempts": 8, "mode": "standard"}))
         _CLIENTS[key] = client
-    return client
+        return client
 
 
 def _is_precondition_failed(exc: Exception) -> bool:
@@ -83,7 +86,11 @@ def _is_missing(exc: Exception) -> bool:
 
 
 def put_if_absent(lake, rel: str, data: bytes) -> bool:
-    """Create ``rel`` with ``data`` unless it exists. True when this call created it."""
+    """Create ``rel`` with ``data`` unless it exists. True when this call created it.
+
+    A retried request whose first attempt did land is refused by the store
+    like a racer's: callers that must know compare the stored bytes with
+    theirs (make ``data`` unique to the caller)."""
     _require_supported(lake)
     if lake.is_local:
         target = _local_path(lake, rel)

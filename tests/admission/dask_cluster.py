@@ -51,11 +51,7 @@ class Cluster:
             w.wait(timeout=30)
 
     def close(self) -> None:
-        for p in [*self.workers, self.scheduler]:
+        for p in [*self.workers, self.scheduler]:  # nothing to keep: no graceful (reconnecting) shutdown
             if p.poll() is None:
-                p.terminate()
-        for p in [*self.workers, self.scheduler]:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
                 p.kill()
+            p.wait(timeout=30)

@@ -71,3 +71,27 @@ def test_racing_publications_of_one_snapshot_id(kind, lake, tmp_path, request):
         assert json.loads(cli.stdout.strip().splitlines()[-1])["ok"]
     if kind == "local":
         assert not [p for p in (Path(lk.uri) / "_snapshots").iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_a_retried_manifest_put_that_had_landed_is_our_publication(s3_lake, monkeypatch):
+    import pyarrow as pa
+
+    from pipeline.admission.snapshot import compute_snapshot_id, write_snapshot_files
+    from pipeline.lake import objects
+    from pipeline.train.fixtures import synthetic_payload
+
+    real = objects.put_if_absent
+
+    def landed_but_refused(lake, rel, data):
+        real(lake, rel, data)
+        return False
+
+    monkeypatch.setattr(objects, "put_if_absent", landed_but_refused)
+    payload = synthetic_payload(8, seed=9)
+    sid = compute_snapshot_id(zip(payload.column("trajectory_id").to_pylist(),
+                                  payload.column("content_hash").to_pylist()), "retry", "grpo")
+    payload = payload.set_column(0, "snapshot_id", pa.array([sid] * payload.num_rows))
+    snap = write_snapshot_files(s3_lake, payload, snapshot_id=sid,
+                                manifest_extra={"config_hash": "retry", "advantage_estimator": "grpo"})
+    assert verify_snapshot(s3_lake, sid)["ok"], "its payload was kept: the manifest that landed names it"
+    assert open_snapshot(s3_lake, sid).manifest_sha256 == snap.manifest_sha256
