@@ -111,3 +111,17 @@ def test_lost_scheduler_is_one_line(lake, make_traj, tmp_path):
         assert not lake.exists("receipts")
     finally:
         c.close()
+
+
+def test_no_worker_at_start_times_out(lake, make_traj, tmp_path, monkeypatch):
+    from pipeline.errors import PipelineError
+
+    lake.append("trajectories", stamp_derived(make_traj(8, seed=7), "i1"), command="test")
+    c = Cluster(tmp_path, n_workers=0)
+    try:
+        monkeypatch.setenv("PIPELINE_DASK_WORKER_TIMEOUT_S", "2")
+        with pytest.raises(PipelineError, match=f"no Dask worker alive at {c.address} after 2s"):
+            admit(lake, CFG, engine="dask", dask_scheduler=c.address)
+        assert not lake.exists("receipts")
+    finally:
+        c.close()
