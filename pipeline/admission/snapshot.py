@@ -267,6 +267,46 @@ def _publish_object_store(lake, parts, snapshot_id: str, manifest_extra: dict[st
     return _try_open(lake, snapshot_id)  # type: ignore[return-value]
 
 
+def remove_unpublished_payloads(lake, *, min_age_s: float, dry_run: bool = False) -> list[str]:
+    """Payload files ``_snapshots/<id>/members.<rand>.parquet`` that the id's
+    manifest does not name (a losing or killed publisher's on an object store),
+    older than ``min_age_s`` (a publication in progress looks the same until
+    its manifest lands). Returns ``<id>/<file>`` of each one removed."""
+    import time
+
+    import pyarrow.fs as pafs
+
+    fs, root = lake.filesystem()
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(f"{root}/_snapshots", allow_not_found=True, recursive=True))
+    except (FileNotFoundError, OSError):
+        return []
+    by_dir: dict[str, list] = {}
+    for info in infos:
+        parts = info.path[len(root) + 1:].split("/")
+        if info.type == pafs.FileType.File and len(parts) == 3 and not parts[1].startswith(TMP_PREFIX):
+            by_dir.setdefault(parts[1], []).append(info)
+    cutoff = time.time() - min_age_s
+    out = []
+    for sid, files in sorted(by_dir.items()):
+        snap = _try_open(lake, sid)
+        named = set(snap.manifest.get("files", {})) if snap is not None else set()
+        for info in files:
+            name = info.base_name
+            if name == MANIFEST or name in named or not (name.startswith(PENDING_DATA_PREFIX)
+                                                           and name.endswith(".parquet")):
+                continue
+            if info.mtime is not None and info.mtime.timestamp() > cutoff:
+                continue
+            out.append(f"{sid}/{name}")
+            if not dry_run:
+                try:
+                    fs.delete_file(info.path)
+                except (FileNotFoundError, OSError):
+                    pass  # removed by a concurrent maintain
+    return out
+
+
 def _try_open(lake, snapshot_id: str) -> Snapshot | None:
     fs, root = lake.filesystem()
     rel = snapshot_dir(snapshot_id)

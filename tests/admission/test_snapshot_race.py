@@ -95,3 +95,46 @@ def test_a_retried_manifest_put_that_had_landed_is_our_publication(s3_lake, monk
                                 manifest_extra={"config_hash": "retry", "advantage_estimator": "grpo"})
     assert verify_snapshot(s3_lake, sid)["ok"], "its payload was kept: the manifest that landed names it"
     assert open_snapshot(s3_lake, sid).manifest_sha256 == snap.manifest_sha256
+
+
+def test_maintain_removes_unpublished_payloads_on_s3(s3_lake, tmp_path):
+    """A publisher killed between its payload and its manifest (and a loser that
+    died before deleting its payload) leave payloads no manifest names:
+    `lake maintain` removes them once old enough, never the published one."""
+    import pyarrow as pa
+
+    from pipeline.admission.snapshot import compute_snapshot_id, snapshot_dir, write_snapshot_files
+    from pipeline.lake import objects
+    from pipeline.lake.maintain import maintain
+    from pipeline.train.fixtures import synthetic_payload
+
+    def payload(seed):
+        p = synthetic_payload(8, seed=seed)
+        sid = compute_snapshot_id(zip(p.column("trajectory_id").to_pylist(), p.column("content_hash").to_pylist()),
+                                  "m", "grpo")
+        return sid, p.set_column(0, "snapshot_id", pa.array([sid] * p.num_rows))
+
+    extra = {"config_hash": "m", "advantage_estimator": "grpo"}
+    sid, p = payload(1)
+    write_snapshot_files(s3_lake, p, snapshot_id=sid, manifest_extra=extra)
+    fs, root = s3_lake.filesystem()
+    with fs.open_output_stream(f"{root}/{snapshot_dir(sid)}/members.deadbeefdeadbeef.parquet") as f:
+        f.write(b"a loser's payload it did not get to delete")
+    # a publisher SIGKILLed at its commit point (the barrier hook's readiness marker): payload, no manifest
+    sync = tmp_path / "sync"
+    (sync / "trial-0").mkdir(parents=True)
+    proc = subprocess.Popen([sys.executable, str(RACER), s3_lake.uri, json.dumps(s3_lake.storage_options), str(sync),
+                             "0", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not list((sync / "trial-0").glob("ready-*")):
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait(timeout=60)
+    dead = (sync / "trial-0" / next((sync / "trial-0").glob("ready-*")).name).read_text()
+    assert objects.get(s3_lake, f"{snapshot_dir(dead)}/manifest.json") is None  # it never published
+    assert maintain(s3_lake, orphan_min_age_s=3600)["snapshot_temp_dirs_removed"] == []  # too young
+    removed = maintain(s3_lake, orphan_min_age_s=0)["snapshot_temp_dirs_removed"]
+    assert sorted(r.split("/")[0] for r in removed) == sorted([sid, dead]), removed
+    assert verify_snapshot(s3_lake, sid)["ok"]
+    assert open_snapshot(s3_lake, sid) is not None
