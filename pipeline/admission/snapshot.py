@@ -289,7 +289,12 @@ def remove_unpublished_payloads(lake, *, min_age_s: float, dry_run: bool = False
     cutoff = time.time() - min_age_s
     out = []
     for sid, files in sorted(by_dir.items()):
-        snap = _try_open(lake, sid)
+        if not SNAPSHOT_ID_RE.fullmatch(sid):
+            continue  # not a snapshot directory: not ours to clean
+        try:
+            snap = _try_open(lake, sid)
+        except IntegrityError:
+            continue  # a damaged manifest: leave the directory for a person to restore
         named = set(snap.manifest.get("files", {})) if snap is not None else set()
         for info in files:
             name = info.base_name
