@@ -7,11 +7,13 @@
     timeout_s: 1800
     before: [[policy, init, --if-missing]]   # optional: command lines run first (bootstrap), each must succeed
 
-`pipeline jobs run NAME` runs one job once under a lease lock in the lake
-(``<lake>/_locks/job-NAME``, created with an exclusive create: O_EXCL on a
-local lake, a conditional PUT (If-None-Match) on object stores), so a double
-start — a Kubernetes CronJob may start a job twice — yields one run; the
-second start reports ``skipped: already running``. The jobs themselves are
+`pipeline jobs run NAME` runs one job once under a lease in the lake
+(pipeline/lease.py, name ``job-NAME`` under ``<lake>/_locks/``: generation
+objects created with an exclusive create, a hard link on a local lake, a
+conditional PUT (If-None-Match) on S3; docs/leases.md), so a double start — a
+Kubernetes CronJob may start a job twice — yields one run, and of any number
+of starters racing to take over an expired lease exactly one wins; the others
+report ``skipped: already running (lease 'job-NAME' is held by ...)``. The jobs themselves are
 idempotent too (admission never decides a group twice, training refuses a
 consumed snapshot), so a start after the lease expired is still safe.
 `pipeline jobs schedule` runs every job on its schedule in the foreground.
@@ -23,7 +25,6 @@ published checkpoint has trained on; with none, the job does nothing.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -82,114 +83,33 @@ def load_jobs(jobs_dir: str | Path | None = None) -> dict[str, JobSpec]:
 
 # -- the lease lock ---------------------------------------------------------------------
 class JobLock:
-    """An exclusive-create lease file in the lake. ``acquire`` returns False when
-    another live holder has it; an expired lease is broken and retaken."""
+    """The job's lease (pipeline/lease.py, name ``job-<name>``). ``acquire``
+    returns False when another live holder has it (``held_by`` then says who);
+    an expired lease is taken over by exactly one of any number of racers."""
 
     def __init__(self, lake, name: str, lease_s: int) -> None:
         self.lake, self.name, self.lease_s = lake, name, lease_s
-        self.rel = f"_locks/job-{name}"
-        self.body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                "expires": time.time() + lease_s, "job": name}).encode()
-
-    def _create(self) -> bool:
-        if self.lake.is_local:
-            p = Path(self.lake.uri) / self.rel
-            p.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(self.body)
-            return True
-        bucket, key = self._s3_key()
-        try:
-            self._s3().put_object(Bucket=bucket, Key=key, Body=self.body, IfNoneMatch="*")
-            return True
-        except Exception as exc:  # botocore ClientError 412 PreconditionFailed
-            if "PreconditionFailed" in str(exc) or "412" in str(exc):
-                return False
-            raise
-
-    def _read(self) -> dict[str, Any] | None:
-        try:
-            if self.lake.is_local:
-                return json.loads((Path(self.lake.uri) / self.rel).read_bytes())
-            bucket, key = self._s3_key()
-            return json.loads(self._s3().get_object(Bucket=bucket, Key=key)["Body"].read())
-        except Exception:
-            return None
-
-    def _delete(self) -> None:
-        if self.lake.is_local:
-            (Path(self.lake.uri) / self.rel).unlink(missing_ok=True)
-        else:
-            bucket, key = self._s3_key()
-            self._s3().delete_object(Bucket=bucket, Key=key)
-
-    def _s3_key(self) -> tuple[str, str]:
-        rest = self.lake.uri.split("://", 1)[1]
-        bucket, _, prefix = rest.partition("/")
-        return bucket, f"{prefix}/{self.rel}".lstrip("/")
-
-    def _s3(self):
-        import boto3
-
-        opts = self.lake.storage_options or {}
-        return boto3.client("s3", endpoint_url=opts.get("AWS_ENDPOINT_URL"),
-                            aws_access_key_id=opts.get("AWS_ACCESS_KEY_ID"),
-                            aws_secret_access_key=opts.get("AWS_SECRET_ACCESS_KEY"),
-                            region_name=opts.get("AWS_REGION", "us-east-1"))
+        self.lease_name = f"job-{name}"
+        self.lease = None
+        self.held_by: dict[str, Any] | None = None
 
     def acquire(self) -> bool:
-        if self._create():
-            return True
-        held = self._read()
-        if held is None and self.lake.is_local:
-            # created but never written (the holder died in between): judge by its age
-            try:
-                held = {"expires": (Path(self.lake.uri) / self.rel).stat().st_mtime + self.lease_s}
-            except FileNotFoundError:
-                return self._create()
-        if held is not None and held.get("expires", 0) < time.time():
-            # an expired lease: its holder died (the job itself is idempotent)
-            if self.lake.is_local:
-                return self._break_local()
-            self._delete()
-            return self._create()
-        return False
+        from pipeline.lease import try_acquire
 
-    def _break_local(self) -> bool:
-        """Break an expired lease without deleting a fresh one: two starters can
-        both have seen the old lease expired, and the slower one must not delete
-        the lease the faster one just took. Rename is atomic, so only one process
-        gets the file; whoever finds it fresh puts it back."""
-        import uuid
+        self.lease, self.held_by = try_acquire(
+            self.lake, self.lease_name, ttl=self.lease_s,
+            owner=f"pipeline jobs run {self.name} on {socket.gethostname()} pid {os.getpid()}")
+        return self.lease is not None
 
-        lock = Path(self.lake.uri) / self.rel
-        tomb = lock.with_name(f"{lock.name}.broken-{uuid.uuid4().hex}")
-        try:
-            os.rename(lock, tomb)
-        except FileNotFoundError:
-            return self._create()
-        try:
-            held = json.loads(tomb.read_bytes())
-        except (OSError, ValueError):
-            held = {"expires": tomb.stat().st_mtime + self.lease_s}
-        if held.get("expires", 0) < time.time():
-            tomb.unlink(missing_ok=True)
-            return self._create()
-        try:
-            os.link(tomb, lock)  # a fresh lease: restore it (fails if yet another one exists)
-        except FileExistsError:
-            pass
-        tomb.unlink(missing_ok=True)
-        return False
+    def holder(self) -> dict[str, Any] | None:
+        from pipeline.lease import holder
+
+        return holder(self.lake, self.lease_name)
 
     def release(self) -> None:
-        held = self._read()
-        if held is not None and held.get("pid") == os.getpid() and held.get("host") == socket.gethostname():
-            self._delete()
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -235,8 +155,11 @@ def run_job(lake, spec: JobSpec) -> dict[str, Any]:
 def _run_job(lake, spec: JobSpec, started: datetime) -> dict[str, Any]:
     lock = JobLock(lake, spec.name, spec.lease)
     if not lock.acquire():
-        return {"job": spec.name, "status": "skipped", "reason": "already running (lease held)",
-                "started_at": started.isoformat()}
+        from pipeline.lease import describe_holder
+
+        return {"job": spec.name, "status": "skipped",
+                "reason": f"already running ({describe_holder(lock.lease_name, lock.held_by)})",
+                "holder": (lock.held_by or {}).get("owner"), "started_at": started.isoformat()}
     try:
         args = resolve_args(lake, spec)
         if args is None:

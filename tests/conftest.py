@@ -73,3 +73,19 @@ def s3_env(s3_server, monkeypatch):
     bucket = f"lake-{time.time_ns()}"
     s3.create_bucket(Bucket=bucket)
     return s3, bucket
+
+
+@pytest.fixture
+def s3_lake(s3_server):
+    """A Lake in a fresh bucket of the moto server; its storage options are explicit
+    (nothing read from this process's AWS_* environment)."""
+    import boto3
+
+    from pipeline.lake.delta import Lake
+
+    opts = {"AWS_ENDPOINT_URL": s3_server, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+    bucket = f"lake-{time.time_ns()}"
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="testing",
+                 aws_secret_access_key="testing").create_bucket(Bucket=bucket)
+    return Lake(f"s3://{bucket}/lake", storage_options=opts)

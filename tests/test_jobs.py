@@ -67,16 +67,18 @@ def test_double_start_yields_one_run(lake, tmp_path):
     d = _job(tmp_path, "slow", ["sql", slow, "--json"])
     first = subprocess.Popen([sys.executable, "-m", "pipeline", "jobs", "run", "slow", "--jobs-dir", str(d),
                               "--lake", lake.uri, "--json"], stdout=subprocess.PIPE, text=True)
-    lock = Path(lake.uri) / "_locks" / "job-slow"
+    from pipeline.lease import holder
+
     for _ in range(600):
-        if lock.exists() or first.poll() is not None:
+        if holder(lake, "job-slow") is not None or first.poll() is not None:
             break
         time.sleep(0.05)
     second = run_job(lake, load_jobs(d)["slow"])
     out, _ = first.communicate(timeout=600)
     assert second["status"] == "skipped", second
+    assert "held by pipeline jobs run slow" in second["reason"], second
     assert json.loads(out)["status"] == "ok"
-    assert not lock.exists(), "the lease is released after the run"
+    assert holder(lake, "job-slow") is None, "the lease is released after the run"
 
 
 def test_slot_and_next_snapshot_tokens(lake):
@@ -94,17 +96,21 @@ def test_schedule_runs_jobs_on_their_cron(lake, tmp_path):
 
 
 def test_breaking_an_expired_lease_never_deletes_a_fresh_one(lake):
-    """Two starters both saw the old lease expired: the one that breaks it takes
-    the job; the late one finds the fresh lease and backs off."""
+    """Two starters both saw the old lease expired: the one that takes it over
+    holds the job; the late one finds the fresh lease and backs off, and the
+    fresh lease is still there (tests/test_leases.py races many at once)."""
+    from pipeline.lease import holder
+
     dead = JobLock(lake, "k", lease_s=-1)
     assert dead.acquire()                    # a holder that died: its lease is over
     first, late = JobLock(lake, "k", lease_s=60), JobLock(lake, "k", lease_s=60)
-    assert first._break_local()              # breaks the expired lease, takes a fresh one
-    assert not late._break_local()           # finds that fresh lease: puts it back
-    assert not late.acquire()
-    held = json.loads((Path(lake.uri) / "_locks" / "job-k").read_bytes())
-    assert held["expires"] > time.time()
-    assert not list((Path(lake.uri) / "_locks").glob("*.broken-*"))
+    assert first.acquire()                   # takes the expired lease over
+    assert not late.acquire()                # finds that fresh lease and backs off
+    assert late.held_by["owner"] == first.lease.owner
+    held = holder(lake, "job-k")
+    assert held["expires"] > time.time() and held["generation"] == first.lease.generation
+    dead.release()                           # the dead holder's late release must not free it
+    assert holder(lake, "job-k")["generation"] == first.lease.generation
 
 
 def test_a_lock_created_but_never_written_expires_by_age(lake):
@@ -116,3 +122,32 @@ def test_a_lock_created_but_never_written_expires_by_age(lake):
     old = time.time() - 120
     os.utime(lock, (old, old))
     assert JobLock(lake, "e", lease_s=60).acquire()
+
+
+def test_admission_job_runs_on_the_dask_cluster_infra_starts():
+    """compose and Kubernetes start a scheduler and workers, point admission at
+    it with PIPELINE_DASK_SCHEDULER, and give workers no lake credentials (the
+    driver sends the lake's storage options); the admission job's engine is
+    auto, so that variable selects Dask (tests/admission/test_dask_cluster.py runs it)."""
+    compose = yaml.safe_load((ROOT / "infra" / "compose.yaml").read_text())["services"]
+    addr = compose["scheduler"]["environment"]["PIPELINE_DASK_SCHEDULER"]
+    assert addr == "tcp://dask-scheduler:8786"
+    assert compose["dask-scheduler"]["entrypoint"][:2] == ["dask", "scheduler"]
+    assert compose["dask-worker"]["entrypoint"][:3] == ["dask", "worker", addr]
+    assert not [k for k in compose["dask-worker"].get("environment") or {} if k.startswith("AWS_")]
+    cm = yaml.safe_load((ROOT / "infra" / "k8s" / "configmap.yaml").read_text())["data"]
+    assert cm["PIPELINE_DASK_SCHEDULER"] == addr
+    docs = {(d["kind"], d["metadata"]["name"]): d
+            for d in yaml.safe_load_all((ROOT / "infra" / "k8s" / "dask.yaml").read_text())}
+    svc = docs[("Service", "dask-scheduler")]
+    assert 8786 in [p["port"] for p in svc["spec"]["ports"]]
+    sched = docs[("Deployment", "dask-scheduler")]["spec"]["template"]["spec"]["containers"][0]
+    assert sched["command"][:2] == ["dask", "scheduler"]
+    worker = docs[("Deployment", "dask-worker")]["spec"]["template"]["spec"]["containers"][0]
+    assert worker["command"][:3] == ["dask", "worker", addr]
+    assert "admit" in load_jobs()["admission"].args and "--engine" not in load_jobs()["admission"].args
+
+    from pipeline.admission.command import resolve_engine
+
+    assert resolve_engine("auto", addr) == ("dask", addr)
+    assert resolve_engine("auto", None)[0] in ("duckdb", "dask")  # dask only if the env names a cluster

@@ -4,6 +4,7 @@
     pipeline admit --dry-run --json                    # the receipts it would write
     pipeline admit --set max_policy_lag=2 --set "update_if=['max(task_success) >= 0.5']"
     pipeline admit --engine dask --dask-scheduler tcp://host:8786
+    PIPELINE_DASK_SCHEDULER=tcp://host:8786 pipeline admit   # auto: dask on that cluster
     pipeline snapshots verify SNAPSHOT_ID              # rehash the snapshot's files
 """
 
@@ -30,10 +31,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--current-policy-version", type=int, default=None, metavar="V",
                    help="measure freshness against V (default: newest published policy, else newest in trajectories)")
     p.add_argument("--dry-run", action="store_true", help="print the receipts it would write; write nothing")
-    p.add_argument("--engine", choices=("duckdb", "dask"), default="duckdb",
-                   help="duckdb (one machine, default) or dask (a distributed cluster)")
+    p.add_argument("--engine", choices=("auto", "duckdb", "dask"), default="auto",
+                   help="duckdb (one machine) or dask (a distributed cluster); auto (default): dask when a "
+                        "scheduler is given (--dask-scheduler or $PIPELINE_DASK_SCHEDULER), else duckdb")
     p.add_argument("--dask-scheduler", default=None, metavar="ADDRESS",
-                   help="dask scheduler address (default: a LocalCluster)")
+                   help="dask scheduler address (default: $PIPELINE_DASK_SCHEDULER, else a LocalCluster)")
+    p.add_argument("--dask-worker-timeout", type=float, default=None, metavar="SECONDS",
+                   help="stop with an error when no Dask worker is alive this long "
+                        "(default: $PIPELINE_DASK_WORKER_TIMEOUT_S, else 120)")
     p.add_argument("--target-groups", type=int, default=None, metavar="N",
                    help="report how many admitted groups are missing to reach N and the observed admit rate")
     p.set_defaults(handler=_admit)
@@ -58,11 +63,32 @@ def _admit(args: argparse.Namespace) -> int | None:
     from pipeline.config import load_config, parse_set
 
     cfg = load_config(AdmissionConfig, args.config, parse_set(args.set))
+    engine, scheduler = resolve_engine(args.engine, args.dask_scheduler)
+    if args.dask_worker_timeout is not None:
+        import os
+
+        from pipeline.errors import ConfigError
+
+        if args.dask_worker_timeout <= 0:
+            raise ConfigError("--dask-worker-timeout must be a positive number of seconds")
+        os.environ["PIPELINE_DASK_WORKER_TIMEOUT_S"] = str(args.dask_worker_timeout)  # read by the Dask engine
     res = admit(open_lake(args), cfg, current_policy_version=args.current_policy_version, dry_run=args.dry_run,
-                engine=args.engine, dask_scheduler=args.dask_scheduler, target_groups=args.target_groups)
+                engine=engine, dask_scheduler=scheduler, target_groups=args.target_groups)
     out = res.as_dict(with_receipts=args.dry_run)
     emit(out, args, _admit_text)
     return None
+
+
+def resolve_engine(engine: str, scheduler: str | None) -> tuple[str, str | None]:
+    """``auto`` is dask when a scheduler is configured (the flag or
+    $PIPELINE_DASK_SCHEDULER: compose and Kubernetes set it, so the scheduled
+    admission job runs on the cluster), else duckdb."""
+    import os
+
+    scheduler = scheduler or os.environ.get("PIPELINE_DASK_SCHEDULER") or None
+    if engine == "auto":
+        engine = "dask" if scheduler else "duckdb"
+    return engine, scheduler
 
 
 def _admit_text(d: dict[str, Any]) -> str:

@@ -1,6 +1,13 @@
 """The Dask engine: the same rules as sql/admission_*.sql, in pandas, on a
-``distributed`` cluster (``--dask-scheduler ADDRESS``; a LocalCluster when none
-is given). The only module importing dask.
+``distributed`` cluster (``--dask-scheduler ADDRESS`` or ``$PIPELINE_DASK_SCHEDULER``;
+a LocalCluster when neither is given). The only module importing dask.
+
+Workers get everything they need in the task arguments: the file list and
+the lake's storage options (credentials and endpoint), so a worker started
+without AWS_* in its own environment reads an S3 lake. With no worker alive
+for ``$PIPELINE_DASK_WORKER_TIMEOUT_S`` (default 120 s) admission stops with a
+one-line error; so does a lost scheduler (nothing is committed before the
+engine returns).
 
 The dataframe is built over the Delta version's Parquet files (the lake's
 file list with each file's partition values: Delta keeps partition columns
@@ -12,6 +19,9 @@ slower than DuckDB on one machine: it is the scale-out path, not the default.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import CancelledError
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -23,6 +33,12 @@ import pyarrow as pa
 from pipeline.admission import candidates as cand
 from pipeline.admission.config import AdmissionConfig
 from pipeline.admission.decide import REF_FIELDS, conform, group_schema, member_schema
+from pipeline.errors import ConfigError, PipelineError
+
+SCHEDULER_ENV = "PIPELINE_DASK_SCHEDULER"
+WORKER_TIMEOUT_ENV = "PIPELINE_DASK_WORKER_TIMEOUT_S"
+HOLD_ENV = "PIPELINE_DASK_TEST_HOLD"  # test hook (workers): a directory; each read task marks itself, waits for `go`
+DEFAULT_WORKER_TIMEOUT_S = 120.0
 
 # keep object columns object: the engines must compare like Python strings
 dask.config.set({"dataframe.convert-string": False})
@@ -50,13 +66,13 @@ def _read_file(item: tuple[str, dict[str, Any]], cfg: AdmissionConfig, decided: 
     from pipeline.schema import table_spec
 
     uri, partition_values = item
+    if os.environ.get(HOLD_ENV):
+        _hold(os.environ[HOLD_ENV])
     spec = table_spec("trajectories")
     cols = cand.source_columns(cfg)
     if "://" in uri and not uri.startswith("file://"):
-        import pyarrow.fs as pafs
-
-        fs, path = pafs.FileSystem.from_uri(uri)
-        pf = pq.ParquetFile(fs.open_input_file(path))
+        fs = _worker_filesystem(uri, storage_options)
+        pf = pq.ParquetFile(fs.open_input_file(uri.split("://", 1)[1]))
     else:
         pf = pq.ParquetFile(uri.removeprefix("file://"))
     present = [c for c in cols if c in pf.schema_arrow.names]
@@ -66,6 +82,33 @@ def _read_file(item: tuple[str, dict[str, Any]], cfg: AdmissionConfig, decided: 
             f = spec.column(c).arrow_field()
             t = t.append_column(f, pa.array([partition_values.get(c)] * t.num_rows, f.type))
     return cand.extract(t.select(cols), cfg, decided).to_pandas()
+
+
+def _hold(d: str) -> None:
+    import time
+    from pathlib import Path
+
+    Path(d, f"task-{os.getpid()}-{time.time_ns()}").touch()
+    deadline = time.time() + 120
+    while not Path(d, "go").exists() and time.time() < deadline:
+        time.sleep(0.01)
+
+
+_FILESYSTEMS: dict[tuple, Any] = {}
+
+
+def _worker_filesystem(uri: str, storage_options: dict | None):
+    """The object-store filesystem built from the driver's storage options (the
+    lake's own mapping, Lake.filesystem), cached per worker process: never
+    from the worker's environment unless the driver had no options either."""
+    from pipeline.lake.delta import Lake
+
+    scheme, rest = uri.split("://", 1)
+    root = f"{scheme}://{rest.split('/', 1)[0]}"
+    key = (root, tuple(sorted((storage_options or {}).items())))
+    if key not in _FILESYSTEMS:
+        _FILESYSTEMS[key] = Lake(root, storage_options=storage_options).filesystem()[0]
+    return _FILESYSTEMS[key]
 
 
 def _first_min(values: pd.Series):
@@ -154,18 +197,112 @@ def _meta(cfg: AdmissionConfig) -> pd.DataFrame:
     return pd.DataFrame({c: pd.Series(dtype=object) for c in cols})
 
 
-def _client(dask_scheduler: str | None):
+def scheduler_address(explicit: str | None = None) -> str | None:
+    """``--dask-scheduler`` > ``$PIPELINE_DASK_SCHEDULER`` > None (a LocalCluster)."""
+    return explicit or os.environ.get(SCHEDULER_ENV) or None
+
+
+def worker_timeout_s(explicit: float | None = None) -> float:
+    """Seconds admission waits while no worker is alive (``$PIPELINE_DASK_WORKER_TIMEOUT_S``)."""
+    if explicit is not None:
+        return float(explicit)
+    raw = os.environ.get(WORKER_TIMEOUT_ENV)
+    if not raw:
+        return DEFAULT_WORKER_TIMEOUT_S
+    try:
+        v = float(raw)
+    except ValueError:
+        v = -1.0
+    if v <= 0:
+        raise ConfigError(f"{WORKER_TIMEOUT_ENV}={raw!r} is not a positive number of seconds")
+    return v
+
+
+@contextmanager
+def _quiet_distributed():
+    """distributed logs every lost connection with a traceback; the CLI reports
+    one line instead (the exception below), so keep its client side quiet."""
+    import logging
+
+    import distributed  # noqa: F401  (its import configures its loggers: quiet them after that)
+
+    prefixes = ("distributed", "tornado", "asyncio")
+    names = [n for n in [*prefixes, *logging.root.manager.loggerDict] if n.split(".")[0] in prefixes]
+    before = {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).setLevel(logging.CRITICAL + 1)
+    yield
+    # restored on success only: after a lost scheduler the client's background
+    # reconnect keeps logging tracebacks after it is closed
+    for n, lvl in before.items():
+        logging.getLogger(n).setLevel(lvl)
+
+
+def _client(dask_scheduler: str | None, connect_timeout: float):
     from distributed import Client, LocalCluster
 
     if dask_scheduler:
-        return Client(dask_scheduler), None
+        try:
+            return Client(dask_scheduler, timeout=connect_timeout), None
+        except (OSError, TimeoutError) as exc:
+            raise PipelineError(f"cannot reach the Dask scheduler at {dask_scheduler} "
+                                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})",
+                                hint=f"start it (dask scheduler) or fix --dask-scheduler / ${SCHEDULER_ENV}") from None
     cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None)
     return Client(cluster), cluster
 
 
+def _alive_workers(client) -> int:
+    return len(client.nthreads())
+
+
+def _result(client, collection, *, address: str, worker_timeout: float):
+    """``client.compute(collection).result()``, failing in one line when no
+    worker is alive for ``worker_timeout`` seconds or the scheduler is lost."""
+    import time
+
+    from distributed import wait
+
+    fut = client.compute(collection)
+    idle_since: float | None = None
+    while True:
+        try:
+            wait(fut, timeout=1.0)
+        except TimeoutError:
+            pass
+        if fut.done():
+            if fut.status == "error":  # a task raised: its own error, not a lost cluster
+                raise _TaskError(fut.exception())
+            return fut.result()
+        if fut.status in ("lost", "cancelled"):
+            raise _lost(address, None)
+        n = _alive_workers(client)
+        if n:
+            idle_since = None
+        elif idle_since is None:
+            idle_since = time.monotonic()
+        elif time.monotonic() - idle_since >= worker_timeout:
+            fut.cancel()
+            raise PipelineError(f"no Dask worker alive at {address} for {worker_timeout:g}s; admission stopped, "
+                                "nothing committed",
+                                hint=f"start workers (dask worker {address}) or raise ${WORKER_TIMEOUT_ENV}")
+
+
+class _TaskError(Exception):
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(str(original))
+        self.original = original
+
+
+def _lost(address: str, exc: BaseException | None) -> PipelineError:
+    what = f" ({type(exc).__name__})" if exc is not None else ""
+    return PipelineError(f"lost the Dask scheduler at {address} during admission{what}; nothing committed",
+                         hint="check the scheduler and rerun pipeline admit (admission is idempotent)")
+
+
 def run_with_quality(lake, version: int, cfg: AdmissionConfig, *, decided: pa.Array, quality_fn,
-                     current_policy_version: int, now: datetime, dask_scheduler: str | None = None
-                     ) -> tuple[pa.Table, pa.Table, dict[str, Any], int]:
+                     current_policy_version: int, now: datetime, dask_scheduler: str | None = None,
+                     worker_timeout: float | None = None) -> tuple[pa.Table, pa.Table, dict[str, Any], int]:
     """-> (members, groups, quality summary, candidate rows). ``quality_fn(candidates)``
     -> (rejects table, summary) runs on the driver over the candidate scalars."""
     import dask.dataframe as dd
@@ -174,25 +311,56 @@ def run_with_quality(lake, version: int, cfg: AdmissionConfig, *, decided: pa.Ar
     m_schema, g_schema = member_schema(cfg), group_schema(cfg)
     if not files:
         return m_schema.empty_table(), g_schema.empty_table(), {}, 0
-    client, cluster = _client(dask_scheduler)
-    try:
-        meta_in = cand.candidate_schema(cfg).empty_table().to_pandas()
-        ddf = dd.from_map(_read_file, files, cfg=cfg, decided=decided, storage_options=lake.storage_options,
-                          meta=meta_in, enforce_metadata=False)
-        ddf = client.persist(ddf)
-        cands_pdf = client.compute(ddf).result()
-        cands = pa.Table.from_pandas(cands_pdf, schema=cand.candidate_schema(cfg), preserve_index=False)
-        rejects, qsummary = quality_fn(cands)
-        quality = dict(zip(rejects.column("trajectory_id").to_pylist(), rejects.column("reason").to_pylist()))
-        nparts = max(1, min(len(files), 16))
-        out = ddf.shuffle("group_id", npartitions=nparts).map_partitions(
-            decide_partition, cfg, int(current_policy_version), now, quality, meta=_meta(cfg),
-            enforce_metadata=False)
-        pdf = client.compute(out).result()
-    finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
+    address = scheduler_address(dask_scheduler)
+    timeout = worker_timeout_s(worker_timeout)
+    with _quiet_distributed():
+        client, cluster = _client(address, connect_timeout=min(timeout, 30.0))
+        where = address or "a LocalCluster"
+        try:
+            try:
+                client.wait_for_workers(1, timeout=timeout)
+            except TimeoutError:
+                raise PipelineError(f"no Dask worker alive at {where} after {timeout:g}s; admission stopped, "
+                                    "nothing committed",
+                                    hint=f"start workers (dask worker {address or 'ADDRESS'}) or raise "
+                                         f"${WORKER_TIMEOUT_ENV}") from None
+            meta_in = cand.candidate_schema(cfg).empty_table().to_pandas()
+            ddf = dd.from_map(_read_file, files, cfg=cfg, decided=decided, storage_options=lake.storage_options,
+                              meta=meta_in, enforce_metadata=False)
+            ddf = client.persist(ddf)
+            cands_pdf = _result(client, ddf, address=where, worker_timeout=timeout)
+            cands = pa.Table.from_pandas(cands_pdf, schema=cand.candidate_schema(cfg), preserve_index=False)
+            rejects, qsummary = quality_fn(cands)
+            quality = dict(zip(rejects.column("trajectory_id").to_pylist(), rejects.column("reason").to_pylist()))
+            nparts = max(1, min(len(files), 16))
+            out = ddf.shuffle("group_id", npartitions=nparts).map_partitions(
+                decide_partition, cfg, int(current_policy_version), now, quality, meta=_meta(cfg),
+                enforce_metadata=False)
+            pdf = _result(client, out, address=where, worker_timeout=timeout)
+        except PipelineError:
+            raise
+        except _TaskError as te:
+            exc = te.original
+            if isinstance(exc, OSError):
+                first = (str(exc).splitlines() or [""])[0][:300]
+                raise PipelineError(f"a Dask worker could not read the lake {lake.uri}: {type(exc).__name__}: {first}",
+                                    hint="the workers get the lake's storage options from this process: check "
+                                         "AWS_* here (endpoint, credentials) and that workers reach the store"
+                                    ) from None
+            raise exc
+        except (OSError, TimeoutError, CancelledError) as exc:  # CommClosedError is an OSError
+            raise _lost(where, exc) from None
+        except Exception as exc:
+            if client.status in ("closed", "closing", "connecting") or "scheduler" in type(exc).__name__.lower():
+                raise _lost(where, exc) from None
+            raise
+        finally:
+            try:
+                client.close(timeout=5)
+            except Exception:
+                pass
+            if cluster is not None:
+                cluster.close()
     n = cands.num_rows
     if pdf.empty:
         return m_schema.empty_table(), g_schema.empty_table(), qsummary, n

@@ -3,7 +3,10 @@
 A snapshot is a directory of its own files under the lake root::
 
     <lake>/_snapshots/<snapshot_id>/members.parquet   schemas/snapshot_payload.yaml
-    <lake>/_snapshots/<snapshot_id>/manifest.json     written last
+    <lake>/_snapshots/<snapshot_id>/manifest.json     written last: the commit point
+
+(on object stores the payload is ``members.<rand>.parquet``, the name the
+manifest gives it; see ``write_snapshot_stream``).
 
 ``manifest.json`` lists the sha256 of every data file, the member count, the
 admission config and estimator. The ``snapshots`` table row (committed after
@@ -33,6 +36,12 @@ from pipeline.schema import table_spec
 FORMAT_VERSION = 1
 DATA_FILE = "members.parquet"
 MANIFEST = "manifest.json"
+# Names of uncommitted payload, for cleanup: a local publication in progress
+# (or killed) is a directory _snapshots/.tmp-*; on object stores a payload
+# _snapshots/<id>/members.<rand>.parquet that the id's manifest does not name
+# (or with no manifest) is a loser's or a killed writer's.
+TMP_PREFIX = ".tmp-"
+PENDING_DATA_PREFIX = "members."
 
 
 def compute_snapshot_id(members: Iterable[tuple[str, str]], config_hash: str, estimator: str) -> str:
@@ -111,65 +120,101 @@ class _HashingWriter:
         return True
 
 
+PUBLISH_BARRIER_ENV = "PIPELINE_SNAPSHOT_PUBLISH_BARRIER"  # test hook: a directory (racing publications)
+
+
+def _barrier_point(snapshot_id: str) -> None:
+    """Test hook: with the files written and the commit point next, announce it
+    (``ready-<pid>`` in the barrier directory) and wait for ``go`` there."""
+    import os
+    import time
+    from pathlib import Path
+
+    d = os.environ.get(PUBLISH_BARRIER_ENV)
+    if not d:
+        return
+    Path(d, f"ready-{os.getpid()}").write_text(snapshot_id)
+    deadline = time.time() + 120
+    while not Path(d, "go").exists() and time.time() < deadline:
+        time.sleep(0.0005)
+
+
+def _write_payload(fs, path: str, parts: Iterable[pa.Table | pa.RecordBatch]) -> tuple[str, int, int]:
+    """Stream the sorted parts into one Parquet file -> (sha256, bytes, rows)."""
+    schema = table_spec("snapshot_payload").arrow_schema()
+    rows = 0
+    last_key: tuple[str, str] | None = None
+    with fs.open_output_stream(path) as raw:
+        sink = _HashingWriter(raw)
+        with pq.ParquetWriter(sink, schema, compression="zstd", use_dictionary=False,
+                              write_statistics=True) as writer:
+            for part in parts:
+                t = pa.Table.from_batches([part]) if isinstance(part, pa.RecordBatch) else part
+                t = t.select(schema.names).cast(schema)
+                if t.num_rows == 0:
+                    continue
+                first = (t.column("group_id")[0].as_py(), t.column("trajectory_id")[0].as_py())
+                if last_key is not None and first <= last_key:
+                    raise ValueError("snapshot parts must be sorted by (group_id, trajectory_id)")
+                last_key = (t.column("group_id")[-1].as_py(), t.column("trajectory_id")[-1].as_py())
+                writer.write_table(t)
+                rows += t.num_rows
+    return sink.h.hexdigest(), sink.n, rows
+
+
+def _manifest_bytes(snapshot_id: str, data_name: str, sha: str, nbytes: int, rows: int,
+                    manifest_extra: dict[str, Any] | None) -> tuple[dict[str, Any], bytes]:
+    manifest = {
+        "format": FORMAT_VERSION,
+        "snapshot_id": snapshot_id,
+        "files": {data_name: {"sha256": sha, "bytes": nbytes, "rows": rows}},
+        "num_members": rows,
+        **(manifest_extra or {}),
+    }
+    return manifest, json.dumps(manifest, sort_keys=True, indent=1, default=str).encode()
+
+
 def write_snapshot_stream(lake, parts: Iterable[pa.Table | pa.RecordBatch], *, snapshot_id: str,
                           manifest_extra: dict[str, Any] | None = None) -> Snapshot:
     """The streaming form of ``write_snapshot_files`` (same format): ``parts``
     must already be in (group_id, trajectory_id) order; memory stays at one part.
 
-    Files go to a temporary directory renamed into place at the end, so a
-    reader (or a concurrent writer of the same id) never sees a partial
-    snapshot; if the id already exists it is verified and returned untouched.
-    """
-    import uuid
+    Publication is atomic per id and the first complete one wins; a later (or
+    concurrent) writer of the same id verifies the published snapshot and
+    returns it, never overwriting it (docs/leases.md, "Snapshot publication"):
 
-    rel = snapshot_dir(snapshot_id)
+    - local lake: files go to ``_snapshots/.tmp-<id16>-<rand>/``, renamed into
+      place (a directory rename fails when the target exists);
+    - object stores: the payload goes straight to a name of its own,
+      ``_snapshots/<id>/members.<rand>.parquet``, then the manifest naming it is
+      created with a conditional put (If-None-Match): the commit point. A
+      loser deletes its payload. Readers trust only a manifest, and read the
+      payload it names.
+    """
     existing = _try_open(lake, snapshot_id)
     if existing is not None:
         verify_snapshot(lake, snapshot_id)
         return existing
-    schema = table_spec("snapshot_payload").arrow_schema()
+    if lake.is_local:
+        return _publish_local(lake, parts, snapshot_id, manifest_extra)
+    return _publish_object_store(lake, parts, snapshot_id, manifest_extra)
+
+
+def _publish_local(lake, parts, snapshot_id: str, manifest_extra: dict[str, Any] | None) -> Snapshot:
+    import uuid
+
+    rel = snapshot_dir(snapshot_id)
     fs, root = lake.filesystem()
-    tmp = f"{root}/_snapshots/.tmp-{snapshot_id[:16]}-{uuid.uuid4().hex[:8]}"
+    tmp = f"{root}/_snapshots/{TMP_PREFIX}{snapshot_id[:16]}-{uuid.uuid4().hex[:8]}"
     fs.create_dir(tmp, recursive=True)
-    rows = 0
-    last_key: tuple[str, str] | None = None
     try:
-        with fs.open_output_stream(f"{tmp}/{DATA_FILE}") as raw:
-            sink = _HashingWriter(raw)
-            with pq.ParquetWriter(sink, schema, compression="zstd", use_dictionary=False,
-                                  write_statistics=True) as writer:
-                for part in parts:
-                    t = pa.Table.from_batches([part]) if isinstance(part, pa.RecordBatch) else part
-                    t = t.select(schema.names).cast(schema)
-                    if t.num_rows == 0:
-                        continue
-                    first = (t.column("group_id")[0].as_py(), t.column("trajectory_id")[0].as_py())
-                    if last_key is not None and first <= last_key:
-                        raise ValueError("snapshot parts must be sorted by (group_id, trajectory_id)")
-                    last_key = (t.column("group_id")[-1].as_py(), t.column("trajectory_id")[-1].as_py())
-                    writer.write_table(t)
-                    rows += t.num_rows
-            data_sha, data_bytes = sink.h.hexdigest(), sink.n
-        manifest = {
-            "format": FORMAT_VERSION,
-            "snapshot_id": snapshot_id,
-            "files": {DATA_FILE: {"sha256": data_sha, "bytes": data_bytes, "rows": rows}},
-            "num_members": rows,
-            **(manifest_extra or {}),
-        }
-        mbytes = json.dumps(manifest, sort_keys=True, indent=1, default=str).encode()
+        sha, nbytes, rows = _write_payload(fs, f"{tmp}/{DATA_FILE}", parts)
+        manifest, mbytes = _manifest_bytes(snapshot_id, DATA_FILE, sha, nbytes, rows, manifest_extra)
         with fs.open_output_stream(f"{tmp}/{MANIFEST}") as f:
             f.write(mbytes)
+        _barrier_point(snapshot_id)
         try:
-            if lake.is_local:
-                fs.move(tmp, f"{root}/{rel}")  # atomic directory rename
-            else:
-                # object stores have no directory rename: copy the data, then the
-                # manifest, whose presence marks the snapshot complete
-                if _try_open(lake, snapshot_id) is not None:
-                    raise OSError("published concurrently")
-                fs.copy_file(f"{tmp}/{DATA_FILE}", f"{root}/{rel}/{DATA_FILE}")
-                fs.copy_file(f"{tmp}/{MANIFEST}", f"{root}/{rel}/{MANIFEST}")
+            fs.move(tmp, f"{root}/{rel}")  # atomic directory rename; fails if the id exists
         except OSError:
             # another writer published this id first: its files are the snapshot
             if _try_open(lake, snapshot_id) is None:
@@ -182,6 +227,89 @@ def write_snapshot_stream(lake, parts: Iterable[pa.Table | pa.RecordBatch], *, s
         except (FileNotFoundError, OSError):
             pass
     return Snapshot(snapshot_id, rel, manifest, _sha(mbytes))
+
+
+def _publish_object_store(lake, parts, snapshot_id: str, manifest_extra: dict[str, Any] | None) -> Snapshot:
+    import uuid
+
+    from pipeline.lake import objects
+
+    rel = snapshot_dir(snapshot_id)
+    fs, root = lake.filesystem()
+    data_name = f"{PENDING_DATA_PREFIX}{uuid.uuid4().hex[:16]}.parquet"
+    data_path = f"{root}/{rel}/{data_name}"
+    committed = False
+    try:
+        sha, nbytes, rows = _write_payload(fs, data_path, parts)
+        manifest, mbytes = _manifest_bytes(snapshot_id, data_name, sha, nbytes, rows, manifest_extra)
+        _barrier_point(snapshot_id)
+        for attempt in range(5):
+            committed = objects.put_if_absent(lake, f"{rel}/{MANIFEST}", mbytes)   # the commit point
+            published = None if committed else _try_open(lake, snapshot_id)
+            if published is not None and published.manifest_sha256 == _sha(mbytes):
+                committed = True  # ours (it names our payload): a retried PUT whose first attempt landed
+            if committed or published is not None:
+                break
+            # refused, yet no manifest: a concurrent conditional write was in flight (409) and failed
+            import time
+
+            time.sleep(0.2 * (attempt + 1))
+    finally:
+        if not committed:
+            try:
+                fs.delete_file(data_path)
+            except (FileNotFoundError, OSError):
+                pass
+    if committed:
+        return Snapshot(snapshot_id, rel, manifest, _sha(mbytes))
+    # another writer published this id first: verify it, return it, never overwrite it
+    verify_snapshot(lake, snapshot_id)
+    return _try_open(lake, snapshot_id)  # type: ignore[return-value]
+
+
+def remove_unpublished_payloads(lake, *, min_age_s: float, dry_run: bool = False) -> list[str]:
+    """Payload files ``_snapshots/<id>/members.<rand>.parquet`` that the id's
+    manifest does not name (a losing or killed publisher's on an object store),
+    older than ``min_age_s`` (a publication in progress looks the same until
+    its manifest lands). Returns ``<id>/<file>`` of each one removed."""
+    import time
+
+    import pyarrow.fs as pafs
+
+    fs, root = lake.filesystem()
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(f"{root}/_snapshots", allow_not_found=True, recursive=True))
+    except (FileNotFoundError, OSError):
+        return []
+    by_dir: dict[str, list] = {}
+    for info in infos:
+        parts = info.path[len(root) + 1:].split("/")
+        if info.type == pafs.FileType.File and len(parts) == 3 and not parts[1].startswith(TMP_PREFIX):
+            by_dir.setdefault(parts[1], []).append(info)
+    cutoff = time.time() - min_age_s
+    out = []
+    for sid, files in sorted(by_dir.items()):
+        if not SNAPSHOT_ID_RE.fullmatch(sid):
+            continue  # not a snapshot directory: not ours to clean
+        try:
+            snap = _try_open(lake, sid)
+        except IntegrityError:
+            continue  # a damaged manifest: leave the directory for a person to restore
+        named = set(snap.manifest.get("files", {})) if snap is not None else set()
+        for info in files:
+            name = info.base_name
+            if name == MANIFEST or name in named or not (name.startswith(PENDING_DATA_PREFIX)
+                                                           and name.endswith(".parquet")):
+                continue
+            if info.mtime is not None and info.mtime.timestamp() > cutoff:
+                continue
+            out.append(f"{sid}/{name}")
+            if not dry_run:
+                try:
+                    fs.delete_file(info.path)
+                except (FileNotFoundError, OSError):
+                    pass  # removed by a concurrent maintain
+    return out
 
 
 def _try_open(lake, snapshot_id: str) -> Snapshot | None:
@@ -205,7 +333,7 @@ def _parse_manifest(snapshot_id: str, mbytes: bytes) -> dict[str, Any]:
         raise bad from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not all(isinstance(v, dict) and "sha256" in v for v in files.values()) \
-            or DATA_FILE not in files:
+            or len(_payload_names(files)) != 1:
         raise bad
     return manifest
 
@@ -217,6 +345,20 @@ def _registered(lake, snapshot_id: str) -> bool:
 
     rows = lake.read("snapshots", columns=["snapshot_id"])
     return bool(pc.any(pc.equal(rows.column("snapshot_id"), snapshot_id)).as_py())
+
+
+def _payload_names(files: dict[str, Any]) -> list[str]:
+    return [n for n in files if n == DATA_FILE or (n.startswith(PENDING_DATA_PREFIX) and n.endswith(".parquet"))]
+
+
+def data_file(snap: Snapshot) -> str:
+    """The payload file the manifest names (``members.parquet`` on a local lake,
+    ``members.<rand>.parquet`` when published on an object store)."""
+    names = _payload_names(snap.manifest["files"])
+    if len(names) != 1:
+        raise IntegrityError(f"snapshot {snap.snapshot_id}: manifest names {sorted(snap.manifest['files'])}, "
+                             "expected one payload")
+    return names[0]
 
 
 def open_snapshot(lake, snapshot_id: str) -> Snapshot:
@@ -280,7 +422,8 @@ def read_snapshot_table(lake, snap: Snapshot | str, *, verify: bool = True, colu
     """The snapshot's members with payload. ``verify`` rehashes the files first."""
     if isinstance(snap, str):
         snap = open_snapshot(lake, snap)
-    data = _read_file(lake, snap, DATA_FILE)
-    if verify and _sha(data) != snap.manifest["files"][DATA_FILE]["sha256"]:
-        raise IntegrityError(f"snapshot {snap.snapshot_id}: {DATA_FILE} does not match its manifest")
+    name = data_file(snap)
+    data = _read_file(lake, snap, name)
+    if verify and _sha(data) != snap.manifest["files"][name]["sha256"]:
+        raise IntegrityError(f"snapshot {snap.snapshot_id}: {name} does not match its manifest")
     return pq.read_table(pa.BufferReader(data), columns=columns)
