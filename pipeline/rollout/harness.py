@@ -76,6 +76,10 @@ class Faults:
     verifier_error: float = 0.0
     kill_after_executed: int = 0     # SIGKILL this process right after the Nth ACTION_EXECUTED is durable
     seed: int = 0
+    # hold (sleep until killed) right after the Nth ACTION_EXECUTED is durable, once
+    # ``<hold_file>.<pid>`` is written: the readiness marker crash tests kill on
+    hold_after_executed: int = 0
+    hold_file: str = ""
 
 
 @dataclass
@@ -140,7 +144,7 @@ class Harness:
 
     def __init__(self, env: Environment, engine_fn: Callable[[], tuple[Engine, int]], spool, *, run_id: str,
                  worker_id: str, sampling: Sampling, limits: Limits = Limits(), faults: Faults = Faults(),
-                 follow_every_turn: bool = False) -> None:
+                 follow_every_turn: bool = False, before_tools: Callable[[], Any] | None = None) -> None:
         self.env = env
         self.engine_fn = engine_fn           # -> (engine, policy_version); may swap to a newer policy
         self.spool = spool
@@ -150,6 +154,10 @@ class Harness:
         self.limits = limits
         self.faults = faults
         self.follow_every_turn = follow_every_turn
+        # called once the wave's ACTION_COMMITTED records are durable and before any
+        # tool runs: the worker ships them to the lake there when its tools are not
+        # idempotent, so that even a lost spool leaves every committed action on record
+        self.before_tools = before_tools
         self._rng = random.Random(derive_seed(faults.seed, worker_id))
         self._executed = 0
         self.tool_executions = 0
@@ -266,6 +274,9 @@ class Harness:
                 self._event(ep, "TOOL_WAITING", step=ep.pending["step"], action_id=ep.pending["action_id"],
                             state="TOOL_WAITING")
         self.spool.sync()
+        if self.before_tools is not None and any(
+                "output" not in e.pending and (self.env.idempotent or not e.pending.get("unconfirmed")) for e in eps):
+            self.before_tools()
         executed: list[Episode] = []
         for ep in eps:
             p = ep.pending
@@ -305,6 +316,9 @@ class Harness:
             if self.faults.kill_after_executed and self._executed == self.faults.kill_after_executed:
                 self.spool.sync()
                 os.kill(os.getpid(), signal.SIGKILL)   # the crash test: executed, observation not persisted
+            if self.faults.hold_after_executed and self._executed == self.faults.hold_after_executed:
+                self.spool.sync()
+                _hold(self.faults.hold_file)
         self.spool.sync()
         for ep in executed:
             p = ep.pending
@@ -369,6 +383,16 @@ class Harness:
             "queue_wait_ms": 0, "prompt_ids": list(ep.prompt_ids), "response_ids": list(ep.response_ids),
             "response_logprobs": list(ep.logprobs), "loss_mask": list(ep.mask),
         }
+
+
+def _hold(marker: str) -> None:
+    """Crash-test hook: announce the critical point (``<marker>.<pid>``) and wait to be killed."""
+    tmp = f"{marker}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(tmp, f"{marker}.{os.getpid()}")
+    while True:
+        time.sleep(3600)
 
 
 # -- recovery ---------------------------------------------------------------------------------

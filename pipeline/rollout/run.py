@@ -8,9 +8,27 @@ Each worker (a process when ``workers > 1``) owns the groups ``k`` with
 harness, and ships its spool to Delta in batches (app id = worker id,
 transaction version = batch sequence). Task seeds, episode ids and sampling
 seeds are functions of ``(run_id, seed, group, member)``, so a restarted
-worker with the same ``run_id`` knows exactly which episodes it owes: it
-replays its spool (and the events it already shipped), finishes the
-interrupted ones and runs the rest.
+run knows exactly which episodes it owes.
+
+One owner per run. ``run_rollout`` holds a lease in the lake
+(``_locks/rollout-<run_id>``, the jobs' lease: exclusive create, renewed in
+the background); a second invocation with the same ``run_id`` refuses while
+it is fresh and naming its owner, and takes the run over once it expired (at
+once when the owner provably died on this host). Workers die with the owner:
+a parent-death signal (``prctl(PR_SET_PDEATHSIG)`` on Linux) plus a watchdog
+thread that polls the parent pid (for kernels or sandboxes without it), so no
+worker of a dead owner works beside the next one.
+
+Recovery is per run, not per worker: the new owner first ships every spool
+left in the run's spool directory (any worker id, any former ``--workers``),
+then each worker rebuilds its episodes from the run's events in the lake and
+the landed trajectory ids, so a rerun with any ``--workers`` resumes every
+unfinished episode once. An action the lake records as executed is never
+re-run; one committed with unknown outcome follows the environment's
+``idempotent``. With a non-idempotent environment the worker ships its
+committed actions before running the tools (``ship_before_tools``), so even a
+lost spool leaves every possibly-executed action on record (docs/drills.md,
+drills 4 and 5).
 """
 
 from __future__ import annotations
@@ -62,6 +80,16 @@ class RolloutConfig:
     verifier_error_p: float = field(default=0.0, metadata={"ge": 0, "le": 1, "help": "fault injection: verifier error probability"})
     kill_after_executed: int = field(default=0, metadata={"ge": 0,
         "help": "fault injection: SIGKILL the worker after its Nth tool execution is recorded (crash tests)"})
+    hold_after_executed: int = field(default=0, metadata={
+        "help": "fault injection: after the Nth recorded tool execution write <hold_file>.<pid> and wait to be "
+                "killed (crash tests)"})
+    hold_file: str = field(default="", metadata={"help": "readiness marker prefix for hold_after_executed"})
+    lease_s: float = field(default=60.0, metadata={
+        "help": "run lease: renewed every lease_s/4 while the run is owned; another invocation may take the run "
+                "over once the owner has not renewed it for this long"})
+    ship_before_tools: Literal["auto", "always", "never"] = field(default="auto", metadata={
+        "help": "ship committed actions to the lake before tools run (auto: when the environment is not "
+                "idempotent, so a lost spool never hides an execution)"})
     tool_log: str = field(default="", metadata={"help": "append one line per real tool execution to this file"})
     threads: int = field(default=1, metadata={"ge": 1, "help": "torch threads per worker"})
     progress: bool = field(default=False, metadata={"help": "print one line per wave to stderr"})
@@ -152,37 +180,65 @@ def plan(cfg: RolloutConfig, env, worker: int) -> list[tuple[int, str, Any, list
     return out
 
 
-def run_worker(lake, cfg: RolloutConfig, worker: int) -> RolloutSummary:
+def reconcile(lake, cfg: RolloutConfig, tasks: dict[str, Any], spool_records: list[dict[str, Any]]) -> dict:
+    """The state of this worker's planned episodes (``tasks``) from everything on
+    record for the run: its spool, the run's events in the lake (whichever worker
+    shipped them) and the trajectory ids already landed (an episode whose row
+    landed is finished even when its last events were lost with a spool)."""
     import pyarrow.dataset as ds
 
+    from pipeline.rollout.harness import rebuild
+
+    records = list(spool_records)
+    ids = list(tasks)
+    if ids and lake.exists("events"):
+        shipped = lake.read("events", filter=(ds.field("run_id") == cfg.run_id) & ds.field("episode_id").isin(ids))
+        records = shipped.to_pylist() + records
+    state = rebuild(records, tasks) if records else {}
+    if ids and lake.exists("trajectories"):
+        landed = lake.read("trajectories", columns=["trajectory_id"],
+                           filter=(ds.field("run_id") == cfg.run_id) & ds.field("trajectory_id").isin(ids))
+        for tid in landed.column("trajectory_id").to_pylist():
+            state[tid] = None
+    return state
+
+
+def run_worker(lake, cfg: RolloutConfig, worker: int, *, guard=None) -> RolloutSummary:
+    """Run worker ``worker``'s share of the run. ``guard()`` is called before every
+    wave and every shipment and raises when this worker may no longer write (its
+    run's owner is gone or lost the lease)."""
     from pipeline.rollout.envs import get_env
-    from pipeline.rollout.harness import Faults, Harness, Limits, rebuild
+    from pipeline.rollout.harness import Faults, Harness, Limits
     from pipeline.rollout.spool import Spool, ship
 
+    guard = guard or (lambda: None)
     t0 = time.perf_counter()
     worker_id = f"{cfg.run_id}/w{worker}"
     env = get_env(cfg.env, **({"tool_log": cfg.tool_log} if cfg.tool_log else {}))
     spool = Spool(_spool_dir(lake, cfg), worker_id, fsync=cfg.spool_fsync)
     holder = _PolicyHolder(lake, cfg)
+    summary = RolloutSummary(cfg.run_id, cfg.env, cfg.engine, workers=cfg.workers)
+
+    def _ship() -> None:
+        guard()
+        _add_ship(summary, ship(lake, spool))
+
+    durable = cfg.ship_before_tools == "always" or (cfg.ship_before_tools == "auto" and not env.idempotent)
     harness = Harness(env, holder, spool, run_id=cfg.run_id, worker_id=worker_id,
                       sampling=Sampling(cfg.temperature, cfg.top_p, cfg.max_tokens_per_turn),
                       limits=Limits(cfg.max_turns, cfg.max_tokens_per_turn, cfg.max_total_tokens, cfg.wall_clock_s),
                       faults=Faults(cfg.tool_timeout_p, cfg.env_crash_p, cfg.verifier_error_p,
-                                    cfg.kill_after_executed, cfg.seed),
-                      follow_every_turn=cfg.follow_latest and cfg.follow_every_turn)
+                                    cfg.kill_after_executed, cfg.seed, cfg.hold_after_executed, cfg.hold_file),
+                      follow_every_turn=cfg.follow_latest and cfg.follow_every_turn,
+                      before_tools=_ship if durable else None)
     groups = plan(cfg, env, worker)
     tasks = {eid: (task, gid, cfg.group_size) for _, gid, task, members in groups for eid, _ in members}
-    # recovery: the spool, plus whatever this worker already shipped (the spool may be gone)
-    records = spool.records()
-    if lake.exists("events"):
-        shipped = lake.read("events", filter=(ds.field("run_id") == cfg.run_id) & (ds.field("worker_id") == worker_id))
-        records = shipped.to_pylist() + records
-    state = rebuild(records, tasks) if records else {}
-    summary = RolloutSummary(cfg.run_id, cfg.env, cfg.engine, workers=cfg.workers)
+    state = reconcile(lake, cfg, tasks, spool.records())
     finished: list = []
     last_ship = time.monotonic()
     unshipped = 0
     for w0 in range(0, len(groups), cfg.groups_per_wave):
+        guard()
         wave = []
         for _, gid, task, members in groups[w0:w0 + cfg.groups_per_wave]:
             for eid, seed in members:
@@ -205,13 +261,13 @@ def run_worker(lake, cfg: RolloutConfig, worker: int) -> RolloutSummary:
         finished += eps
         unshipped += len(eps)
         if unshipped >= cfg.flush_rows or time.monotonic() - last_ship >= cfg.flush_seconds:
-            _add_ship(summary, ship(lake, spool))
+            _ship()
             unshipped, last_ship = 0, time.monotonic()
         if cfg.progress:
             done = sum(1 for e in finished)
             print(f"[{worker_id}] {done} trajectories, policy v{version}, "
                   f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
-    _add_ship(summary, ship(lake, spool))
+    _ship()
     spool.close()
     holder.close()
     summary.trajectories = len(finished)
@@ -235,11 +291,146 @@ def _add_ship(summary: RolloutSummary, rep) -> None:
     summary.quarantined += rep.quarantined
 
 
+# -- one owner per run -------------------------------------------------------------------------
+WATCHDOG_S = 0.5
+_PARENT: int | None = None
+_LEASE: tuple[Any, float] | None = None     # (the owner's shared "lease valid until", lease_s)
+
+
+def _die_with_parent(parent_pid: int, pdeathsig: bool = True, valid_until=None, lease_s: float = 0.0) -> None:
+    """Worker-process initializer: never outlive the run's owner. The kernel sends
+    SIGKILL when the parent dies (PR_SET_PDEATHSIG, Linux); a watchdog thread
+    polling the parent pid covers kernels and sandboxes without it and the window
+    before the prctl (a parent that died first leaves us reparented).
+    ``valid_until``: the owner's lease expiry in shared memory, moved on by each
+    renewal; the worker stops writing when it runs low (an owner that is alive
+    but stalled, e.g. SIGSTOPped, whose lease another invocation may take)."""
+    import signal
+    import threading
+
+    global _PARENT, _LEASE
+    _PARENT = parent_pid
+    _LEASE = (valid_until, lease_s) if valid_until is not None else None
+    if pdeathsig and sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            PR_SET_PDEATHSIG = 1
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(WATCHDOG_S)
+
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, name="owner-watchdog", daemon=True).start()
+
+
+def _parent_alive() -> None:
+    from pipeline.errors import ConflictError
+
+    if _PARENT is not None and os.getppid() != _PARENT:
+        raise ConflictError("the run's owner is gone; this worker stops writing")
+    if _LEASE is not None and not _lease_fresh(_LEASE[0].value, _LEASE[1]):
+        raise ConflictError("the run's owner has not renewed its lease in time; this worker stops writing")
+
+
+def _lease_fresh(valid_until: float, lease_s: float) -> bool:
+    """Fresh while at least a quarter of the lease is left (renewals come every
+    quarter, so one missed renewal is tolerated, two are not)."""
+    return time.time() < valid_until - lease_s / 4
+
+
 def _worker_main(lake_uri: str, cfg_dict: dict[str, Any], worker: int) -> dict[str, Any]:
     from pipeline.lake.delta import Lake
 
     cfg = RolloutConfig(**cfg_dict)
-    return run_worker(Lake(lake_uri), cfg, worker).as_dict()
+    return run_worker(Lake(lake_uri), cfg, worker, guard=_parent_alive).as_dict()
+
+
+def _lock_name(run_id: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
+
+
+class RunOwner:
+    """The run lease (``_locks/rollout-<run_id>``): taken before anything is
+    written, renewed by a background thread every ``lease_s / 4``, released at
+    the end. Losing it (the owner stalled past its lease and another invocation
+    took the run over) calls ``on_lost`` and makes ``check`` raise."""
+
+    def __init__(self, lake, cfg: RolloutConfig, on_lost=None) -> None:
+        import multiprocessing as mp
+        import threading
+
+        from pipeline.jobs import JobLock
+
+        self.cfg = cfg
+        self._t0 = time.time()           # no later than the lease body's clock reading: a conservative expiry
+        self.lock = JobLock(lake, _lock_name(cfg.run_id), cfg.lease_s, kind="rollout",
+                            info={"run_id": cfg.run_id, "workers": cfg.workers, "command": "pipeline rollout"})
+        self.on_lost = on_lost
+        self.lost = False
+        # the lease's expiry as last written, shared with the worker processes (guard)
+        self.valid_until = mp.get_context("spawn").RawValue("d", 0.0)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def acquire(self) -> None:
+        import threading
+
+        from pipeline.errors import ConflictError
+
+        if not self.lock.acquire():
+            held = self.lock.holder() or {}
+            left = held.get("expires", time.time()) - time.time()
+            raise ConflictError(
+                f"run {self.cfg.run_id} is owned by a live `pipeline rollout`: pid {held.get('pid', '?')} on host "
+                f"{held.get('host', '?')} ({held.get('workers', '?')} workers); its lease runs {max(0, left):.0f}s "
+                "more and is renewed while it runs",
+                hint="two owners would run the same actions twice: wait for it to finish, or stop that process "
+                     f"(its workers stop with it) and rerun; a dead owner's lease is taken over once it expires "
+                     f"(lease_s={self.cfg.lease_s:g}), at once when it ran on this host")
+        self.valid_until.value = self._t0 + self.cfg.lease_s
+        self._thread = threading.Thread(target=self._beat, name="run-lease", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        renewed = time.monotonic()
+        while not self._stop.wait(self.cfg.lease_s / 4):
+            t = time.time()
+            try:
+                ok = self.lock.renew()
+            except Exception:  # noqa: BLE001 - a flaky store: try again at the next beat, while the lease lasts
+                ok = time.monotonic() - renewed < self.cfg.lease_s * 0.75
+            else:
+                if ok:
+                    renewed = time.monotonic()
+                    self.valid_until.value = t + self.cfg.lease_s
+            if not ok:
+                self.lost = True
+                if self.on_lost is not None:
+                    self.on_lost()
+                return
+
+    def check(self) -> None:
+        from pipeline.errors import ConflictError
+
+        if self.lost or not _lease_fresh(self.valid_until.value, self.cfg.lease_s):
+            raise ConflictError(f"run {self.cfg.run_id}: this process lost its lease or could not renew it in time "
+                                f"(stalled for about lease_s={self.cfg.lease_s:g}s); another owner may take the run "
+                                "over, so it stops", hint="raise lease_s if the machine or the store stalls that long")
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if not self.lost:
+            self.lock.release()
 
 
 def _merge(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: float) -> RolloutSummary:
@@ -281,8 +472,28 @@ def run_rollout(lake, cfg: RolloutConfig | None = None, **overrides: Any) -> Rol
     _check(cfg)
     if not cfg.run_id:
         cfg = dataclasses.replace(cfg, run_id=f"rollout-{cfg.seed}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}")
-    if cfg.workers == 1:
-        return run_worker(lake, cfg, 0)
+    import multiprocessing as mp
+
+    def kill_workers() -> None:
+        for p in mp.active_children():
+            p.kill()
+
+    owner = RunOwner(lake, cfg, on_lost=kill_workers)
+    owner.acquire()
+    try:
+        from pipeline.rollout.spool import ship_all
+
+        # recovery per run: whatever any former worker spooled is in the lake before anyone reads it
+        ship_all(lake, _spool_dir(lake, cfg), fsync=cfg.spool_fsync)
+        owner.check()
+        if cfg.workers == 1:
+            return run_worker(lake, cfg, 0, guard=owner.check)
+        return _run_pool(lake, cfg, owner)
+    finally:
+        owner.release()
+
+
+def _run_pool(lake, cfg: RolloutConfig, owner: RunOwner) -> RolloutSummary:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
@@ -291,14 +502,17 @@ def run_rollout(lake, cfg: RolloutConfig | None = None, **overrides: Any) -> Rol
 
     t0 = time.perf_counter()
     # spawn: no forked torch/OpenMP state; a killed worker raises instead of hanging the pool
-    with ProcessPoolExecutor(cfg.workers, mp_context=mp.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(cfg.workers, mp_context=mp.get_context("spawn"), initializer=_die_with_parent,
+                             initargs=(os.getpid(), True, owner.valid_until, cfg.lease_s)) as pool:
         futures = [pool.submit(_worker_main, lake.uri, config_dict(cfg), w) for w in range(cfg.workers)]
         try:
             parts = [f.result() for f in futures]
         except BrokenProcessPool:
+            owner.check()
             raise PipelineError(f"a rollout worker of run {cfg.run_id} died",
-                                hint=f"rerun with --run-id {cfg.run_id} to resume: finished trajectories are "
-                                     "kept, interrupted ones are completed from the spool") from None
+                                hint=f"rerun with --run-id {cfg.run_id} (any --workers) to resume: finished "
+                                     "trajectories are kept, interrupted ones are completed from the spools "
+                                     "and the lake") from None
     return _merge(cfg, parts, time.perf_counter() - t0)
 
 
@@ -312,3 +526,7 @@ def _check(cfg: RolloutConfig) -> None:
             raise ConfigError(f"{name} must be a probability in [0, 1]")
     if cfg.max_tokens_per_turn < 1 or cfg.max_total_tokens < cfg.max_tokens_per_turn:
         raise ConfigError("need 1 <= max_tokens_per_turn <= max_total_tokens")
+    if cfg.lease_s <= 0:
+        raise ConfigError("lease_s must be > 0")
+    if cfg.hold_after_executed and not cfg.hold_file:
+        raise ConfigError("hold_after_executed needs hold_file (the readiness marker prefix)")

@@ -16,6 +16,13 @@ rows again under the same application transaction ``(app_id = worker id,
 txn_version = seq)``, which ``Lake.append`` turns into a no-op when it had
 already landed. Trajectory rows go through the lake's validation
 (``validate_table`` + ``stamp_derived``); rejects go to ``quarantine``.
+
+The transaction alone is not enough when the spool is gone (a lost disk, a
+rerun with another ``--workers``: another app id): trajectories and events
+land through ``_land``, which is exactly-once by the table's key —
+``trajectory_id``, and ``(episode_id, step_id, action_id, event_type)`` for
+events — whoever ships them (the lake's keyed append,
+docs/write-protocol.md).
 """
 
 from __future__ import annotations
@@ -164,6 +171,55 @@ def _drop_torn_tail(path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
+def _land(lake, table: str, rows: pa.Table, *, command: str, app_id: str, txn_version: int) -> int:
+    """Land ``rows`` in ``table`` (trajectories or events) under the app transaction
+    ``(app_id, txn_version)``; returns the rows landed. ``Lake.append`` drops every
+    row whose key is already in the table (``trajectory_id``; ``(episode_id,
+    step_id, action_id, event_type)``), serialised with every other keyed append
+    (docs/write-protocol.md), so a batch shipped again from a new spool, under
+    another worker id or by a second process lands nothing twice. A trajectory
+    re-sampled after its first landing comes back as a conflict: the first
+    landing stands, the re-run is dropped."""
+    res = lake.append(table, rows, command=command, app_id=app_id, txn_version=txn_version)
+    return res.rows if res.landed else 0
+
+
+def ship_all(lake, spool_dir: str | os.PathLike[str], *, fsync: bool = True,
+             command: str = "pipeline rollout") -> ShipReport:
+    """Ship every worker spool found in ``spool_dir`` (one run's), whichever worker
+    wrote it: a rerun calls this before its workers start, so the lake holds every
+    recorded event of the run, whatever ``--workers`` the crashed run had."""
+    total = ShipReport()
+    for path in sorted(Path(spool_dir).glob("*.spool.jsonl")) if Path(spool_dir).is_dir() else []:
+        worker_id = _spool_worker_id(path)
+        if worker_id is None:
+            continue                      # nothing complete was ever written to it
+        spool = Spool(spool_dir, worker_id, fsync=fsync)
+        try:
+            rep = ship(lake, spool, command=command)
+        finally:
+            spool.close()
+        for f in ("batches", "trajectories", "events", "quarantined", "skipped"):
+            setattr(total, f, getattr(total, f) + getattr(rep, f))
+        for k, v in rep.reasons.items():
+            total.reasons[k] = total.reasons.get(k, 0) + v
+    return total
+
+
+def _spool_worker_id(path: Path) -> str | None:
+    """The worker id (the app id of its batches) that wrote the spool at ``path``:
+    its event records carry it, and the file name is derived from it."""
+    stem = path.name[:-len(".spool.jsonl")]
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.endswith("\n"):
+                return None
+            wid = json.loads(line).get("worker_id")
+            if wid and _safe(wid) == stem:
+                return wid
+    return None
+
+
 def ship(lake, spool: Spool, *, command: str = "pipeline rollout") -> ShipReport:
     """Cut the pending tail into a batch and land every batch not yet in the lake
     (also the ones a crashed run declared but never landed)."""
@@ -212,10 +268,9 @@ def ship(lake, spool: Spool, *, command: str = "pipeline rollout") -> ShipReport
             for code in q.column("reason_code").to_pylist() if res.landed else []:
                 report.reasons[code] = report.reasons.get(code, 0) + 1
         if land_traj is not None:
-            res = lake.append("trajectories", land_traj, command=command, app_id=app_id, txn_version=seq)
-            report.trajectories += land_traj.num_rows if res.landed else 0
+            report.trajectories += _land(lake, "trajectories", land_traj, command=command, app_id=app_id,
+                                         txn_version=seq)
         if land_ev is not None:
-            res = lake.append("events", land_ev, command=command, app_id=app_id, txn_version=seq)
-            report.events += land_ev.num_rows if res.landed else 0
+            report.events += _land(lake, "events", land_ev, command=command, app_id=app_id, txn_version=seq)
         report.batches += 1
     return report

@@ -37,15 +37,7 @@ print(json.dumps(run_rollout(Lake(sys.argv[1]), cfg).as_dict()))
 """
 
 
-@pytest.fixture(scope="module")
-def policy_lake(tmp_path_factory):
-    from pipeline.lake.delta import Lake
-    from pipeline.rollout.policy import init_policy
-
-    lake = Lake(tmp_path_factory.mktemp("drill1") / "lake")
-    # a short warm start that mostly demonstrates the calculator: the policy calls the tool
-    init_policy(lake, warm_start_steps=60, demonstrations=600, batch_size=32, tool_fraction=0.95)
-    return lake
+# policy_lake (conftest.py): a policy that mostly calls the calculator, shared with the other drills
 
 
 def worker(lake, cfg: dict) -> subprocess.CompletedProcess:
