@@ -32,12 +32,13 @@ import re
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 from pipeline.errors import ConfigError, ConflictError, PipelineError
 from pipeline.lake import objects
+from pipeline.liveness import holder_is_dead, identity
 
 LOCK_DIR = "_locks"
 _GEN = re.compile(r"^lease\.(\d{20})$")
@@ -93,7 +94,10 @@ def _read(lake, name: str, gen: int) -> dict[str, Any] | None:
 
 
 def _live(rec: dict[str, Any], now: float | None = None) -> bool:
-    return not rec.get("released") and float(rec.get("expires", 0)) > (time.time() if now is None else now)
+    """Not released, not expired, and not provably dead (a holder on this host,
+    boot and pid namespace whose process is gone: pipeline/liveness.py)."""
+    return not rec.get("released") and float(rec.get("expires", 0)) > (time.time() if now is None else now) \
+        and not holder_is_dead(rec)
 
 
 def default_owner() -> str:
@@ -111,11 +115,12 @@ class Lease:
     generation: int
     expires: float
     token: str
+    info: dict[str, Any] = field(default_factory=dict)   # extra fields for readers (e.g. a run's workers)
 
     def _body(self, gen: int, *, released: bool = False) -> bytes:
-        return json.dumps({"lease": self.name, "generation": gen, "owner": self.owner, "token": self.token,
-                           "host": socket.gethostname(), "pid": os.getpid(), "expires": self.expires,
-                           "released": released, "written_at": time.time()}).encode()
+        return json.dumps({**self.info, "lease": self.name, "generation": gen, "owner": self.owner,
+                           "token": self.token, "host": socket.gethostname(), "pid": os.getpid(), **identity(),
+                           "expires": self.expires, "released": released, "written_at": time.time()}).encode()
 
     def held(self) -> bool:
         """True while our generation is the newest and not expired (reads the store)."""
@@ -228,9 +233,10 @@ def _legacy(lake, name: str, *, ttl: float, remove: bool) -> dict[str, Any] | No
     return rec if _live(rec) else None
 
 
-def try_acquire(lake, name: str, *, owner: str | None = None, ttl: float
+def try_acquire(lake, name: str, *, owner: str | None = None, ttl: float, info: dict[str, Any] | None = None
                 ) -> tuple[Lease | None, dict[str, Any] | None]:
-    """(lease, None) when acquired, else (None, the live holder's record)."""
+    """(lease, None) when acquired, else (None, the live holder's record).
+    ``info``: extra fields written into the lease body."""
     _check_name(name)
     owner = owner or default_owner()
     token = uuid.uuid4().hex
@@ -249,7 +255,7 @@ def try_acquire(lake, name: str, *, owner: str | None = None, ttl: float
             if legacy is not None:
                 return None, legacy
             nxt = 1
-        lease = Lease(lake, name, owner, ttl, nxt, time.time() + ttl, token)
+        lease = Lease(lake, name, owner, ttl, nxt, time.time() + ttl, token, dict(info or {}))
         if not objects.put_if_absent(lake, _rel(name, nxt), lease._body(nxt)):
             mine = _read(lake, name, nxt)
             if not mine or mine.get("token") != token:

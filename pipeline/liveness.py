@@ -37,9 +37,12 @@ def pid_start(pid: int) -> int | None:
 
 
 def holder_is_dead(held: dict[str, Any]) -> bool:
-    """True only when the holder provably no longer runs: same host, boot and pid
-    namespace as this process, and its pid is gone or belongs to a newer process."""
-    if not held.get("pid") or held.get("host") != socket.gethostname() or "pid_start" not in held:
+    """True only when a holder that declared its lease bound to its process
+    (``pid_bound``) provably no longer runs: same host, boot and pid namespace as
+    this process, and its pid is gone or belongs to a newer process. Leases not
+    so declared end by expiry or release only."""
+    if not held.get("pid_bound") or not held.get("pid") or held.get("host") != socket.gethostname() \
+            or "pid_start" not in held:
         return False
     me = identity()
     if not me or me["boot_id"] != held.get("boot_id") or me["pidns"] != held.get("pidns"):

@@ -11,8 +11,8 @@ seeds are functions of ``(run_id, seed, group, member)``, so a restarted
 run knows exactly which episodes it owes.
 
 One owner per run. ``run_rollout`` holds a lease in the lake
-(``_locks/rollout-<run_id>``, the jobs' lease: exclusive create, renewed in
-the background); a second invocation with the same ``run_id`` refuses while
+(``rollout-<run_id>`` in pipeline/lease.py, the jobs' lease: put-if-absent
+generations, renewed in the background); a second invocation with the same ``run_id`` refuses while
 it is fresh and naming its owner, and takes the run over once it expired (at
 once when the owner provably died on this host). Workers die with the owner:
 a parent-death signal (``prctl(PR_SET_PDEATHSIG)`` on Linux) plus a watchdog
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import sys
 import time
 from collections import Counter
@@ -358,7 +359,7 @@ def _lock_name(run_id: str) -> str:
 
 
 class RunOwner:
-    """The run lease (``_locks/rollout-<run_id>``): taken before anything is
+    """The run lease (``rollout-<run_id>``, pipeline/lease.py): taken before anything is
     written, renewed by a background thread every ``lease_s / 4``, released at
     the end. Losing it (the owner stalled past its lease and another invocation
     took the run over) calls ``on_lost`` and makes ``check`` raise."""
@@ -367,12 +368,9 @@ class RunOwner:
         import multiprocessing as mp
         import threading
 
-        from pipeline.jobs import JobLock
-
-        self.cfg = cfg
-        self._t0 = time.time()           # no later than the lease body's clock reading: a conservative expiry
-        self.lock = JobLock(lake, _lock_name(cfg.run_id), cfg.lease_s, kind="rollout",
-                            info={"run_id": cfg.run_id, "workers": cfg.workers, "command": "pipeline rollout"})
+        self.lake, self.cfg = lake, cfg
+        self.name = f"rollout-{_lock_name(cfg.run_id)}"[:200]
+        self.lease = None
         self.on_lost = on_lost
         self.lost = False
         # the lease's expiry as last written, shared with the worker processes (guard)
@@ -384,10 +382,15 @@ class RunOwner:
         import threading
 
         from pipeline.errors import ConflictError
+        from pipeline.lease import try_acquire
 
-        if not self.lock.acquire():
-            held = self.lock.holder() or {}
-            left = held.get("expires", time.time()) - time.time()
+        self.lease, held = try_acquire(
+            self.lake, self.name, ttl=self.cfg.lease_s,
+            owner=f"pipeline rollout pid {os.getpid()} on {socket.gethostname()} ({self.cfg.workers} workers)",
+            info={"run_id": self.cfg.run_id, "workers": self.cfg.workers, "pid_bound": True})
+        if self.lease is None:
+            held = held or {}
+            left = float(held.get("expires", time.time())) - time.time()
             raise ConflictError(
                 f"run {self.cfg.run_id} is owned by a live `pipeline rollout`: pid {held.get('pid', '?')} on host "
                 f"{held.get('host', '?')} ({held.get('workers', '?')} workers); its lease runs {max(0, left):.0f}s "
@@ -395,22 +398,25 @@ class RunOwner:
                 hint="two owners would run the same actions twice: wait for it to finish, or stop that process "
                      f"(its workers stop with it) and rerun; a dead owner's lease is taken over once it expires "
                      f"(lease_s={self.cfg.lease_s:g}), at once when it ran on this host")
-        self.valid_until.value = self._t0 + self.cfg.lease_s
+        self.valid_until.value = self.lease.expires
         self._thread = threading.Thread(target=self._beat, name="run-lease", daemon=True)
         self._thread.start()
 
     def _beat(self) -> None:
+        from pipeline.lease import LeaseLostError
+
         renewed = time.monotonic()
         while not self._stop.wait(self.cfg.lease_s / 4):
-            t = time.time()
             try:
-                ok = self.lock.renew()
+                self.lease.renew()
+                ok = True
+            except LeaseLostError:
+                ok = False
             except Exception:  # noqa: BLE001 - a flaky store: try again at the next beat, while the lease lasts
                 ok = time.monotonic() - renewed < self.cfg.lease_s * 0.75
             else:
-                if ok:
-                    renewed = time.monotonic()
-                    self.valid_until.value = t + self.cfg.lease_s
+                renewed = time.monotonic()
+                self.valid_until.value = self.lease.expires
             if not ok:
                 self.lost = True
                 if self.on_lost is not None:
@@ -429,8 +435,8 @@ class RunOwner:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        if not self.lost:
-            self.lock.release()
+        if self.lease is not None and not self.lost:
+            self.lease.release()        # a no-op when it is no longer ours
 
 
 def _merge(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: float) -> RolloutSummary:

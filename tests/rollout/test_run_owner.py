@@ -34,24 +34,32 @@ def test_a_second_owner_is_refused_naming_the_live_one(lake):
 
 def test_a_dead_owner_on_this_host_is_taken_over_at_once(lake):
     # a real process takes the lease for an hour and dies without releasing it
-    code = ("import sys; from pipeline.lake.delta import Lake; from pipeline.jobs import JobLock; "
-            "assert JobLock(Lake(sys.argv[1]), 'dead', 3600, kind='rollout').acquire()")
+    from pipeline.lease import holder
+
+    code = ("import sys; from pipeline.lake.delta import Lake; from pipeline.lease import try_acquire; "
+            "assert try_acquire(Lake(sys.argv[1]), 'rollout-dead', ttl=3600, info={'pid_bound': True})[0]")
     subprocess.run([sys.executable, "-c", code, lake.uri], check=True, timeout=120)
-    held = json.loads((Path(lake.uri) / "_locks" / "rollout-dead").read_bytes())
-    assert held["expires"] > time.time() + 3000
+    gen = sorted((Path(lake.uri) / "_locks" / "rollout-dead").iterdir())[-1]
+    assert json.loads(gen.read_bytes())["expires"] > time.time() + 3000
+    assert holder(lake, "rollout-dead") is None          # provably dead: nobody holds it
     owner = RunOwner(lake, RolloutConfig(run_id="dead", lease_s=3600))
-    owner.acquire()                      # its pid is gone: provably dead, no need to wait an hour
-    assert owner.lock.holder()["pid"] == os.getpid()
+    owner.acquire()                      # no need to wait an hour
+    assert holder(lake, "rollout-dead")["pid"] == os.getpid()
     owner.release()
 
 
-def test_an_expired_lease_of_another_host_is_taken_over_a_fresh_one_is_not(lake):
-    lock = Path(lake.uri) / "_locks" / "rollout-far"
-    lock.parent.mkdir(parents=True)
-    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "expires": time.time() + 600, "workers": 8}))
-    with pytest.raises(ConflictError, match="pid 1 on host elsewhere"):
+def test_an_expired_lease_of_another_host_is_taken_over_a_fresh_one_is_not(lake, monkeypatch):
+    import socket
+
+    from pipeline.lease import try_acquire
+
+    with monkeypatch.context() as m:     # an owner on another machine: only its expiry can end its lease
+        m.setattr(socket, "gethostname", lambda: "elsewhere")
+        far, _ = try_acquire(lake, "rollout-far", ttl=1.0, info={"workers": 8})
+    with pytest.raises(ConflictError, match=rf"pid {os.getpid()} on host elsewhere \(8 workers\)"):
         RunOwner(lake, RolloutConfig(run_id="far")).acquire()
-    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "expires": time.time() - 1}))
+    while far.expires > time.time():
+        time.sleep(0.05)
     owner = RunOwner(lake, RolloutConfig(run_id="far"))
     owner.acquire()
     owner.release()
@@ -61,22 +69,26 @@ def test_the_lease_is_renewed_and_a_lost_lease_stops_the_owner(lake):
     lost = []
     owner = RunOwner(lake, RolloutConfig(run_id="beat", lease_s=0.4), on_lost=lambda: lost.append(1))
     owner.acquire()
-    lock = Path(lake.uri) / "_locks" / "rollout-beat"
-    first = json.loads(lock.read_bytes())["expires"]
+    from pipeline.lease import holder
+
+    first = holder(lake, "rollout-beat")["expires"]
     deadline = time.time() + 30
-    while json.loads(lock.read_bytes())["expires"] == first and time.time() < deadline:
+    while holder(lake, "rollout-beat")["expires"] == first and time.time() < deadline:
         time.sleep(0.05)
-    assert json.loads(lock.read_bytes())["expires"] > first       # renewed in the background
+    assert holder(lake, "rollout-beat")["expires"] > first       # renewed in the background
     owner.check()
-    # another invocation took the run over (as after a stall past the lease)
-    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "expires": time.time() + 600, "token": "x"}))
+    # the lease stops being ours (as when another invocation took it over after a stall)
+    owner.lease.release()
+    newer = RunOwner(lake, RolloutConfig(run_id="beat", lease_s=60))
+    newer.acquire()
     while not lost and time.time() < deadline:
         time.sleep(0.05)
     assert lost and owner.lost
     with pytest.raises(ConflictError, match="lost its lease or could not renew it"):
         owner.check()
     owner.release()
-    assert json.loads(lock.read_bytes())["host"] == "elsewhere"      # never deletes the new owner's lease
+    assert holder(lake, "rollout-beat")["token"] == newer.lease.token   # never releases the new owner's lease
+    newer.release()
 
 
 def _spool_with(tmp_path, name, worker_id, trajs, events):
@@ -201,7 +213,9 @@ def test_a_stalled_owner_stops_writing_before_its_lease_can_be_taken(lake):
     owner.check()
     owner._stop.set()                    # the renewals stop, as in a SIGSTOPped process
     owner._thread.join()
-    expires = json.loads((Path(lake.uri) / "_locks" / "rollout-stall").read_bytes())["expires"]
+    from pipeline.lease import holder
+
+    expires = holder(lake, "rollout-stall")["expires"]
     assert expires >= owner.valid_until.value
     time.sleep(max(0.0, owner.valid_until.value - 0.8 / 4 + 0.02 - time.time()))
     with pytest.raises(ConflictError, match="could not renew it in time"):
