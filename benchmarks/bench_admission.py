@@ -139,7 +139,7 @@ def _child(mode: str, uri: Path, quality: bool = False) -> dict:
     p = subprocess.run([sys.executable, "-c", CHILD, mode, str(uri), "1" if quality else "0"],
                        capture_output=True, text=True, env=env, timeout=7200)
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    if p.returncode not in (0, -6) or not line:  # -6: the deltalake+duckdb exit abort (VERIFIED.md)
+    if p.returncode not in (0, -6) or not line:  # -6: the deltalake+duckdb exit abort (docs/dependency-notes.md)
         raise RuntimeError(f"{mode} failed ({p.returncode}): {p.stderr[-2000:]}")
     return json.loads(line[0][len("RESULT "):])
 

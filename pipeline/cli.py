@@ -433,7 +433,7 @@ def run() -> None:  # pragma: no cover
     """The console entry point. Exits without interpreter teardown: processes that
     used both deltalake and duckdb were seen to abort (SIGABRT, 'terminate called
     without an active exception') while native runtimes shut down, after all work
-    was committed (shared/VERIFIED.md), which a job runner would read as a failure."""
+    was committed (docs/dependency-notes.md), which a job runner would read as a failure."""
     import logging
     import os
 

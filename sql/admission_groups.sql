@@ -3,7 +3,7 @@
 -- Input view: members (the output of admission_members.sql; reason NULL = valid).
 -- Zero variance is tested exactly as max(reward) > min(reward) over valid
 -- members, then min_reward_std on the population std (engines' variance
--- functions return 1e-9..1e-8 for equal rewards; shared/VERIFIED.md).
+-- functions return 1e-9..1e-8 for equal rewards; docs/dependency-notes.md).
 -- The decision itself (first failing blocking check) is made from these
 -- columns by pipeline/admission/checks.py, identically for every engine.
 -- @param min_valid_members = 2

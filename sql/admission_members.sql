@@ -5,7 +5,7 @@
 --   quality_rejects  trajectory_id -> reason for rows failing the great-expectations suite
 -- A group is ready when all group_size members arrived or its oldest member
 -- finished more than $group_timeout_s before $now.
--- Rules (shared/DESIGN.md, Admission semantics), first matching reason wins:
+-- Rules (docs/admission-rules.md), first matching reason wins:
 --   quality:*  > infra_failed > expired > no_reward (UNKNOWN/ENV_ERROR verdict or null reward)
 --   > policy_/tokenizer_/template_/env_/verifier_/temperature_mismatch (first field that
 --     differs from the group's reference configuration: the most common tuple among

@@ -9,7 +9,7 @@ import sys
 import time
 import urllib.request
 
-# Tiny models on a busy 2-core box run fastest single-threaded (shared/VERIFIED.md).
+# Tiny models on a busy 2-core box run fastest single-threaded (docs/dependency-notes.md).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,6 +1,6 @@
 """The admission config: one frozen dataclass, every field documented.
 
-Defaults follow shared/DESIGN.md "Admission semantics". Load with
+Defaults follow docs/admission-rules.md. Load with
 ``pipeline.config.load_config(AdmissionConfig, file, parse_set(["k=v"]))``;
 ``validate()`` holds the cross-field checks with fix-it messages.
 """

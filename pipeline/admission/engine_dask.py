@@ -13,7 +13,7 @@ The dataframe is built over the Delta version's Parquet files (the lake's
 file list with each file's partition values: Delta keeps partition columns
 out of the files), each file reduced to candidate scalars by the same
 ``candidates.extract`` the DuckDB path uses, then shuffled by group_id so each
-partition holds whole groups. VERIFIED.md measured Dask LocalCluster 15-52x
+partition holds whole groups. docs/dependency-notes.md measured Dask LocalCluster 15-52x
 slower than DuckDB on one machine: it is the scale-out path, not the default.
 """
 

@@ -1,5 +1,5 @@
 """The DuckDB engine: sql/admission_members.sql then sql/admission_groups.sql
-over the candidate Arrow table (VERIFIED.md: DuckDB over Arrow read by pyarrow
+over the candidate Arrow table (docs/dependency-notes.md: DuckDB over Arrow read by pyarrow
 was the fastest, lowest-memory engine measured here). duckdb itself is only
 imported by pipeline/query/duck.py; we use its connection."""
 

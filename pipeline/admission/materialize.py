@@ -1,7 +1,7 @@
 """Snapshot materialization: stream the admitted members' token payload from
 the Delta version admission read into the snapshot's own files.
 
-Memory stays bounded at any batch size (VERIFIED.md: whole-table reads of
+Memory stays bounded at any batch size (docs/dependency-notes.md: whole-table reads of
 token lists are the memory danger). It is an external merge sort: pass 1
 streams only the admitted rows (a ``trajectory_id`` filter, ``batch_rows`` at
 a time), sorts each batch by its rank in (group_id, trajectory_id) order and
@@ -37,7 +37,7 @@ def _spill(sources, admitted: pa.Table, path: str, batch_rows: int) -> tuple[int
     want_hash = admitted.column("content_hash").combine_chunks()
     # The id filter runs on each batch in Arrow: ids are random, file statistics
     # could prune nothing, and a row must never be hidden by them.
-    # Modest readahead: token payload batches are large (VERIFIED.md: whole-table
+    # Modest readahead: token payload batches are large (docs/dependency-notes.md: whole-table
     # reads are the memory danger); pyarrow's defaults buffer up to 16 x 4.
     scanners = [dataset.scanner(columns=list(SOURCE), filter=flt, batch_size=batch_rows, batch_readahead=4,
                                 fragment_readahead=2) for dataset, flt in sources]

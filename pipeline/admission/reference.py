@@ -1,4 +1,4 @@
-"""A plain-Python reference implementation of shared/DESIGN.md's admission rules.
+"""A plain-Python reference implementation of the admission rules (docs/admission-rules.md).
 
 Slow and obvious on purpose: one loop per rule over raw trajectory rows
 (dicts, as ``pa.Table.to_pylist()`` gives them). Tests check that the DuckDB

@@ -171,7 +171,7 @@ def _writer_properties(spec: TableSpec) -> WriterProperties:
     from deltalake import ColumnProperties
 
     # Dictionary encoding of token lists costs time and buys nothing
-    # (shared/VERIFIED.md: 1.7x faster writes with it off).
+    # (docs/dependency-notes.md: 1.7x faster writes with it off).
     # Min/max statistics of token ids prune nothing and cost write time.
     lists = {c.name: ColumnProperties(dictionary_enabled=False, statistics_enabled="NONE")
              for c in spec.columns if c.is_list}

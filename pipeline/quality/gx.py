@@ -1,7 +1,7 @@
 """The one adapter over great_expectations (imported lazily: ~4.5 s).
 
 ``validate(table, suite_name, key)`` runs the suite built from schemas/ on an
-Arrow table through GX's pandas path (VERIFIED.md: the SQLAlchemy + duckdb path
+Arrow table through GX's pandas path (docs/dependency-notes.md: the SQLAlchemy + duckdb path
 fails silently) and returns the failing rows (key -> first failed expectation)
 and a JSON-able summary.
 """

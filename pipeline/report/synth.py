@@ -158,7 +158,7 @@ def build_health_lake(lake, spec: HealthLakeSpec = HealthLakeSpec()) -> dict[str
 
 
 def _admit(rows: pa.Table, length: np.ndarray, spec: HealthLakeSpec):
-    """Group decisions the way DESIGN.md's admission describes them (simplified, vectorized)."""
+    """Group decisions the way docs/admission-rules.md describes them (simplified, vectorized)."""
     import pandas as pd
 
     rng = np.random.default_rng(spec.seed + 99)

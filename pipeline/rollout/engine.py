@@ -7,7 +7,7 @@ context so far (prompt + earlier turns + observations) as the next request.
 
 Log-probs are those of the *model* distribution, ``log_softmax(raw logits)``,
 before temperature/top-p (vLLM's default ``raw_logprobs``; for transformers the
-``output_logits`` of generate, not its processed ``scores``: shared/VERIFIED.md).
+``output_logits`` of generate, not its processed ``scores``: docs/dependency-notes.md).
 At temperature 1, top_p 1 this is exactly the behaviour distribution; a trainer
 recomputing log-probs with a teacher-forced forward pass gets the same numbers
 (tests/rollout/test_engines.py checks 1e-4).

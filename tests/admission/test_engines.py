@@ -1,4 +1,4 @@
-"""DuckDB SQL == Dask == the plain-Python reference of DESIGN.md's rules, on random lakes."""
+"""DuckDB SQL == Dask == the plain-Python reference of docs/admission-rules.md, on random lakes."""
 
 from __future__ import annotations
 

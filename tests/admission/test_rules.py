@@ -1,4 +1,4 @@
-"""One hand-built case per admission rule and reason (shared/DESIGN.md,
+"""One hand-built case per admission rule and reason (docs/admission-rules.md,
 Admission semantics), with the expected receipt written out by hand."""
 
 from __future__ import annotations

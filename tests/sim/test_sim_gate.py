@@ -1,4 +1,4 @@
-"""The in-simulator gate against DESIGN.md "Admission semantics", values by hand."""
+"""The in-simulator gate against docs/admission-rules.md, values by hand."""
 
 from __future__ import annotations
 
