@@ -224,11 +224,11 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
                                  "--from-checkpoint or --nproc is a different run")
 
     lineage_run_id = lineage.new_run_id()
-    inputs = [(f"snapshots/{snapshot_id}", snapshot_id),
-              (f"checkpoints/{parent.checkpoint_id}", str(parent.policy_version))]
+    inputs = [lineage.snapshot(lake, snapshot_id), lineage.checkpoint(lake, parent.checkpoint_id, parent.policy_version)]
+    ol = dict(job_type="TRAIN", engine="deepspeed", config=config_dict(cfg) | {"world_size": world_size})
     if rank == 0:
         lineage.emit_run_event(lake, event_type="START", run_id=lineage_run_id, job_name=JOB_NAME, inputs=inputs,
-                               outputs=[(f"checkpoints/{checkpoint_id}", None)])
+                               outputs=[lineage.checkpoint(lake, checkpoint_id)], **ol)
     try:
         # 2. the snapshot, verified, and the pre-training assertions
         members, _ = load_members(lake, snapshot_id)
@@ -327,7 +327,8 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
                               summary=summary, rows=rows, resumed_from=resumed_from, t_start=t_start,
                               lineage_run_id=lineage_run_id, final=final)
             lineage.emit_run_event(lake, event_type="COMPLETE", run_id=lineage_run_id, job_name=JOB_NAME,
-                                   inputs=inputs, outputs=[(f"checkpoints/{checkpoint_id}", str(result.policy_version))])
+                                   inputs=inputs, outputs=lineage.train_outputs(lake, checkpoint_id,
+                                                                                result.policy_version), **ol)
             shutil.rmtree(work, ignore_errors=True)
         strategy.barrier()
         return strategy.broadcast_object(result)
@@ -335,8 +336,8 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
         if rank == 0:
             try:
                 lineage.emit_run_event(lake, event_type="FAIL", run_id=lineage_run_id, job_name=JOB_NAME,
-                                       inputs=inputs, outputs=[(f"checkpoints/{checkpoint_id}", None)],
-                                       error=f"{type(exc).__name__}: {exc}")
+                                       inputs=inputs, outputs=[lineage.checkpoint(lake, checkpoint_id)],
+                                       error=f"{type(exc).__name__}: {exc}", **ol)
             except Exception:  # pragma: no cover - never mask the real error
                 pass
         raise

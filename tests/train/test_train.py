@@ -59,9 +59,10 @@ def test_train_publishes_a_complete_reproducible_checkpoint(tlake, tlake2):
     # lineage: START and COMPLETE share a run id; snapshot in with its version, checkpoint out
     ev = read_events(lake, res.lineage_run_id)
     assert [e["eventType"] for e in ev] == ["START", "COMPLETE"]
-    snap_in = [d for d in ev[1]["inputs"] if d["name"] == f"snapshots/{sid}"][0]
-    assert snap_in["facets"]["version"]["datasetVersion"] == sid
-    assert ev[1]["outputs"][0]["name"] == f"checkpoints/{res.checkpoint_id}"
+    root = Path(lake.uri).absolute()         # OpenLineage naming spec: namespace "file", absolute paths
+    snap_in = [d for d in ev[1]["inputs"] if d["name"] == str(root / "_snapshots" / sid)][0]
+    assert snap_in["namespace"] == "file" and snap_in["facets"]["version"]["datasetVersion"] == sid
+    assert ev[1]["outputs"][0]["name"] == str(root / "_checkpoints" / res.checkpoint_id)
     assert ev[1]["outputs"][0]["facets"]["version"]["datasetVersion"] == "1"
 
     # same snapshot + config + seed in another lake: byte-identical weights, same checkpoint id
