@@ -53,7 +53,7 @@ def _maintain(lake, *, retention_hours: int = 168, dry_run: bool = False,
     age = ORPHAN_MIN_AGE_S if orphan_min_age_s is None else orphan_min_age_s
     keep = snapshot_source_versions(lake)
     report: dict[str, Any] = {"tables": {}, "dry_run": dry_run}
-    for name in tables or list(TABLES) + ["metrics"]:
+    for name in tables or list(TABLES) + ["metrics", "evaluations"]:
         if not lake.exists(name):
             continue
         before = lake.file_count(name)

@@ -21,7 +21,7 @@ HEALTH_QUERIES = (
     "comparability", "comparability_groups", "efficiency", "efficiency_latency", "efficiency_failures",
     "quality", "quality_over_time", "quality_components", "quality_pass_at_k",
     "freshness", "freshness_lag", "freshness_rejections", "lineage", "lineage_summary", "lineage_trajectory",
-    "receipts_latest", "training",
+    "receipts_latest", "training", "eval_curve",
 )
 KEYS = ["run_id", "policy_version"]
 
