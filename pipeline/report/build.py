@@ -383,8 +383,39 @@ def training(q: _Queries) -> Section:
     return s
 
 
+def evaluation(q: _Queries) -> Section:
+    s = Section("evaluation", "Held-out evaluation",
+                "Success on the environment's held-out split per policy version, one curve per evaluation setting "
+                "(sql/eval_curve.sql over the evaluations table written by pipeline policy eval and the demo).")
+    df = q.get("eval_curve")
+    note = _problem(df, "evaluations")
+    if note:
+        s.blocks.append(note)
+        return s
+    series: dict[str, tuple[list, list]] = {}
+    keys = ["env", "split", "n", "seed", "samples", "temperature"]
+    settings = df[keys].drop_duplicates().to_dict("records")
+    for st in settings:
+        d = df
+        for k in keys:
+            d = d[d[k] == st[k]]
+        d = d.sort_values("policy_version")
+        label = f"{st['env']} n={st['n']}" + (f" x{st['samples']}" if st["samples"] > 1 else "")
+        if len(settings) == 1:
+            label = "success"
+        series[label] = (d.policy_version.tolist(), d.success.tolist())
+        if st["samples"] > 1:
+            series[f"{label} pass@{st['samples']}"] = (d.policy_version.tolist(), d.pass_at_max.tolist())
+    s.blocks.append(Plot("Eval curve", _lines(series, title="Held-out success per policy version",
+                                              xlabel="policy version", ylabel="success", integer_x=True)))
+    s.blocks.append(_table(df, ["env", "n", "samples", "policy_version", "checkpoint_id", "success", "pass_at_max",
+                                "reward_mean", "format_rate", "tool_use_rate", "evaluated_at"],
+                           caption="every evaluation (newest per version and setting)"))
+    return s
+
+
 SECTIONS: tuple[Callable[[_Queries], Section], ...] = (
-    overview, quality, comparability, efficiency, freshness, receipts, lineage, training)
+    overview, quality, comparability, efficiency, freshness, receipts, lineage, training, evaluation)
 
 
 # -- plotting wrappers: an empty series gives no plot ---------------------------------------------

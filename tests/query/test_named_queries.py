@@ -591,3 +591,20 @@ def test_cli_runs_named_queries_with_params(health, capsys):
 def test_all_health_queries_are_listed():
     names = {p.stem for p in resource_dir("sql").glob("*.sql")}
     assert set(HEALTH_QUERIES) <= names
+
+
+# -- evaluations ------------------------------------------------------------------------------------
+
+
+def test_eval_curve_equals_reference(health):
+    lake = health[0]
+    ev = lake.read("evaluations").to_pandas()
+    assert len(ev) > 0
+    got = run_named(lake, "eval_curve")
+    want = ev.sort_values(["samples", "policy_version"]).reset_index(drop=True)
+    assert got.policy_version.tolist() == want.policy_version.tolist()
+    np.testing.assert_allclose(got.success, want.success)
+    pk = [dict(m)[s] for m, s in zip(want.pass_at_k, want.samples)]
+    np.testing.assert_allclose(got.pass_at_max, pk)
+    one = run_named(lake, "eval_curve", samples=4)
+    assert set(one.samples) == {4} and len(one) == int((ev.samples == 4).sum())

@@ -36,7 +36,7 @@ def console_errors(stderr: str) -> list[str]:
             or "net::ERR_" in ln]
 
 
-PLOTS = 21        # plots the full synthetic lake gives (see test_report_has_every_section_and_plot)
+PLOTS = 22        # plots the full synthetic lake gives (see test_report_has_every_section_and_plot)
 BLANK_STD = 20.0  # grey-level std of a screenshot below which it counts as blank
 
 
@@ -61,11 +61,11 @@ def test_report_has_every_section_and_plot(full_lake, tmp_path):
     res = write_report(full_lake, out)
     text = out.read_text()
     assert res["errors"] == []
-    # quality 4, comparability 2, efficiency 5, freshness 4, lineage 1, training 5
+    # quality 4, comparability 2, efficiency 5, freshness 4, lineage 1, training 5, evaluation 1
     assert res["plots"] == PLOTS and text.count('<img ') == PLOTS
     assert res["no_data"] == []
     for title in ("Quality", "Comparability", "Efficiency", "Freshness", "Latest receipts",
-                  "Lineage of the newest checkpoint", "Training metrics"):
+                  "Lineage of the newest checkpoint", "Training metrics", "Held-out evaluation"):
         assert f"<h2>{title}</h2>" in text
     assert "ck-0003" in text                       # the newest checkpoint's lineage
     assert "stale_policy x1" in text               # receipts show reasons
@@ -122,7 +122,7 @@ def test_report_on_an_empty_lake_says_no_data_yet(lake, tmp_path):
     assert res["errors"] == [] and res["plots"] == 0
     assert "no data yet" in text
     assert {"trajectories: no data yet.", "receipts: no data yet.", "checkpoints: no data yet.",
-            "metrics: no data yet."} <= set(res["no_data"])
+            "metrics: no data yet.", "evaluations: no data yet."} <= set(res["no_data"])
 
 
 def test_report_with_trajectories_only(lake, tmp_path):
