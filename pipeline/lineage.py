@@ -199,7 +199,11 @@ def rollout_run(lake, cfg):
 
 
 def rollout_done(run: JobRun, lake, summary) -> None:
-    run.input(*checkpoints_for_versions(lake, summary.policy_versions))
+    policy = str(getattr(run.config, "policy", "") or "")
+    if policy and Path(policy).is_dir():          # a plain policy directory outside the lake's versions
+        run.input(file(policy))
+    else:
+        run.input(*checkpoints_for_versions(lake, summary.policy_versions))
     run.output(table(lake, "trajectories", lake.version("trajectories")),
                table(lake, "events", lake.version("events")) if lake.exists("events") else None)
 

@@ -55,3 +55,24 @@ def test_eval_without_record_writes_nothing(lake, published, capsys):
     published(0)
     assert main(["policy", "eval", "--lake", lake.uri, "--n", "3", "--no-record", "--json"]) == 0
     assert "eval_id" not in _last(capsys) and not lake.exists("evaluations")
+
+
+def test_rollout_emits_lineage_policy_in_trajectories_out(lake, published, capsys):
+    """The rollout job's run: the checkpoint it sampled from in, the trajectories
+    table (at the version it wrote) out, both named per the OpenLineage naming spec."""
+    from pipeline.lineage import checkpoint, read_events, table
+
+    published(0)
+    assert main(["rollout", "--lake", lake.uri, "--env", "reverse-digits", "--groups", "2", "--group-size", "2",
+                 "--run-id", "ol", "--json"]) == 0
+    ev = [e for e in read_events(lake) if e["job"]["name"] == "pipeline.rollout"]
+    assert [e["eventType"] for e in ev] == ["START", "COMPLETE"]
+    done = ev[1]
+    assert checkpoint(lake, "test-v0").key() in {(d["namespace"], d["name"]) for d in done["inputs"]}
+    outs = {(d["namespace"], d["name"]): d for d in done["outputs"]}
+    traj = outs[table(lake, "trajectories").key()]
+    assert traj["facets"]["version"]["datasetVersion"] == str(lake.version("trajectories"))
+    assert done["job"]["facets"]["jobType"]["jobType"] == "ROLLOUT"
+    assert done["run"]["facets"]["processing_engine"]["name"] == "hf"
+    params = {p["key"]: p["value"] for p in done["run"]["facets"]["executionParameters"]["parameters"]}
+    assert params["run_id"] == "ol" and params["groups"] == "2"
