@@ -113,3 +113,59 @@ def test_trackers_are_off_by_default_and_validated(tlake):
     # how a run reports itself is not part of its identity (same checkpoint id, resumable)
     assert identity_hash(TrainConfig()) == identity_hash(TrainConfig(trackers="mlflow", metrics_every_steps=1))
     assert identity_hash(TrainConfig()) != identity_hash(TrainConfig(lr=1.0))
+
+
+def _wandb_records(path: Path) -> list[bytes]:
+    """The records of a wandb transaction log (.wandb): a 7-byte header (":W&B",
+    magic, version), then LevelDB-style log records (crc32 4 bytes, length 2
+    bytes little-endian, type 1 byte: 1 full, 2 first, 3 middle, 4 last) in
+    32 KiB blocks, each a serialized wandb Record protobuf."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, out, buf = 7, [], b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        n, typ = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        chunk = data[pos + 7:pos + 7 + n]
+        pos += 7 + n
+        if typ == 1:
+            out.append(chunk)
+        elif typ == 2:
+            buf = chunk
+        elif typ == 3:
+            buf += chunk
+        elif typ == 4:
+            out.append(buf + chunk)
+    return out
+
+
+def test_wandb_offline_run_reads_back_equal_to_the_metrics_table(tlake, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    import json
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.live import scalars
+    from pipeline.train.run import train_snapshot
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_MODE", raising=False)                      # offline is the default
+    lake, sid = tlake
+    cfg = TrainConfig(lr=0.003, micro_batch_tokens=256, epochs=1, seed=5, max_steps=3, metrics_every_steps=2,
+                      metrics_every_s=0, trackers="wandb", tracker_dir=str(tmp_path / "trk"))
+    res = train_snapshot(lake, sid, cfg, progress=False)
+    rows = sorted(lake.read("metrics").to_pylist(), key=lambda r: r["global_step"])
+    (log,) = (tmp_path / "trk" / "wandb").glob(f"offline-run-*-{res.checkpoint_id}/run-{res.checkpoint_id}.wandb")
+    history = []
+    for raw in _wandb_records(log):
+        rec = pb.Record()
+        rec.ParseFromString(raw)
+        if rec.WhichOneof("record_type") == "history":
+            history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+    assert [h["_step"] for h in history] == [r["global_step"] for r in rows]
+    for h, r in zip(history, rows):
+        assert {k.removeprefix("train/"): v for k, v in h.items() if k.startswith("train/")} == scalars(r)
