@@ -28,6 +28,7 @@ class ReportOptions:
     bucket: str = "auto"          # time bucket of the over-time plots (auto: from the data's time span)
     pass_k: int = 4               # the k of the second pass@k curve (pass@1 is always drawn)
     receipts: int = 25            # rows in the latest-receipts table
+    train_x: str = "step"         # x axis of the training plots: step, time (s since the run's first step), samples
 
 
 class _Queries:
@@ -378,12 +379,24 @@ def training(q: _Queries) -> Section:
                ("Clip high vs clip low", {"clip_frac_high": "clipped above (ratio > 1 + clip_high)",
                                           "clip_frac_low": "clipped below (ratio < 1 - clip_low)"}, "share"),
                ("Advantage", {"advantage_mean": "advantage mean per step"}, "advantage"))
+    xcol, xlabel, per = {"time": ("elapsed_s", "seconds since the run's first step", "over wall time"),
+                         "samples": ("samples", "trajectories trained on (per run)", "over samples")}.get(
+        q.opts.train_x, ("step", "step (across runs)", "per step"))
+    multi = xcol != "step" and df.checkpoint_id.nunique() > 1
     for title, cols, ylabel in groups:
-        series = {name: (df.step.tolist(), df[c].tolist()) for c, name in cols.items()
-                  if c in df and df[c].notna().any()}
+        series = {}
+        for c, name in cols.items():
+            if c not in df or not df[c].notna().any():
+                continue
+            if multi:   # wall time and samples restart with every run: one line per run
+                for ck, g in df.groupby("checkpoint_id", sort=False):
+                    series[f"{name} ({ck})"] = (g[xcol].tolist(), g[c].tolist())
+            else:
+                series[name] = (df[xcol].tolist(), df[c].tolist())
         if series:
-            s.blocks.append(Plot(title, _lines(series, title=f"{title} per step", xlabel="step (across runs)",
-                                               ylabel=ylabel, integer_x=True)))
+            s.blocks.append(Plot(title if xcol == "step" else f"{title} {per}",
+                                 _lines(series, title=f"{title} {per}", xlabel=xlabel,
+                                        ylabel=ylabel, integer_x=xcol != "elapsed_s")))
     adv = q.sql("SELECT advantage FROM snapshot_members")
     if isinstance(adv, pd.DataFrame) and not adv.empty:
         import numpy as np

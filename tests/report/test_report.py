@@ -221,3 +221,12 @@ def test_time_breakdown_comes_from_the_jobs_lineage_events(lake):
     tb = time_breakdown(lake)
     assert tb["lake.maintain"]["runs"] == 2 and tb["lake.maintain"]["failed"] == 0
     assert tb["lake.maintain"]["seconds"] >= 0
+
+
+@pytest.mark.parametrize("train_x", ["time", "samples"])
+def test_training_plots_over_wall_time_or_samples(full_lake, tmp_path, train_x):
+    from pipeline.report.build import build_report
+
+    page, res = build_report(full_lake, ReportOptions(train_x=train_x))
+    assert res["errors"] == [] and res["plots"] == PLOTS
+    assert ("over wall time" if train_x == "time" else "over samples") in page
