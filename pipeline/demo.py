@@ -128,7 +128,10 @@ def _evaluate(lake, cfg: DemoConfig) -> tuple[int, float]:
     from pipeline.rollout.evaluate import evaluate
 
     ref = resolve_policy(lake)
+    from pipeline.rollout.evaluate import record_evaluation
+
     ev = evaluate(ref, cfg.env, n=cfg.eval_n, seed=cfg.eval_seed, engine=cfg.engine)
+    record_evaluation(lake, ev, command="pipeline demo")      # the eval curve: sql/eval_curve.sql
     return ref.policy_version, float(ev["success_rate"])
 
 

@@ -35,6 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from pipeline import lineage
 from pipeline.errors import ConfigError, NotFoundError, PipelineError
 from pipeline.resources import resource_dir
 
@@ -166,24 +167,28 @@ def _run_job(lake, spec: JobSpec, started: datetime) -> dict[str, Any]:
             return {"job": spec.name, "status": "nothing_to_do", "reason": "no untrained snapshot",
                     "started_at": started.isoformat()}
         deadline = time.monotonic() + spec.timeout_s
+        ol = lineage.ScheduledRun(lake, spec.name, args)
         try:
             for pre in spec.before:   # the bootstrap (e.g. policy init --if-missing): each must succeed
                 proc = subprocess.run([sys.executable, "-m", "pipeline", *pre, "--lake", lake.uri],
-                                      capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()))
+                                      capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()),
+                                      env=ol.env())
                 if proc.returncode != 0:
-                    return {"job": spec.name, "status": "failed", "args": list(pre), "returncode": proc.returncode,
-                            "stdout": proc.stdout[-4000:], "stderr": proc.stderr[-4000:],
-                            "reason": f"before-step `pipeline {' '.join(pre)}` failed",
-                            "started_at": started.isoformat()}
+                    return ol.finish({"job": spec.name, "status": "failed", "args": list(pre),
+                                      "returncode": proc.returncode, "stdout": proc.stdout[-4000:],
+                                      "stderr": proc.stderr[-4000:],
+                                      "reason": f"before-step `pipeline {' '.join(pre)}` failed",
+                                      "started_at": started.isoformat()})
             cmd = [sys.executable, "-m", "pipeline", *args, "--lake", lake.uri]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()))
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()),
+                                  env=ol.env())
         except subprocess.TimeoutExpired:
-            return {"job": spec.name, "status": "timeout", "args": args, "timeout_s": spec.timeout_s,
-                    "started_at": started.isoformat()}
-        return {"job": spec.name, "status": "ok" if proc.returncode == 0 else "failed", "args": args,
+            return ol.finish({"job": spec.name, "status": "timeout", "args": args, "timeout_s": spec.timeout_s,
+                              "started_at": started.isoformat()})
+        return ol.finish({"job": spec.name, "status": "ok" if proc.returncode == 0 else "failed", "args": args,
                 "returncode": proc.returncode, "stdout": proc.stdout[-4000:], "stderr": proc.stderr[-4000:],
                 "started_at": started.isoformat(),
-                "seconds": round((datetime.now(timezone.utc) - started).total_seconds(), 3)}
+                "seconds": round((datetime.now(timezone.utc) - started).total_seconds(), 3)})
     finally:
         lock.release()
 

@@ -1,35 +1,56 @@
-"""Lineage: OpenLineage run events for training runs, and the walk
+"""Lineage: OpenLineage run events for every job, and the walk
 checkpoint -> snapshots -> trajectories -> versions.
 
-Events go through openlineage-python. Transport: the client's own
-configuration when the user gave one (``OPENLINEAGE_URL``,
-``OPENLINEAGE_CONFIG`` or ``OPENLINEAGE__TRANSPORT__*``), otherwise a file
-transport appending one JSON event per line to ``<lake>/lineage/openlineage.jsonl``
-(``PIPELINE_LINEAGE_FILE`` overrides the path). A training run emits START and
-then COMPLETE or FAIL with the same run id; the snapshot is an input dataset
-(its id is its version), the parent policy another input, the checkpoint the
-output (its policy version is the dataset version).
+Every job (ingest, rollout, admit, train, lake maintain, scheduled jobs) runs
+inside :func:`job_run`, which emits START and then COMPLETE or FAIL with one run
+id. Events go through openlineage-python. Transport: the client's own
+configuration when the user gave one (``OPENLINEAGE_URL``, ``OPENLINEAGE_CONFIG``,
+an ``openlineage.yml`` in the working directory or ``OPENLINEAGE__TRANSPORT__*``),
+otherwise a file transport appending one JSON event per line to
+``<lake>/lineage/openlineage.jsonl`` (``PIPELINE_LINEAGE_FILE`` overrides the
+path; ``PIPELINE_LINEAGE=off`` turns emission off).
+
+Dataset naming follows the OpenLineage naming spec, so another producer reading
+the same files names the same nodes: a local file or directory is namespace
+``file`` with its absolute path as the name; an object-store path is namespace
+``<scheme>://<bucket>`` with the key path (no leading slash) as the name. A
+Delta table is the table's root directory, a snapshot is its directory
+``<lake>/_snapshots/<snapshot_id>``, a checkpoint ``<lake>/_checkpoints/<id>``.
+Facets: the dataset version (the Delta version read or written; a snapshot's
+id; a checkpoint's policy version), the schema from ``schemas/``, the storage
+layer; the job type; the processing engine; the resolved configuration as
+execution parameters; the parent run when a scheduled job started the command
+(``PIPELINE_LINEAGE_PARENT``); and the error of a failed run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import uuid
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 from pipeline import __version__
 
 PRODUCER = f"https://github.com/trajectory-lakehouse/pipeline/tree/{__version__}"
 NAMESPACE_JOB = "trajectory-lakehouse"
+INTEGRATION = "TRAJECTORY_LAKEHOUSE"
 DEFAULT_FILE = "lineage/openlineage.jsonl"
+PARENT_ENV = "PIPELINE_LINEAGE_PARENT"
 
 
 def new_run_id() -> str:
     return str(uuid.uuid4())
+
+
+def enabled() -> bool:
+    return os.environ.get("PIPELINE_LINEAGE", "on").lower() not in ("off", "0", "false", "no")
 
 
 def lineage_file(lake) -> Path:
@@ -44,8 +65,9 @@ def lineage_file(lake) -> Path:
 
 
 def _user_configured() -> bool:
-    return any(k in os.environ for k in ("OPENLINEAGE_URL", "OPENLINEAGE_CONFIG")) or any(
-        k.startswith("OPENLINEAGE__TRANSPORT") for k in os.environ)
+    return (any(k in os.environ for k in ("OPENLINEAGE_URL", "OPENLINEAGE_CONFIG"))
+            or any(k.startswith("OPENLINEAGE__TRANSPORT") for k in os.environ)
+            or Path("openlineage.yml").is_file())
 
 
 def client(lake):
@@ -61,40 +83,344 @@ def client(lake):
     return OpenLineageClient(transport=FileTransport(FileConfig(log_file_path=str(path), append=True)))
 
 
-def namespace(lake) -> str:
-    return lake.uri if "://" in lake.uri else f"file://{lake.uri}"
+# -- datasets (OpenLineage naming spec) -------------------------------------------
+
+
+@dataclass(frozen=True)
+class Dataset:
+    namespace: str
+    name: str
+    version: str | None = None
+    schema: str | None = None           # a table of schemas/ whose columns describe it
+    storage: tuple[str, str] | None = None   # (storageLayer, fileFormat)
+
+    def key(self) -> tuple[str, str]:
+        return self.namespace, self.name
+
+
+def location(uri: str) -> tuple[str, str]:
+    """(namespace, name) of a path or object-store URI per the naming spec."""
+    if "://" in uri and not uri.startswith("file://"):
+        scheme, rest = uri.split("://", 1)
+        bucket, _, key = rest.partition("/")
+        return f"{scheme}://{bucket}", key.strip("/")
+    if uri.startswith("file://"):
+        uri = uri[len("file://"):]
+    return "file", str(Path(uri).absolute()).rstrip("/") or "/"
+
+
+def path_dataset(lake, rel: str, **kw: Any) -> Dataset:
+    ns, name = location(f"{lake.uri.rstrip('/')}/{rel}")
+    return Dataset(ns, name, **kw)
+
+
+def table(lake, name: str, version: int | None = None) -> Dataset:
+    """A Delta table of the lake at ``version`` (None: unknown / not read)."""
+    from pipeline.schema import TABLES
+
+    known = name in TABLES or name in ("metrics", "evaluations")
+    return path_dataset(lake, name, version=None if version is None or int(version) < 0 else str(version),
+                        schema=name if known else None, storage=("delta", "parquet"))
+
+
+def snapshot(lake, snapshot_id: str) -> Dataset:
+    """A snapshot directory (immutable; its id is its version)."""
+    return path_dataset(lake, f"_snapshots/{snapshot_id}", version=snapshot_id, schema="snapshot_payload",
+                        storage=("file", "parquet"))
+
+
+def checkpoint(lake, checkpoint_id: str, policy_version: int | None = None) -> Dataset:
+    """A checkpoint directory; its policy version is its dataset version."""
+    return path_dataset(lake, f"_checkpoints/{checkpoint_id}",
+                        version=None if policy_version is None else str(policy_version),
+                        storage=("file", "safetensors"))
+
+
+def file(path: str | os.PathLike[str]) -> Dataset:
+    ns, name = location(str(path))
+    return Dataset(ns, name)
+
+
+def checkpoints_for_versions(lake, versions) -> list[Dataset]:
+    """Checkpoint datasets of the given policy versions (the newest checkpoint of each)."""
+    versions = {int(v) for v in versions if v is not None}
+    if not versions or not lake.exists("checkpoints"):
+        return []
+    rows = lake.read("checkpoints", columns=["checkpoint_id", "policy_version", "created_at"]).to_pylist()
+    best: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        v = r["policy_version"]
+        if v in versions and (v not in best or r["created_at"] > best[v]["created_at"]):
+            best[v] = r
+    return [checkpoint(lake, r["checkpoint_id"], v) for v, r in sorted(best.items())]
+
+
+def train_outputs(lake, checkpoint_id: str, policy_version: int | None) -> list[Dataset]:
+    """What a published training run wrote: the checkpoint, its row, its metrics."""
+    return [checkpoint(lake, checkpoint_id, policy_version), table(lake, "checkpoints", lake.version("checkpoints")),
+            table(lake, "metrics", lake.version("metrics"))]
+
+
+# -- per-job wrappers (one call from each job's entry point) ---------------------------
+
+
+def ingest_run(lake, paths: list[str], command: str):
+    return job_run(lake, "pipeline.ingest", job_type="INGEST", engine="deltalake",
+                   config={"command": command, "files": [str(p) for p in paths]},
+                   inputs=[file(p) for p in paths if "://" in str(p) or Path(p).exists()])
+
+
+def ingest_done(run: JobRun, lake, report) -> None:
+    run.output(table(lake, "trajectories", report.trajectories_version),
+               table(lake, "quarantine", report.quarantine_version) if report.quarantine_version is not None
+               else None)
+
+
+def admit_run(lake, cfg, engine: str, dry_run: bool):
+    return job_run(lake, "pipeline.admit", job_type="ADMIT", engine=engine, config=cfg)
+
+
+def admit_done(run: JobRun, lake, result) -> None:
+    if result.dry_run:
+        run.skip = True
+        return
+    sv = result.source_versions or {}
+    run.input(table(lake, "trajectories", sv.get("trajectories")), table(lake, "receipts", sv.get("receipts"))
+              if sv.get("receipts", -1) >= 0 else None)
+    if result.receipts.num_rows:
+        run.output(table(lake, "receipts", lake.version("receipts")))
+    if result.snapshot_id:
+        run.output(snapshot(lake, result.snapshot_id), table(lake, "snapshots", lake.version("snapshots")),
+                   table(lake, "snapshot_members", lake.version("snapshot_members")))
+
+
+def rollout_run(lake, cfg):
+    return job_run(lake, "pipeline.rollout", job_type="ROLLOUT", engine=getattr(cfg, "engine", None), config=cfg)
+
+
+def rollout_done(run: JobRun, lake, summary) -> None:
+    policy = str(getattr(run.config, "policy", "") or "")
+    if policy and Path(policy).is_dir():          # a plain policy directory outside the lake's versions
+        run.input(file(policy))
+    else:
+        run.input(*checkpoints_for_versions(lake, summary.policy_versions))
+    run.output(table(lake, "trajectories", lake.version("trajectories")),
+               table(lake, "events", lake.version("events")) if lake.exists("events") else None)
+
+
+def maintain_run(lake, config: dict[str, Any]):
+    return job_run(lake, "pipeline.lake.maintain", job_type="MAINTENANCE", engine="deltalake", config=config)
+
+
+def maintain_done(run: JobRun, lake, report: dict[str, Any], dry_run: bool) -> None:
+    for name, t in report.get("tables", {}).items():
+        run.input(table(lake, name, t.get("version")))
+        if not dry_run:
+            run.output(table(lake, name, t.get("version")))
+
+
+class ScheduledRun:
+    """A scheduled job (pipeline jobs): START before its command runs, COMPLETE
+    or FAIL from its result; the command's own runs name this one as parent."""
+
+    def __init__(self, lake, job: str, args: list[str]) -> None:
+        self.run = JobRun(lake, f"pipeline.jobs.{job}", new_run_id(), "SCHEDULED_JOB", None,
+                          {"job": job, "args": list(args)})
+        self.run._emit("START")
+
+    def env(self) -> dict[str, str]:
+        return dict(os.environ) | parent_env(self.run.job_name, self.run.run_id)
+
+    def finish(self, result: dict[str, Any]) -> dict[str, Any]:
+        if result.get("status") == "ok":
+            self.run._emit("COMPLETE")
+        else:
+            self.run._emit("FAIL", error=f"{result.get('status')}: returncode {result.get('returncode')}; "
+                                         f"{(result.get('stderr') or '').strip()[-500:]}")
+        return result
+
+
+def _schema_facet(table_name: str):
+    from openlineage.client.facet_v2 import schema_dataset
+
+    from pipeline.schema import table_spec
+
+    spec = table_spec(table_name)
+    return schema_dataset.SchemaDatasetFacet(fields=[
+        schema_dataset.SchemaDatasetFacetFields(name=c.name, type=c.type_text, description=c.description or None)
+        for c in spec.columns])
+
+
+def _dataset_facets(d: Dataset) -> dict[str, Any]:
+    from openlineage.client.facet_v2 import dataset_version_dataset, storage_dataset
+
+    facets: dict[str, Any] = {}
+    if d.version is not None:
+        facets["version"] = dataset_version_dataset.DatasetVersionDatasetFacet(datasetVersion=str(d.version))
+    if d.schema is not None:
+        facets["schema"] = _schema_facet(d.schema)
+    if d.storage is not None:
+        facets["storage"] = storage_dataset.StorageDatasetFacet(storageLayer=d.storage[0], fileFormat=d.storage[1])
+    return facets
+
+
+def _as_dataset(lake, item) -> Dataset:
+    if isinstance(item, Dataset):
+        return item
+    name, version = item                      # legacy (relative name, version) under the lake
+    return path_dataset(lake, name, version=None if version is None else str(version))
+
+
+# -- run facets ---------------------------------------------------------------------
+
+
+def engine_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    dist = {"deltalake": "deltalake", "duckdb": "duckdb", "dask": "dask", "deepspeed": "deepspeed",
+            "hf": "transformers", "transformers": "transformers", "vllm": "vllm", "pyarrow": "pyarrow"}.get(name)
+    if dist is None:
+        return __version__
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _flatten(prefix: str, value: Any, out: list[tuple[str, str]]) -> None:
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    else:
+        out.append((prefix, value if isinstance(value, str) else json.dumps(value, default=str, sort_keys=True)))
+
+
+def config_facet(config: Any):
+    """The resolved configuration as an ExecutionParametersRunFacet (dotted keys, JSON values)."""
+    import dataclasses
+
+    from openlineage.client.facet_v2 import execution_parameters_run as ep
+
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        from pipeline.config import config_dict
+
+        config = config_dict(config)
+    flat: list[tuple[str, str]] = []
+    _flatten("", config or {}, flat)
+    return ep.ExecutionParametersRunFacet(parameters=[ep.ExecutionParameter(key=k, value=v) for k, v in flat])
+
+
+def _parent_facet():
+    raw = os.environ.get(PARENT_ENV)
+    if not raw:
+        return None
+    try:
+        p = json.loads(raw)
+        from openlineage.client.facet_v2 import parent_run
+
+        return parent_run.ParentRunFacet(run=parent_run.Run(runId=p["runId"]),
+                                         job=parent_run.Job(namespace=p["namespace"], name=p["name"]))
+    except Exception:   # a malformed variable never stops a job
+        return None
+
+
+def parent_env(job_name: str, run_id: str) -> dict[str, str]:
+    """Environment for a child process so that its runs name this run as parent."""
+    return {PARENT_ENV: json.dumps({"namespace": NAMESPACE_JOB, "name": job_name, "runId": run_id})}
 
 
 def emit_run_event(lake, *, event_type: str, run_id: str, job_name: str,
-                   inputs: list[tuple[str, str | None]], outputs: list[tuple[str, str | None]],
-                   run_facets: dict[str, Any] | None = None, error: str | None = None) -> dict[str, Any]:
-    """Emit one RunEvent. ``inputs``/``outputs`` are (dataset name, version or
-    None) under the lake's namespace. Returns the event as a dict."""
+                   inputs: list, outputs: list, run_facets: dict[str, Any] | None = None,
+                   error: str | None = None, job_type: str | None = None, engine: str | None = None,
+                   config: Any = None) -> dict[str, Any]:
+    """Emit one RunEvent. ``inputs``/``outputs`` are :class:`Dataset` (or legacy
+    (name relative to the lake, version) pairs). Returns the event as a dict."""
     from openlineage.client.event_v2 import InputDataset, Job, OutputDataset, Run, RunEvent, RunState
-    from openlineage.client.facet_v2 import dataset_version_dataset, error_message_run
+    from openlineage.client.facet_v2 import error_message_run, job_type_job, processing_engine_run
     from openlineage.client.serde import Serde
 
-    ns = namespace(lake)
-
-    def dsfacets(version: str | None) -> dict[str, Any]:
-        if version is None:
-            return {}
-        return {"version": dataset_version_dataset.DatasetVersionDatasetFacet(datasetVersion=str(version))}
-
     facets: dict[str, Any] = dict(run_facets or {})
+    if engine:
+        from importlib.metadata import version as _v
+
+        facets["processing_engine"] = processing_engine_run.ProcessingEngineRunFacet(
+            version=engine_version(engine), name=engine, openlineageAdapterVersion=_v("openlineage-python"))
+    if config is not None:
+        facets["executionParameters"] = config_facet(config)
+    parent = _parent_facet()
+    if parent is not None:
+        facets["parent"] = parent
     if error:
         facets["errorMessage"] = error_message_run.ErrorMessageRunFacet(message=error, programmingLanguage="python")
+    job_facets: dict[str, Any] = {}
+    if job_type:
+        job_facets["jobType"] = job_type_job.JobTypeJobFacet(processingType="BATCH", integration=INTEGRATION,
+                                                             jobType=job_type)
+    ins = [_as_dataset(lake, d) for d in inputs]
+    outs = [_as_dataset(lake, d) for d in outputs]
     event = RunEvent(
         eventType=getattr(RunState, event_type),
         eventTime=datetime.now(timezone.utc).isoformat(),
         run=Run(runId=run_id, facets=facets),
-        job=Job(namespace=NAMESPACE_JOB, name=job_name),
+        job=Job(namespace=NAMESPACE_JOB, name=job_name, facets=job_facets),
         producer=PRODUCER,
-        inputs=[InputDataset(namespace=ns, name=n, facets=dsfacets(v)) for n, v in inputs],
-        outputs=[OutputDataset(namespace=ns, name=n, facets=dsfacets(v)) for n, v in outputs],
+        inputs=[InputDataset(namespace=d.namespace, name=d.name, facets=_dataset_facets(d)) for d in ins],
+        outputs=[OutputDataset(namespace=d.namespace, name=d.name, facets=_dataset_facets(d)) for d in outs],
     )
-    client(lake).emit(event)
+    if enabled():
+        client(lake).emit(event)
     return json.loads(Serde.to_json(event))
+
+
+@dataclass
+class JobRun:
+    """What a running job has read and written so far (reported at COMPLETE/FAIL)."""
+    lake: Any
+    job_name: str
+    run_id: str
+    job_type: str
+    engine: str | None
+    config: Any
+    inputs: list[Dataset] = field(default_factory=list)
+    outputs: list[Dataset] = field(default_factory=list)
+    skip: bool = False                  # e.g. a dry run: emit nothing more
+
+    def input(self, *ds: Dataset | None) -> None:
+        self.inputs.extend(d for d in ds if d is not None)
+
+    def output(self, *ds: Dataset | None) -> None:
+        self.outputs.extend(d for d in ds if d is not None)
+
+    def _emit(self, event_type: str, error: str | None = None) -> None:
+        try:
+            emit_run_event(self.lake, event_type=event_type, run_id=self.run_id, job_name=self.job_name,
+                           inputs=_dedupe(self.inputs), outputs=_dedupe(self.outputs), error=error,
+                           job_type=self.job_type, engine=self.engine, config=self.config)
+        except Exception as exc:   # lineage is observability: it never fails the job
+            print(f"warning: OpenLineage {event_type} event of {self.job_name} not emitted: "
+                  f"{type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+def _dedupe(ds: list[Dataset]) -> list[Dataset]:
+    seen: dict[tuple[str, str], Dataset] = {}
+    for d in ds:
+        seen[d.key()] = d           # the last report of a dataset wins (its newest version)
+    return list(seen.values())
+
+
+@contextlib.contextmanager
+def job_run(lake, job_name: str, *, job_type: str, engine: str | None = None, config: Any = None,
+            inputs: list[Dataset] | None = None, run_id: str | None = None) -> Iterator[JobRun]:
+    """START now; COMPLETE when the block returns, FAIL (with the error) when it raises."""
+    run = JobRun(lake, job_name, run_id or new_run_id(), job_type, engine, config, list(inputs or []))
+    run._emit("START")
+    try:
+        yield run
+    except BaseException as exc:
+        run._emit("FAIL", error=f"{type(exc).__name__}: {exc}")
+        raise
+    if not run.skip:
+        run._emit("COMPLETE")
 
 
 def read_events(lake, run_id: str | None = None) -> list[dict[str, Any]]:
@@ -212,7 +538,8 @@ def walk(lake, checkpoint_id: str, *, with_trajectories: bool = True, max_ancest
         "events": [{"eventType": e.get("eventType"), "runId": e.get("run", {}).get("runId"),
                     "eventTime": e.get("eventTime")}
                    for e in read_events(lake)
-                   if any(o.get("name") == f"checkpoints/{checkpoint_id}" for o in e.get("outputs", []))],
+                   if any((o.get("namespace"), o.get("name")) == checkpoint(lake, checkpoint_id).key()
+                          for o in e.get("outputs", []))],
     }
 
 

@@ -41,6 +41,11 @@ def _check_loop_invariants(lake, summary):
     assert dup.num_rows == 0
     for line in summary["iterations"]:
         assert 0.0 <= line["heldout_success"] <= 1.0
+    # every held-out evaluation is in the evaluations table (one row per version: same settings = same row)
+    evals = {r["policy_version"]: r for r in lake.read("evaluations").to_pylist()}
+    for line in summary["iterations"]:
+        assert evals[line["policy_version"]]["success"] == line["heldout_success"]
+        assert evals[line["policy_version"]]["command"] == "pipeline demo"
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -71,7 +72,7 @@ def test_failed_run_emits_fail_with_the_start_run_id(lake):
     assert [e["eventType"] for e in ev] == ["START", "FAIL"]
     assert ev[0]["run"]["runId"] == ev[1]["run"]["runId"]
     assert "TrainDataError" in ev[1]["run"]["facets"]["errorMessage"]["message"]
-    assert ev[0]["inputs"][0]["name"] == f"snapshots/{sid}"
+    assert ev[0]["inputs"][0]["name"] == str(Path(lake.uri).absolute() / "_snapshots" / sid)   # naming spec
     assert lake.read("checkpoints").num_rows == 1                         # nothing published
 
 
@@ -81,8 +82,9 @@ def test_lineage_file_is_configurable(lake, tmp_path, monkeypatch):
     target = tmp_path / "elsewhere" / "ol.jsonl"
     monkeypatch.setenv("PIPELINE_LINEAGE_FILE", str(target))
     rid = new_run_id()
-    emit_run_event(lake, event_type="START", run_id=rid, job_name="j", inputs=[("snapshots/x", "x")], outputs=[])
+    emit_run_event(lake, event_type="START", run_id=rid, job_name="j", inputs=[("_snapshots/x", "x")], outputs=[])
     (line,) = target.read_text().splitlines()
     ev = json.loads(line)
     assert ev["run"]["runId"] == rid and ev["inputs"][0]["facets"]["version"]["datasetVersion"] == "x"
-    assert ev["inputs"][0]["namespace"] == f"file://{lake.uri}"
+    assert ev["inputs"][0]["namespace"] == "file"          # OpenLineage naming spec: local files
+    assert ev["inputs"][0]["name"] == str(Path(lake.uri).absolute() / "_snapshots" / "x")

@@ -204,7 +204,21 @@ def admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: i
           dry_run: bool = False, engine: Literal["duckdb", "dask"] = "duckdb", dask_scheduler: str | None = None,
           target_groups: int | None = None, now: datetime | None = None,
           command: str = "pipeline admit") -> AdmissionResult:
-    """Decide every ready, undecided group; write receipts and one snapshot of the admitted members."""
+    """Decide every ready, undecided group; write receipts and one snapshot of the admitted members.
+    Reported as an OpenLineage run (pipeline.lineage)."""
+    from pipeline import lineage
+
+    with lineage.admit_run(lake, cfg or AdmissionConfig(), engine, dry_run) as run:
+        result = _admit(lake, cfg, current_policy_version=current_policy_version, dry_run=dry_run, engine=engine,
+                        dask_scheduler=dask_scheduler, target_groups=target_groups, now=now, command=command)
+        lineage.admit_done(run, lake, result)
+    return result
+
+
+def _admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: int | None = None,
+           dry_run: bool = False, engine: Literal["duckdb", "dask"] = "duckdb", dask_scheduler: str | None = None,
+           target_groups: int | None = None, now: datetime | None = None,
+           command: str = "pipeline admit") -> AdmissionResult:
     cfg = cfg or AdmissionConfig()
     run_id = f"admit-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
     receipts_schema = table_spec("receipts").arrow_schema()

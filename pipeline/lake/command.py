@@ -122,7 +122,7 @@ def _info(args: argparse.Namespace) -> None:
 
     lake = open_lake(args)
     tables = {}
-    for name in TABLES + ("metrics",):
+    for name in TABLES + ("metrics", "evaluations"):
         if not lake.exists(name):
             continue
         dt = lake.table(name)

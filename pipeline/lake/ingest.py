@@ -274,6 +274,18 @@ def precheck(path: str, data: bytes) -> None:
 
 def ingest_files(lake, paths: Iterable[str | os.PathLike[str]], *, command: str = "ingest",
                  progress: bool = False) -> IngestReport:
+    """See :func:`_ingest_files`; reported as an OpenLineage run (pipeline.lineage)."""
+    from pipeline import lineage
+
+    paths = [str(p) for p in paths]
+    with lineage.ingest_run(lake, paths, command) as run:
+        report = _ingest_files(lake, paths, command=command, progress=progress)
+        lineage.ingest_done(run, lake, report)
+    return report
+
+
+def _ingest_files(lake, paths: Iterable[str | os.PathLike[str]], *, command: str = "ingest",
+                  progress: bool = False) -> IngestReport:
     """Land valid rows (one commit) and quarantine the rest (one commit).
 
     Every file is fingerprinted and structurally checked first: an unreadable
@@ -314,6 +326,16 @@ def ingest_files(lake, paths: Iterable[str | os.PathLike[str]], *, command: str 
 
 
 def ingest_table(lake, table, *, source: str = "memory", command: str = "ingest_table") -> IngestReport:
+    """See :func:`_ingest_table`; reported as an OpenLineage run (pipeline.lineage)."""
+    from pipeline import lineage
+
+    with lineage.ingest_run(lake, [], command) as run:
+        report = _ingest_table(lake, table, source=source, command=command)
+        lineage.ingest_done(run, lake, report)
+    return report
+
+
+def _ingest_table(lake, table, *, source: str = "memory", command: str = "ingest_table") -> IngestReport:
     """Land an in-memory ``pyarrow.Table`` (or pandas / polars DataFrame) with
     the same validation, quarantine, dedupe and exactly-once guarantees as
     ``pipeline ingest``. The table's content fingerprint (sha256 of its Arrow IPC

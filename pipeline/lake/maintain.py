@@ -35,12 +35,25 @@ def snapshot_source_versions(lake) -> dict[str, set[int]]:
 
 def maintain(lake, *, retention_hours: int = 168, dry_run: bool = False,
              tables: list[str] | None = None, orphan_min_age_s: float | None = None) -> dict[str, Any]:
+    """Compact, checkpoint, vacuum and clean every table; an OpenLineage run (pipeline.lineage)."""
+    from pipeline import lineage
+
+    with lineage.maintain_run(lake, {"retention_hours": retention_hours, "dry_run": dry_run, "tables": tables,
+                                     "orphan_min_age_s": orphan_min_age_s}) as run:
+        report = _maintain(lake, retention_hours=retention_hours, dry_run=dry_run, tables=tables,
+                           orphan_min_age_s=orphan_min_age_s)
+        lineage.maintain_done(run, lake, report, dry_run)
+    return report
+
+
+def _maintain(lake, *, retention_hours: int = 168, dry_run: bool = False,
+              tables: list[str] | None = None, orphan_min_age_s: float | None = None) -> dict[str, Any]:
     from pipeline.lake.delta import ORPHAN_MIN_AGE_S
 
     age = ORPHAN_MIN_AGE_S if orphan_min_age_s is None else orphan_min_age_s
     keep = snapshot_source_versions(lake)
     report: dict[str, Any] = {"tables": {}, "dry_run": dry_run}
-    for name in tables or list(TABLES) + ["metrics"]:
+    for name in tables or list(TABLES) + ["metrics", "evaluations"]:
         if not lake.exists(name):
             continue
         before = lake.file_count(name)

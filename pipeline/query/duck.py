@@ -19,7 +19,7 @@ import pyarrow as pa
 from pipeline.errors import PipelineError
 from pipeline.schema import TABLES, table_spec
 
-EXTRA_TABLES = ("metrics",)
+EXTRA_TABLES = ("metrics", "evaluations")
 
 
 class SQLError(PipelineError):

@@ -25,9 +25,10 @@ from pipeline.report.html import Note, Plot, Section, Table, render
 @dataclass(frozen=True)
 class ReportOptions:
     run_id: str | None = None     # only this experiment (None: every run)
-    bucket: str = "hour"          # time bucket of the over-time plots
+    bucket: str = "auto"          # time bucket of the over-time plots (auto: from the data's time span)
     pass_k: int = 4               # the k of the second pass@k curve (pass@1 is always drawn)
     receipts: int = 25            # rows in the latest-receipts table
+    train_x: str = "step"         # x axis of the training plots: step, time (s since the run's first step), samples
 
 
 class _Queries:
@@ -371,11 +372,39 @@ def training(q: _Queries) -> Section:
                "nats"),
               ("Clipping and padding", {"clip_fraction": "clip fraction", "padding_ratio": "padding ratio"}, "share"),
               ("Throughput", {"tokens_per_s": "tokens/s"}, "tokens/s"))
+    groups += (("Gradient norm", {"grad_norm": "grad norm (before clipping)"}, "norm"),
+               ("Learning rate", {"lr": "learning rate"}, "lr"),
+               ("Importance ratio quantiles", {"ratio_p05": "p05", "ratio_p50": "p50", "ratio_p95": "p95"}, "ratio"),
+               ("Engine/trainer mismatch", {"mismatch_kl": "mismatch_kl (rollout vs trainer log-probs)"}, "nats"),
+               ("Clip high vs clip low", {"clip_frac_high": "clipped above (ratio > 1 + clip_high)",
+                                          "clip_frac_low": "clipped below (ratio < 1 - clip_low)"}, "share"),
+               ("Advantage", {"advantage_mean": "advantage mean per step"}, "advantage"))
+    xcol, xlabel, per = {"time": ("elapsed_s", "seconds since the run's first step", "over wall time"),
+                         "samples": ("samples", "trajectories trained on (per run)", "over samples")}.get(
+        q.opts.train_x, ("step", "step (across runs)", "per step"))
+    multi = xcol != "step" and df.checkpoint_id.nunique() > 1
     for title, cols, ylabel in groups:
-        series = {name: (df.step.tolist(), df[c].tolist()) for c, name in cols.items() if df[c].notna().any()}
+        series = {}
+        for c, name in cols.items():
+            if c not in df or not df[c].notna().any():
+                continue
+            if multi:   # wall time and samples restart with every run: one line per run
+                for ck, g in df.groupby("checkpoint_id", sort=False):
+                    series[f"{name} ({ck})"] = (g[xcol].tolist(), g[c].tolist())
+            else:
+                series[name] = (df[xcol].tolist(), df[c].tolist())
         if series:
-            s.blocks.append(Plot(title, _lines(series, title=f"{title} per step", xlabel="step (across runs)",
-                                               ylabel=ylabel, integer_x=True)))
+            s.blocks.append(Plot(title if xcol == "step" else f"{title} {per}",
+                                 _lines(series, title=f"{title} {per}", xlabel=xlabel,
+                                        ylabel=ylabel, integer_x=xcol != "elapsed_s")))
+    adv = q.sql("SELECT advantage FROM snapshot_members")
+    if isinstance(adv, pd.DataFrame) and not adv.empty:
+        import numpy as np
+
+        counts, edges = np.histogram(adv.advantage.dropna().to_numpy(), bins=20)
+        s.blocks.append(Plot("Advantage distribution", _bars(
+            [f"{(a + b) / 2:.2f}" for a, b in zip(edges[:-1], edges[1:])], {"members": counts.tolist()},
+            title="Advantage distribution (admitted snapshot members)", ylabel="members", xlabel="advantage")))
     last = df.groupby("checkpoint_id", sort=False).agg(
         policy_version=("policy_version", "first"), steps=("global_step", "size"), loss=("loss", "last"),
         reward_mean=("reward_mean", "last"), kl=("kl", "last"), tokens_per_s=("tokens_per_s", "mean")).reset_index()
@@ -383,8 +412,206 @@ def training(q: _Queries) -> Section:
     return s
 
 
+def evaluation(q: _Queries) -> Section:
+    s = Section("evaluation", "Held-out evaluation",
+                "Success on the environment's held-out split per policy version, one curve per evaluation setting "
+                "(sql/eval_curve.sql over the evaluations table written by pipeline policy eval and the demo).")
+    df = q.get("eval_curve")
+    note = _problem(df, "evaluations")
+    if note:
+        s.blocks.append(note)
+        return s
+    series: dict[str, tuple[list, list]] = {}
+    keys = ["env", "split", "n", "seed", "samples", "temperature"]
+    settings = df[keys].drop_duplicates().to_dict("records")
+    for st in settings:
+        d = df
+        for k in keys:
+            d = d[d[k] == st[k]]
+        d = d.sort_values("policy_version")
+        label = f"{st['env']} n={st['n']}" + (f" x{st['samples']}" if st["samples"] > 1 else "")
+        if len(settings) == 1:
+            label = "success"
+        series[label] = (d.policy_version.tolist(), d.success.tolist())
+        if st["samples"] > 1:
+            series[f"{label} pass@{st['samples']}"] = (d.policy_version.tolist(), d.pass_at_max.tolist())
+    s.blocks.append(Plot("Eval curve", _lines(series, title="Held-out success per policy version",
+                                              xlabel="policy version", ylabel="success", integer_x=True)))
+    s.blocks.append(_table(df, ["env", "n", "samples", "policy_version", "checkpoint_id", "success", "pass_at_max",
+                                "reward_mean", "format_rate", "tool_use_rate", "evaluated_at"],
+                           caption="every evaluation (newest per version and setting)"))
+    return s
+
+
+def rollout(q: _Queries) -> Section:
+    o = q.opts
+    s = Section("rollout", "Rollout health",
+                "Response length and truncation (share stopped at the length limit) per policy version "
+                "(sql/rollout_lengths.sql), throughput over time (sql/rollout_throughput.sql), success per task "
+                "difficulty over versions (sql/success_by_difficulty.sql), and where the wall time goes "
+                "(rollout / admit / train, from the jobs' OpenLineage START and COMPLETE events).")
+    ln = q.get("rollout_lengths", run_id=o.run_id)
+    note = _problem(ln, "trajectories")
+    if note:
+        s.blocks.append(note)
+    else:
+        s.blocks.append(Plot("Response length", _lines(
+            _series_by_run(ln, "policy_version", {"response_len_mean": "mean", "response_len_p95": "p95",
+                                                  "response_len_max": "max"}),
+            title="Response length per policy version", xlabel="policy version", ylabel="tokens", integer_x=True)))
+        s.blocks.append(Plot("Truncation rate", _lines(
+            _series_by_run(ln, "policy_version", {"truncation_rate": "truncation rate"}),
+            title="Share of responses cut at the length limit", xlabel="policy version", ylabel="share",
+            integer_x=True, ylim=(0, 1.02))))
+        tp = q.get("rollout_throughput", run_id=o.run_id, bucket=o.bucket)
+        if not _problem(tp, "throughput"):
+            s.blocks.append(Plot("Rollout throughput", _lines(
+                _series_by_run(tp, "bucket", {"tokens_per_s": "response tokens/s"}),
+                title=f"Rollout throughput (per {o.bucket}, UTC)", xlabel="finished at", ylabel="tokens/s")))
+        sd = q.get("success_by_difficulty", run_id=o.run_id)
+        if not _problem(sd, "difficulty"):
+            series = {str(d): (g.policy_version.tolist(), g.success_rate.tolist())
+                      for d, g in sd.sort_values("policy_version").groupby("difficulty")}
+            s.blocks.append(Plot("Success by difficulty", _lines(
+                series, title="Success per difficulty over policy versions", xlabel="policy version",
+                ylabel="success rate", integer_x=True, ylim=(0, 1.02))))
+    tb = time_breakdown(q.lake)
+    if tb:
+        s.blocks.append(Plot("Time breakdown", _bars(
+            list(tb), {"seconds": [v["seconds"] for v in tb.values()]},
+            title="Wall time per job (completed runs)", ylabel="seconds")))
+        s.blocks.append(Table(["job", "runs", "seconds", "failed"],
+                              [[k, v["runs"], round(v["seconds"], 3), v["failed"]] for k, v in tb.items()],
+                              "from the OpenLineage events of the lake"))
+    return s
+
+
+def time_breakdown(lake) -> dict[str, dict[str, Any]]:
+    """job -> runs, seconds (START to COMPLETE), failed runs, from the lake's lineage events."""
+    from pipeline.lineage import read_events
+
+    try:
+        events = read_events(lake)
+    except Exception:
+        return {}
+    starts: dict[str, datetime] = {}
+    out: dict[str, dict[str, Any]] = {}
+    for e in events:
+        rid, job, t = e.get("run", {}).get("runId"), e.get("job", {}).get("name", "?"), e.get("eventTime")
+        try:
+            ts = datetime.fromisoformat(t)
+        except (TypeError, ValueError):
+            continue
+        name = job.removeprefix("pipeline.")
+        if e.get("eventType") == "START":
+            starts[rid] = ts
+        elif e.get("eventType") in ("COMPLETE", "FAIL") and rid in starts:
+            d = out.setdefault(name, {"runs": 0, "seconds": 0.0, "failed": 0})
+            d["runs"] += 1
+            d["seconds"] += (ts - starts.pop(rid)).total_seconds()
+            d["failed"] += e["eventType"] == "FAIL"
+    return dict(sorted(out.items()))
+
+
+# -- alerts -------------------------------------------------------------------------------------------
+
+# Thresholds of the alerts section (a value beyond its bound raises the alert).
+ALERTS = {
+    "mismatch_kl": 1e-3,          # rollout-engine vs trainer log-probs: above this the engines drift apart
+    "zero_variance_share": 0.5,   # share of decided groups with identical rewards: no learning signal
+    "infra_failure_rate": 0.05,   # share of trajectories INFRA_FAILED: infrastructure, not policy
+    "stale_share": 0.2,           # share of a bucket's groups rejected as stale (gated)
+    "truncation_rate": 0.2,       # share of responses cut at the length limit (newest version)
+    "clip_fraction": 0.2,         # share of tokens clipped in a step
+    "eval_drop": 0.05,            # held-out success falling by more than this from the previous version
+}
+
+
+def alerts(q: _Queries) -> Section:
+    s = Section("alerts", "Alerts",
+                "Checks against fixed thresholds (pipeline.report.build.ALERTS); each alert says what is wrong "
+                "and where to look.")
+    found: list[str] = []
+    tr = q.get("training")
+    if isinstance(tr, pd.DataFrame) and not tr.empty:
+        if "mismatch_kl" in tr and tr.mismatch_kl.notna().any():
+            worst = tr.loc[tr.mismatch_kl.idxmax()]
+            if worst.mismatch_kl > ALERTS["mismatch_kl"]:
+                found.append(f"Rollout engine and trainer disagree: mismatch_kl reached {worst.mismatch_kl:.3g} "
+                             f"(bound {ALERTS['mismatch_kl']:g}) in checkpoint {worst.checkpoint_id}, step "
+                             f"{int(worst.global_step)}. Check the engine's dtype/sampling settings and the "
+                             f"policy version workers load (Training metrics).")
+        if tr.grad_norm.notna().any() and not pd.Series(tr.grad_norm.dropna()).map(math.isfinite).all():
+            found.append("Gradient norm is not finite in some step: training diverged (Training metrics).")
+        if tr.clip_fraction.notna().any() and tr.clip_fraction.max() > ALERTS["clip_fraction"]:
+            found.append(f"Up to {tr.clip_fraction.max():.0%} of tokens were clipped in a step (bound "
+                         f"{ALERTS['clip_fraction']:.0%}): updates are too large or data too off-policy; lower the "
+                         f"learning rate or the policy lag.")
+    rc = q.sql("SELECT decision, count(*) AS n FROM receipts GROUP BY decision")
+    if isinstance(rc, pd.DataFrame) and not rc.empty:
+        total = rc.n.sum()
+        zv = rc.loc[rc.decision == "zero_variance", "n"].sum() / total
+        if zv > ALERTS["zero_variance_share"]:
+            found.append(f"{zv:.0%} of decided groups had zero reward variance (bound "
+                         f"{ALERTS['zero_variance_share']:.0%}): they carry no learning signal; tasks are too easy "
+                         f"or too hard for this policy (Success by difficulty).")
+    st = q.get("freshness_rejections", run_id=q.opts.run_id)
+    if isinstance(st, pd.DataFrame) and not st.empty:
+        for r in st[st.stale_exclusion_rate.fillna(0) > ALERTS["stale_share"]].itertuples():
+            found.append(f"{r.stale_exclusion_rate:.0%} of the members in bucket difficulty={r.difficulty}, "
+                         f"length={r.length_bucket} (run {r.run_id}) were excluded as stale (bound "
+                         f"{ALERTS['stale_share']:.0%}): rollouts of this bucket arrive too late for the policy; "
+                         f"raise max_policy_lag or speed up their generation (Freshness).")
+    inf = q.sql("SELECT avg(CASE WHEN status = 'INFRA_FAILED' THEN 1.0 ELSE 0.0 END) AS rate, count(*) AS n "
+                "FROM trajectories")
+    if isinstance(inf, pd.DataFrame) and not inf.empty and inf.n.iloc[0] and inf.rate.iloc[0] > ALERTS[
+            "infra_failure_rate"]:
+        found.append(f"{inf.rate.iloc[0]:.1%} of trajectories failed for infrastructure reasons (bound "
+                     f"{ALERTS['infra_failure_rate']:.0%}): tools, environments or verifiers are failing "
+                     f"(Efficiency: failures).")
+    ln = q.get("rollout_lengths", run_id=q.opts.run_id)
+    if isinstance(ln, pd.DataFrame) and not ln.empty:
+        newest = ln.sort_values("policy_version").groupby("run_id").tail(1)
+        for r in newest[newest.truncation_rate > ALERTS["truncation_rate"]].itertuples():
+            found.append(f"{r.truncation_rate:.0%} of responses of policy version {r.policy_version} (run "
+                         f"{r.run_id}) hit the length limit (bound {ALERTS['truncation_rate']:.0%}): answers are "
+                         f"growing; truncated answers mostly fail (Rollout health).")
+    ev = q.get("eval_curve")
+    if isinstance(ev, pd.DataFrame) and len(ev) > 1:
+        for _, g in ev.groupby(["env", "n", "seed", "samples", "temperature"]):
+            g = g.sort_values("policy_version")
+            if len(g) > 1 and g.success.iloc[-2] - g.success.iloc[-1] > ALERTS["eval_drop"]:
+                found.append(f"Held-out success fell from {g.success.iloc[-2]:.3f} to {g.success.iloc[-1]:.3f} at "
+                             f"policy version {int(g.policy_version.iloc[-1])} ({g.env.iloc[0]}): the newest version "
+                             f"is worse on tasks it never trained on (Held-out evaluation).")
+    s.blocks.extend(Note(text, "alert") for text in found)
+    if not found:
+        s.blocks.append(Note("No alerts: every check is within its threshold.", "info"))
+    return s
+
+
+def choose_bucket(lake) -> str:
+    """The time bucket that gives the over-time plots a usable number of points
+    for the span of the data (finished_at of the trajectories)."""
+    from pipeline.query.duck import query
+
+    try:
+        r = query(lake, "SELECT epoch(max(finished_at)) - epoch(min(finished_at)) AS span FROM trajectories")
+        span = r.column("span")[0].as_py()
+    except Exception:
+        span = None
+    if span is None:
+        return "hour"
+    if span <= 15 * 60:
+        return "second" if span <= 120 else "minute"
+    if span <= 2 * 86400:
+        return "minute" if span <= 3 * 3600 else "hour"
+    return "day" if span <= 120 * 86400 else "week"
+
+
 SECTIONS: tuple[Callable[[_Queries], Section], ...] = (
-    overview, quality, comparability, efficiency, freshness, receipts, lineage, training)
+    alerts, overview, quality, comparability, efficiency, freshness, receipts, lineage, training, rollout,
+    evaluation)
 
 
 # -- plotting wrappers: an empty series gives no plot ---------------------------------------------
@@ -407,6 +634,10 @@ def _bars(categories, series, **kw) -> bytes:
 
 def build_report(lake, opts: ReportOptions = ReportOptions()) -> tuple[str, dict[str, Any]]:
     """The HTML page and a summary (sections, plots, notes)."""
+    import dataclasses
+
+    if opts.bucket == "auto":
+        opts = dataclasses.replace(opts, bucket=choose_bucket(lake))
     q = _Queries(lake, opts)
     sections = []
     for fn in SECTIONS:
@@ -425,6 +656,8 @@ def build_report(lake, opts: ReportOptions = ReportOptions()) -> tuple[str, dict
         "tables": sum(isinstance(b, Table) for b in blocks),
         "no_data": [b.text for b in blocks if isinstance(b, Note) and b.kind == "empty"],
         "errors": [b.text for b in blocks if isinstance(b, Note) and b.kind == "error"],
+        "alerts": [b.text for b in blocks if isinstance(b, Note) and b.kind == "alert"],
+        "bucket": opts.bucket,
     }
     return page, summary
 

@@ -23,8 +23,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--run-id", default=None, help="only this experiment (default: every run)")
     p.add_argument("--out", default="report.html", metavar="FILE", help="HTML file to write (default: report.html)")
-    p.add_argument("--bucket", default="hour", choices=["minute", "hour", "day", "week"],
-                   help="time bucket of the over-time plots (default: hour)")
+    p.add_argument("--bucket", default="auto", choices=["auto", "second", "minute", "hour", "day", "week"],
+                   help="time bucket of the over-time plots (default: auto, from the data's time span)")
+    p.add_argument("--train-x", default="step", choices=["step", "time", "samples"],
+                   help="x axis of the training plots: optimizer step (default), wall time or samples")
     p.add_argument("--pass-k", type=int, default=4, help="k of the second pass@k curve (default: 4)")
     p.add_argument("--receipts", type=int, default=25, help="rows in the latest-receipts table (default: 25)")
     p.set_defaults(handler=_report)
@@ -38,7 +40,7 @@ def _report(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.pass_k < 1 or args.receipts < 1:
         raise PipelineError("--pass-k and --receipts must be >= 1")
     result = write_report(open_lake(args), args.out, ReportOptions(
-        run_id=args.run_id, bucket=args.bucket, pass_k=args.pass_k, receipts=args.receipts))
+        run_id=args.run_id, bucket=args.bucket, pass_k=args.pass_k, receipts=args.receipts, train_x=args.train_x))
     emit(result, args, text=_text)
     return None
 
@@ -49,4 +51,6 @@ def _text(r: dict[str, Any]) -> str:
         lines.append(f"  no data: {t}")
     for t in r["errors"]:
         lines.append(f"  error: {t}")
+    for t in r.get("alerts", []):
+        lines.append(f"  alert: {t}")
     return "\n".join(lines)

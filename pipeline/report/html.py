@@ -31,7 +31,7 @@ class Table:
 @dataclass(frozen=True)
 class Note:
     text: str
-    kind: Literal["empty", "error", "info"] = "info"
+    kind: Literal["empty", "error", "info", "alert"] = "info"
 
 
 @dataclass
@@ -52,7 +52,7 @@ table{border-collapse:collapse;font-size:12px;margin:8px 0;background:#fff}
 th,td{border:1px solid #e2e2e2;padding:3px 6px;text-align:left;vertical-align:top}th{background:#f0f0f0}
 td.num{text-align:right;font-variant-numeric:tabular-nums}caption{text-align:left;font-size:12px;color:#555;padding:4px 0}
 .note{padding:8px 10px;border-radius:4px;font-size:13px;margin:6px 0;max-width:980px}
-.empty{background:#f3f3f3;color:#555}.error{background:#fde8e8;color:#8a1c1c}.info{background:#eef5fb;color:#234}
+.empty{background:#f3f3f3;color:#555}.error{background:#fde8e8;color:#8a1c1c}.info{background:#eef5fb;color:#234}.alert{background:#fff1db;color:#7a3e00;font-weight:600}
 nav a{margin-right:12px;font-size:13px}.tw{overflow-x:auto;max-width:100%}
 """
 

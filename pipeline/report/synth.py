@@ -41,6 +41,7 @@ class HealthLakeSpec:
     receipts: bool = True
     events: bool = True
     metrics: bool = True          # per-step training metrics of every checkpoint after version 0
+    evaluations: bool = True      # a held-out evaluation of every checkpoint (greedy, and 4 samples)
     steps_per_checkpoint: int = 8
 
 
@@ -148,6 +149,10 @@ def build_health_lake(lake, spec: HealthLakeSpec = HealthLakeSpec()) -> dict[str
             mt = _metrics(spec, ck)
             lake.append("metrics", mt, command="synth", app_id="synth-health-metrics", txn_version=0)
             counts["metrics"] = mt.num_rows
+        if spec.evaluations:
+            ev = _evaluations(spec, ck)
+            lake.append("evaluations", ev, command="synth", app_id="synth-health-evals", txn_version=0)
+            counts["evaluations"] = ev.num_rows
     if spec.events:
         ev = _events(rows, spec)
         for j, off in enumerate(range(0, ev.num_rows, 1_000_000)):
@@ -250,6 +255,27 @@ def _checkpoints(spec: HealthLakeSpec, snaps: dict[tuple[str, int], str]) -> pa.
         })
         parent = cid
     return pa.Table.from_pylist(rows, schema=table_spec("checkpoints").arrow_schema())
+
+
+def _evaluations(spec: HealthLakeSpec, ck: pa.Table) -> pa.Table:
+    """Rows shaped like schemas/evaluations.yaml: held-out success rises with the version."""
+    rows = []
+    for cid, v, created in zip(ck.column("checkpoint_id").to_pylist(), ck.column("policy_version").to_pylist(),
+                               ck.column("created_at").to_pylist()):
+        for samples in (1, 4):
+            p1 = min(0.95, 0.2 + 0.12 * v)
+            pk = {1: p1} if samples == 1 else {1: p1, 2: min(1.0, p1 * 1.4), 4: min(1.0, p1 * 1.7)}
+            rows.append({
+                "eval_id": f"eval-{cid}-{samples}", "policy_version": v, "checkpoint_id": cid, "env": "arithmetic-tool",
+                "split": "eval", "engine": "hf", "seed": 0, "n": 200, "samples": samples,
+                "temperature": 0.0 if samples == 1 else 1.0, "judged": 200 * samples, "success": p1,
+                "pass_at_k": sorted(pk.items()), "reward_mean": p1, "format_rate": 0.9, "tool_use_rate": 0.5,
+                "success_by_difficulty": [("easy", min(1.0, p1 + 0.1)), ("hard", max(0.0, p1 - 0.1))],
+                "statuses": [("COMPLETED", 200 * samples)], "command": "synth", "run_id": f"eval-run-{cid}",
+                "evaluated_at": created + timedelta(minutes=5),
+            })
+    schema = table_spec("evaluations").arrow_schema()
+    return pa.Table.from_pylist(rows, schema=pa.schema([f for f in schema if f.name != "row_key"]))
 
 
 def _metrics(spec: HealthLakeSpec, ck: pa.Table) -> pa.Table:

@@ -59,6 +59,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="generation engine (default hf)")
     e.add_argument("--n", type=int, default=200, help="held-out tasks (default 200)")
     e.add_argument("--seed", type=int, default=0, help="seed of the held-out task sample (default 0)")
+    e.add_argument("--samples", type=int, default=1, help="answers per task (1 = greedy); > 1 reports pass@k")
+    e.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0 greedy, "
+                   "1.0 with --samples > 1)")
+    e.add_argument("--no-record", dest="record", action="store_false",
+                   help="do not append the result to the evaluations table")
     e.set_defaults(handler=_eval)
     pol.set_defaults(handler=lambda a: pol.print_help())
 
@@ -145,11 +150,18 @@ def _eval(args: argparse.Namespace) -> None:
     from pipeline.errors import ConfigError
     from pipeline.rollout.evaluate import evaluate
 
+    from pipeline.rollout.evaluate import record_evaluation
+
     if args.n < 1:
         raise ConfigError(f"--n {args.n}: must be >= 1")
     lake = None if Path(str(args.policy)).is_dir() else open_lake(args)
-    r = evaluate(args.policy, args.env, n=args.n, seed=args.seed, engine=args.engine, lake=lake)
+    r = evaluate(args.policy, args.env, n=args.n, seed=args.seed, engine=args.engine, lake=lake,
+                 samples=args.samples, temperature=args.temperature)
+    if args.record and lake is not None:      # a plain HF directory evaluated without a lake: nothing to record
+        r["eval_id"] = record_evaluation(lake, r, command="pipeline policy eval")["eval_id"]
     emit(r, args, lambda r: (
-        f"policy v{r['policy_version']} on {r['env']} (held-out, greedy, n={r['n']}): success {r['success_rate']:.3f}, "
-        f"format {r['format_rate']:.3f}, tool use {r['tool_use_rate']:.3f}"
+        f"policy v{r['policy_version']} on {r['env']} (held-out, "
+        f"{'greedy' if r['samples'] == 1 else str(r['samples']) + ' samples'}, n={r['n']}): "
+        f"success {r['success_rate']:.3f}, format {r['format_rate']:.3f}, tool use {r['tool_use_rate']:.3f}"
+        + "".join(f", pass@{k} {v:.3f}" for k, v in r["pass_at_k"].items() if k > 1)
         + "".join(f"\n  {k}: {v:.3f}" for k, v in r["success_by_difficulty"].items())))

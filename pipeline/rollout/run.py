@@ -478,6 +478,15 @@ def run_rollout(lake, cfg: RolloutConfig | None = None, **overrides: Any) -> Rol
     _check(cfg)
     if not cfg.run_id:
         cfg = dataclasses.replace(cfg, run_id=f"rollout-{cfg.seed}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}")
+    from pipeline import lineage
+
+    with lineage.rollout_run(lake, cfg) as run:
+        summary = _run_rollout(lake, cfg)
+        lineage.rollout_done(run, lake, summary)
+    return summary
+
+
+def _run_rollout(lake, cfg: RolloutConfig) -> RolloutSummary:
     import multiprocessing as mp
 
     def kill_workers() -> None:

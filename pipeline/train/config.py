@@ -73,8 +73,21 @@ class TrainConfig:
                 "trainer with the same zero_stage, precision, offload and world size; else a fresh optimizer"})
     save_every: int = field(default=0, metadata={"ge": 0,
         "help": "save a resumable state every N optimizer steps (0 = only the final checkpoint)"})
+    # -- observability (not part of the run's identity: see OBSERVABILITY) ----
+    metrics_every_steps: int = field(default=10, metadata={
+        "help": "append the per-step metrics to the metrics table every N steps during the run (0: by time only)"})
+    metrics_every_s: float = field(default=30.0, metadata={
+        "help": "... or once this many seconds have passed since the last append (0: by steps only)"})
+    trackers: str = field(default="", metadata={
+        "help": "mirror the metrics to trackers: comma-separated subset of tensorboard, mlflow, wandb (off by default)"})
+    tracker_dir: str = field(default="", metadata={"help": "tracker files (default <lake>/_trackers)"})
 
     def __post_init__(self) -> None:
+        from pipeline.train.live import parse_trackers
+
+        parse_trackers(self.trackers)
+        if self.metrics_every_steps < 0 or self.metrics_every_s < 0:
+            raise ConfigError("metrics_every_steps and metrics_every_s must be >= 0")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_stage={self.zero_stage}: DeepSpeed ZeRO stages are 0, 1, 2 and 3")
         if self.offload and self.zero_stage == 0:
@@ -91,3 +104,19 @@ class TrainConfig:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
         if self.kl_coef < 0 or self.entropy_coef < 0 or self.tis_cap < 0:
             raise ConfigError("kl_coef, entropy_coef and tis_cap must be >= 0")
+
+
+# How a run reports itself, not what it computes: changing these names the same
+# run (same checkpoint id, resumable state) and the same weights.
+OBSERVABILITY = ("metrics_every_steps", "metrics_every_s", "trackers", "tracker_dir")
+
+
+def identity_hash(cfg: TrainConfig) -> str:
+    """sha256 of the config without the OBSERVABILITY fields (the run identity's part)."""
+    import hashlib
+    import json
+
+    from pipeline.config import config_dict
+
+    d = {k: v for k, v in config_dict(cfg).items() if k not in OBSERVABILITY}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()

@@ -87,7 +87,9 @@ def run_identity(snapshot_id: str, parent_checkpoint_id: str, cfg: TrainConfig, 
     """(run_key, checkpoint_id): the same snapshot + parent + config + world
     size always names the same run, so a rerun finds its resumable state and a
     retried publish lands once. ``generation`` > 0 only for forced retraining."""
-    key = json.dumps([snapshot_id, parent_checkpoint_id, config_hash(cfg), int(world_size), int(generation)])
+    from pipeline.train.config import identity_hash
+
+    key = json.dumps([snapshot_id, parent_checkpoint_id, identity_hash(cfg), int(world_size), int(generation)])
     run_key = hashlib.sha256(key.encode()).hexdigest()
     return run_key, f"ck-{run_key[:20]}"
 
@@ -182,6 +184,7 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
     import torch
 
     from pipeline import lineage
+    from pipeline.lake.delta import pause_point
     from pipeline.policy_store import local_checkpoint_dir, resolve_policy
     from pipeline.train import checkpoint as ck
     from pipeline.train.data import check_members, load_members, receipt_counts
@@ -224,11 +227,11 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
                                  "--from-checkpoint or --nproc is a different run")
 
     lineage_run_id = lineage.new_run_id()
-    inputs = [(f"snapshots/{snapshot_id}", snapshot_id),
-              (f"checkpoints/{parent.checkpoint_id}", str(parent.policy_version))]
+    inputs = [lineage.snapshot(lake, snapshot_id), lineage.checkpoint(lake, parent.checkpoint_id, parent.policy_version)]
+    ol = dict(job_type="TRAIN", engine="deepspeed", config=config_dict(cfg) | {"world_size": world_size})
     if rank == 0:
         lineage.emit_run_event(lake, event_type="START", run_id=lineage_run_id, job_name=JOB_NAME, inputs=inputs,
-                               outputs=[(f"checkpoints/{checkpoint_id}", None)])
+                               outputs=[lineage.checkpoint(lake, checkpoint_id)], **ol)
     try:
         # 2. the snapshot, verified, and the pre-training assertions
         members, _ = load_members(lake, snapshot_id)
@@ -285,7 +288,8 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
                           f"restarts from step 0, which is deterministic and ends in the same weights. "
                           f"Set --set save_every=N to resume mid-run.", file=sys.stderr)
 
-        # 6. train
+        # 6. train (rank 0 appends the step rows as it goes: pipeline.train.live)
+        live = _live_metrics(lake, cfg, checkpoint_id) if rank == 0 else None
         bar = None
         show = (progress if progress is not None else sys.stderr.isatty()) and rank == 0
         if show:
@@ -303,6 +307,9 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
                                 kl_old=f"{row['approx_kl']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
                 bar.update(1)
             done = step.index + 1
+            if live is not None:
+                live.step_done(rows)
+            pause_point(f"train:step:{done}")
             if cfg.save_every and done % cfg.save_every == 0 and done < len(steps):
                 ck.save_state(strategy, work, f"step-{done:08d}", _client_state(
                     checkpoint_id, snapshot_id, done, samples_seen, step.epoch, rows))
@@ -325,18 +332,20 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
             result = _publish(lake, checkpoint_id=checkpoint_id, parent=parent, snapshot_id=snapshot_id, cfg=cfg,
                               world_size=world_size, global_step=global_step, samples_seen=samples_seen,
                               summary=summary, rows=rows, resumed_from=resumed_from, t_start=t_start,
-                              lineage_run_id=lineage_run_id, final=final)
+                              lineage_run_id=lineage_run_id, final=final, live=live)
             lineage.emit_run_event(lake, event_type="COMPLETE", run_id=lineage_run_id, job_name=JOB_NAME,
-                                   inputs=inputs, outputs=[(f"checkpoints/{checkpoint_id}", str(result.policy_version))])
+                                   inputs=inputs, outputs=lineage.train_outputs(lake, checkpoint_id,
+                                                                                result.policy_version), **ol)
             shutil.rmtree(work, ignore_errors=True)
         strategy.barrier()
         return strategy.broadcast_object(result)
     except BaseException as exc:
         if rank == 0:
+            _close_trackers(locals().get("live"))
             try:
                 lineage.emit_run_event(lake, event_type="FAIL", run_id=lineage_run_id, job_name=JOB_NAME,
-                                       inputs=inputs, outputs=[(f"checkpoints/{checkpoint_id}", None)],
-                                       error=f"{type(exc).__name__}: {exc}")
+                                       inputs=inputs, outputs=[lineage.checkpoint(lake, checkpoint_id)],
+                                       error=f"{type(exc).__name__}: {exc}", **ol)
             except Exception:  # pragma: no cover - never mask the real error
                 pass
         raise
@@ -532,19 +541,15 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _publish(lake, *, checkpoint_id: str, parent, snapshot_id: str, cfg: TrainConfig, world_size: int,
              global_step: int, samples_seen: int, summary: dict[str, Any], rows: list[dict[str, Any]],
-             resumed_from: int | None, t_start: float, lineage_run_id: str, final: Path) -> TrainResult:
+             resumed_from: int | None, t_start: float, lineage_run_id: str, final: Path,
+             live=None) -> TrainResult:
     """Metrics rows (exactly once), then the checkpoints row: that commit publishes the version."""
-    import pyarrow as pa
-
     from pipeline.policy_store import hash_dir, publish_checkpoint
-    from pipeline.schema import arrow_schema
     from pipeline.train.checkpoint import weight_hashes
 
-    if rows:
-        mrows = [dict(r, created_at=datetime.fromisoformat(r["created_at"])) for r in rows]
-        table = pa.Table.from_pylist(mrows, schema=arrow_schema("metrics"))
-        lake.append("metrics", table, command="pipeline train", config_hash=config_hash(cfg),
-                    app_id=f"metrics:{checkpoint_id}", txn_version=0)
+    live = live or _live_metrics(lake, cfg, checkpoint_id, with_trackers=False)
+    live.flush(rows)                    # the steps not appended during the run (exactly once per step)
+    _close_trackers(live)
     published = publish_checkpoint(lake, checkpoint_id=checkpoint_id, policy_version=None,
                        parent_checkpoint_id=parent.checkpoint_id if parent.policy_version >= 0 else None,
                        snapshot_ids=[snapshot_id],
@@ -555,6 +560,20 @@ def _publish(lake, *, checkpoint_id: str, parent, snapshot_id: str, cfg: TrainCo
     return TrainResult(checkpoint_id, version, parent.checkpoint_id, snapshot_id, global_step, samples_seen, summary,
                        weight_hashes(hash_dir(final)), str(final), world_size, resumed_from, False,
                        time.perf_counter() - t_start, lineage_run_id)
+
+
+def _live_metrics(lake, cfg: TrainConfig, checkpoint_id: str, *, with_trackers: bool = True):
+    from pipeline.train.live import LiveMetrics, Trackers
+
+    trackers = (Trackers(lake, cfg, checkpoint_id=checkpoint_id, config=config_dict(cfg))
+                if with_trackers and cfg.trackers else None)
+    return LiveMetrics(lake, cfg, checkpoint_id=checkpoint_id, command="pipeline train",
+                       config_hash=config_hash(cfg), trackers=trackers)
+
+
+def _close_trackers(live) -> None:
+    if live is not None and live.trackers is not None:
+        live.trackers.close()
 
 
 def _crash_while_publishing(strategy, final: Path, client_state, train_config, lm, parent) -> None:

@@ -21,7 +21,7 @@ HEALTH_QUERIES = (
     "comparability", "comparability_groups", "efficiency", "efficiency_latency", "efficiency_failures",
     "quality", "quality_over_time", "quality_components", "quality_pass_at_k",
     "freshness", "freshness_lag", "freshness_rejections", "lineage", "lineage_summary", "lineage_trajectory",
-    "receipts_latest", "training",
+    "receipts_latest", "training", "eval_curve", "rollout_lengths", "rollout_throughput", "success_by_difficulty",
 )
 KEYS = ["run_id", "policy_version"]
 
@@ -591,3 +591,64 @@ def test_cli_runs_named_queries_with_params(health, capsys):
 def test_all_health_queries_are_listed():
     names = {p.stem for p in resource_dir("sql").glob("*.sql")}
     assert set(HEALTH_QUERIES) <= names
+
+
+# -- evaluations ------------------------------------------------------------------------------------
+
+
+def test_eval_curve_equals_reference(health):
+    lake = health[0]
+    ev = lake.read("evaluations").to_pandas()
+    assert len(ev) > 0
+    got = run_named(lake, "eval_curve")
+    want = ev.sort_values(["samples", "policy_version"]).reset_index(drop=True)
+    assert got.policy_version.tolist() == want.policy_version.tolist()
+    np.testing.assert_allclose(got.success, want.success)
+    pk = [dict(m)[s] for m, s in zip(want.pass_at_k, want.samples)]
+    np.testing.assert_allclose(got.pass_at_max, pk)
+    one = run_named(lake, "eval_curve", samples=4)
+    assert set(one.samples) == {4} and len(one) == int((ev.samples == 4).sum())
+
+
+# -- rollout health panels --------------------------------------------------------------------------
+
+
+def _traj(lake) -> pd.DataFrame:
+    return lake.read("trajectories", columns=["run_id", "policy_version", "response_len", "stop_reason", "status",
+                                              "verdict", "reward", "difficulty", "task_id", "finished_at"]).to_pandas()
+
+
+def test_rollout_lengths_equals_reference(health):
+    lake = health[0]
+    t = _traj(lake)
+    want = t.groupby(["run_id", "policy_version"]).agg(
+        trajectories=("response_len", "size"), response_len_mean=("response_len", "mean"),
+        response_len_max=("response_len", "max"),
+        truncation_rate=("stop_reason", lambda s: float((s == "max_length").mean()))).reset_index()
+    got = run_named(lake, "rollout_lengths").sort_values(["run_id", "policy_version"]).reset_index(drop=True)
+    assert got.trajectories.tolist() == want.trajectories.tolist()
+    np.testing.assert_allclose(got.response_len_mean, want.response_len_mean)
+    np.testing.assert_allclose(got.truncation_rate, want.truncation_rate)
+    assert got.response_len_max.tolist() == want.response_len_max.tolist()
+
+
+def test_rollout_throughput_equals_reference(health):
+    lake = health[0]
+    t = _traj(lake).dropna(subset=["finished_at"])
+    t["bucket"] = t.finished_at.dt.tz_convert("UTC").dt.tz_localize(None).dt.floor("h")
+    want = t.groupby(["run_id", "bucket"]).agg(n=("response_len", "size"), tok=("response_len", "sum")).reset_index()
+    got = run_named(lake, "rollout_throughput", bucket="hour")
+    assert got.trajectories.tolist() == want.n.tolist()
+    np.testing.assert_allclose(got.tokens_per_s, want.tok / 3600.0)
+
+
+def test_success_by_difficulty_equals_reference(health):
+    lake = health[0]
+    t = _traj(lake)
+    v = t[~t.status.isin(["INFRA_FAILED", "EXPIRED"]) & t.verdict.isin(["PASS", "FAIL"]) & t.reward.notna()].copy()
+    v["difficulty"] = v.difficulty.fillna("(none)")
+    want = v.groupby(["difficulty", "policy_version"]).agg(
+        valid=("verdict", "size"), success_rate=("verdict", lambda s: float((s == "PASS").mean()))).reset_index()
+    got = run_named(lake, "success_by_difficulty")
+    assert got.valid.tolist() == want.valid.tolist()
+    np.testing.assert_allclose(got.success_rate, want.success_rate)

@@ -36,7 +36,7 @@ def console_errors(stderr: str) -> list[str]:
             or "net::ERR_" in ln]
 
 
-PLOTS = 21        # plots the full synthetic lake gives (see test_report_has_every_section_and_plot)
+PLOTS = 33        # plots the full synthetic lake gives (see test_report_has_every_section_and_plot)
 BLANK_STD = 20.0  # grey-level std of a screenshot below which it counts as blank
 
 
@@ -61,12 +61,19 @@ def test_report_has_every_section_and_plot(full_lake, tmp_path):
     res = write_report(full_lake, out)
     text = out.read_text()
     assert res["errors"] == []
-    # quality 4, comparability 2, efficiency 5, freshness 4, lineage 1, training 5
+    # quality 4, comparability 2, efficiency 5, freshness 4, lineage 1, training 12, rollout 4, evaluation 1
     assert res["plots"] == PLOTS and text.count('<img ') == PLOTS
     assert res["no_data"] == []
     for title in ("Quality", "Comparability", "Efficiency", "Freshness", "Latest receipts",
-                  "Lineage of the newest checkpoint", "Training metrics"):
+                  "Lineage of the newest checkpoint", "Training metrics", "Held-out evaluation", "Alerts",
+                  "Rollout health"):
         assert f"<h2>{title}</h2>" in text
+    assert text.index("<h2>Alerts</h2>") < text.index("<h2>Lake</h2>")   # alerts come first
+    assert res["bucket"] == "hour"                 # chosen from the data's span (the lake spans days of hours)
+    for title in ("Gradient norm", "Learning rate", "Importance ratio quantiles", "Engine/trainer mismatch",
+                  "Clip high vs clip low", "Advantage distribution", "Response length", "Truncation rate",
+                  "Rollout throughput", "Success by difficulty", "Eval curve"):
+        assert title in text, title
     assert "ck-0003" in text                       # the newest checkpoint's lineage
     assert "stale_policy x1" in text               # receipts show reasons
 
@@ -122,7 +129,7 @@ def test_report_on_an_empty_lake_says_no_data_yet(lake, tmp_path):
     assert res["errors"] == [] and res["plots"] == 0
     assert "no data yet" in text
     assert {"trajectories: no data yet.", "receipts: no data yet.", "checkpoints: no data yet.",
-            "metrics: no data yet."} <= set(res["no_data"])
+            "metrics: no data yet.", "evaluations: no data yet."} <= set(res["no_data"])
 
 
 def test_report_with_trajectories_only(lake, tmp_path):
@@ -151,3 +158,75 @@ def test_report_cli_and_run_filter(full_lake, tmp_path, capsys):
     assert main(["report", "--lake", full_lake.uri, "--out", str(tmp_path / "none.html"), "--run-id", "nope"]) == 0
     text_out = capsys.readouterr().out
     assert "no data: trajectories: no data yet." in text_out
+
+
+def test_alerts_say_in_words_what_is_wrong(tmp_path):
+    """A lake with engine drift, a falling eval curve and truncated answers raises
+    those alerts (and only on a lake that has them)."""
+    import pyarrow as pa
+
+    from pipeline.lake.delta import Lake
+    from pipeline.report.build import build_report
+    from pipeline.report.synth import HealthLakeSpec, build_health_lake
+    from pipeline.schema import table_spec
+
+    lake = Lake(tmp_path / "lake")
+    build_health_lake(lake, HealthLakeSpec(trajectories_per_version=40, versions=2, event_episodes=10))
+    _, clean = build_report(lake)
+    assert not any("mismatch_kl" in a or "Held-out success fell" in a for a in clean["alerts"])
+    m = sorted(lake.read("metrics").to_pylist(), key=lambda r: (r["checkpoint_id"], r["global_step"]))[-1]
+    lake.append("metrics", pa.Table.from_pylist([dict(m, global_step=99, mismatch_kl=0.05)],
+                                                 schema=table_spec("metrics").arrow_schema()), command="t")
+    ev = lake.read("evaluations").to_pylist()
+    last = max((r for r in ev if r["samples"] == 1), key=lambda r: r["policy_version"])
+    drop = dict(last, eval_id="drop", policy_version=last["policy_version"] + 1, checkpoint_id=None, success=0.0)
+    schema = pa.schema([f for f in table_spec("evaluations").arrow_schema() if f.name != "row_key"])
+    lake.append("evaluations", pa.Table.from_pylist([drop], schema=schema), command="t")
+    _, res = build_report(lake)
+    text = " ".join(res["alerts"])
+    assert "mismatch_kl reached 0.05" in text and f"step 99" in text
+    assert "Held-out success fell" in text and f"policy version {last['policy_version'] + 1}" in text
+    assert res["errors"] == []
+
+
+def test_bucket_follows_the_span_of_the_data(lake):
+    from datetime import datetime, timedelta, timezone
+
+    from pipeline.lake.ingest import ingest_table
+    from pipeline.report.build import choose_bucket
+    from pipeline.synth import make_trajectories
+
+    assert choose_bucket(lake) == "hour"                                 # no data: the old default
+    t = make_trajectories(8, seed=1)
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    for col, off in (("created_at", 0), ("finished_at", 30)):            # a run of a few minutes
+        times = [t0 + timedelta(seconds=40 * i + off) for i in range(t.num_rows)]
+        t = t.set_column(t.schema.get_field_index(col), col, pa_array(times, t.schema.field(col).type))
+    assert ingest_table(lake, t.drop_columns(["content_hash"])).landed == 8   # the hash is recomputed
+    assert choose_bucket(lake) == "minute"
+
+
+def pa_array(values, typ):
+    import pyarrow as pa
+
+    return pa.array(values, typ)
+
+
+def test_time_breakdown_comes_from_the_jobs_lineage_events(lake):
+    from pipeline.lake.maintain import maintain
+    from pipeline.report.build import time_breakdown
+
+    maintain(lake)
+    maintain(lake)
+    tb = time_breakdown(lake)
+    assert tb["lake.maintain"]["runs"] == 2 and tb["lake.maintain"]["failed"] == 0
+    assert tb["lake.maintain"]["seconds"] >= 0
+
+
+@pytest.mark.parametrize("train_x", ["time", "samples"])
+def test_training_plots_over_wall_time_or_samples(full_lake, tmp_path, train_x):
+    from pipeline.report.build import build_report
+
+    page, res = build_report(full_lake, ReportOptions(train_x=train_x))
+    assert res["errors"] == [] and res["plots"] == PLOTS
+    assert ("over wall time" if train_x == "time" else "over samples") in page
