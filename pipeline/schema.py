@@ -26,6 +26,10 @@ TABLES = (
     "snapshot_members",
     "checkpoints",
 )
+# Tables outside the core data flow (the trainer's per-step metrics, held-out
+# evaluations): same lake, same write path, not in the README's schema section.
+EXTRA_TABLES = ("metrics", "evaluations")
+ALL_TABLES = TABLES + EXTRA_TABLES
 
 ROW_KEY = "row_key"  # int64 digest of a table's key columns: the compact dedupe index
 

@@ -76,15 +76,15 @@ def _maintain(args: argparse.Namespace) -> None:
     from pipeline.cli import emit, open_lake
     from pipeline.errors import ConfigError
     from pipeline.lake.maintain import maintain
-    from pipeline.schema import TABLES
+    from pipeline.schema import ALL_TABLES
 
     if args.retention_hours < 0:
         raise ConfigError(f"--retention-hours {args.retention_hours}: must be >= 0")
     if args.orphan_age_minutes is not None and args.orphan_age_minutes < 0:
         raise ConfigError(f"--orphan-age-minutes {args.orphan_age_minutes}: must be >= 0")
-    unknown = sorted(set(args.table or ()) - set(TABLES) - {"metrics"})
+    unknown = sorted(set(args.table or ()) - set(ALL_TABLES))
     if unknown:
-        raise ConfigError(f"unknown table(s) {', '.join(unknown)}", hint=f"tables: {', '.join(TABLES + ('metrics',))}")
+        raise ConfigError(f"unknown table(s) {', '.join(unknown)}", hint=f"tables: {', '.join(ALL_TABLES)}")
     age = None if args.orphan_age_minutes is None else args.orphan_age_minutes * 60
     out = maintain(open_lake(args), retention_hours=args.retention_hours, dry_run=args.dry_run, tables=args.table,
                    orphan_min_age_s=age)
@@ -118,11 +118,11 @@ def _info(args: argparse.Namespace) -> None:
     import pyarrow.compute as pc
 
     from pipeline.cli import emit, open_lake
-    from pipeline.schema import TABLES
+    from pipeline.schema import ALL_TABLES
 
     lake = open_lake(args)
     tables = {}
-    for name in TABLES + ("metrics", "evaluations"):
+    for name in ALL_TABLES:
         if not lake.exists(name):
             continue
         dt = lake.table(name)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.schema import TABLES
+from pipeline.schema import ALL_TABLES
 
 
 def snapshot_source_versions(lake) -> dict[str, set[int]]:
@@ -53,7 +53,7 @@ def _maintain(lake, *, retention_hours: int = 168, dry_run: bool = False,
     age = ORPHAN_MIN_AGE_S if orphan_min_age_s is None else orphan_min_age_s
     keep = snapshot_source_versions(lake)
     report: dict[str, Any] = {"tables": {}, "dry_run": dry_run}
-    for name in tables or list(TABLES) + ["metrics", "evaluations"]:
+    for name in tables or list(ALL_TABLES):
         if not lake.exists(name):
             continue
         before = lake.file_count(name)

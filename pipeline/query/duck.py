@@ -17,9 +17,8 @@ import duckdb
 import pyarrow as pa
 
 from pipeline.errors import PipelineError
-from pipeline.schema import TABLES, table_spec
+from pipeline.schema import EXTRA_TABLES, TABLES, table_spec
 
-EXTRA_TABLES = ("metrics", "evaluations")
 
 
 class SQLError(PipelineError):

@@ -106,11 +106,11 @@ def _py(v: Any) -> Any:
 
 
 def overview(q: _Queries) -> Section:
-    from pipeline.schema import TABLES
+    from pipeline.schema import ALL_TABLES
 
     s = Section("overview", "Lake", "Tables the report read, with their Delta versions and row counts.")
     rows = []
-    for name in TABLES + ("metrics",):
+    for name in ALL_TABLES:
         try:
             version = q.lake.version(name)
         except Exception:
