@@ -285,10 +285,11 @@ class Lake:
         import pyarrow.fs as pafs
 
         try:
-            fs, root = self.filesystem()
+            fs, _ = self.filesystem()
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError):
             return dt.to_pyarrow_dataset()
-        return dt.to_pyarrow_dataset(filesystem=pafs.SubTreeFileSystem(f"{root}/{name}", fs))
+        base = self.table_uri(name) if self.is_local else self.table_uri(name).split("://", 1)[1]
+        return dt.to_pyarrow_dataset(filesystem=pafs.SubTreeFileSystem(base, fs))
 
     def read(self, name: str, *, columns: list[str] | None = None, version: int | None = None,
              filter: ds.Expression | None = None) -> pa.Table:
