@@ -430,18 +430,10 @@ def _internal_error() -> int:
 
 
 def run() -> None:  # pragma: no cover
-    """The console entry point. Exits without interpreter teardown: processes that
-    used both deltalake and duckdb were seen to abort (SIGABRT, 'terminate called
-    without an active exception') while native runtimes shut down, after all work
-    was committed (docs/dependency-notes.md), which a job runner would read as a failure."""
-    import logging
-    import os
-
-    code = main()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    """The console entry point. Exits normally, so atexit handlers (OpenLineage's
+    client, loggers) run; the teardown aborts that once made this end with
+    os._exit are fixed at their source (docs/clean-exit.md)."""
+    sys.exit(main())
 
 
 if __name__ == "__main__":  # pragma: no cover

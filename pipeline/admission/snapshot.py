@@ -374,11 +374,15 @@ def open_snapshot(lake, snapshot_id: str) -> Snapshot:
     return snap
 
 
-def _read_file(lake, snap: Snapshot, name: str) -> bytes:
+def _read_file(lake, snap: Snapshot, name: str) -> pa.Buffer:
     fs, root = lake.filesystem()
     try:
-        with fs.open_input_stream(f"{root}/{snap.path}/{name}") as f:
-            return f.read()
+        with fs.open_input_file(f"{root}/{snap.path}/{name}") as f:
+            # Arrow-allocated memory, not Python bytes (which a stream's read_buffer() wraps):
+            # the Parquet reader's threads may drop the last reference after we return, and
+            # releasing Python bytes there needs the interpreter, which aborts the process
+            # when it is shutting down (docs/clean-exit.md)
+            return f.read_buffer()
     except (FileNotFoundError, OSError):
         raise IntegrityError(f"snapshot {snap.snapshot_id}: {name} listed in the manifest is missing",
                              hint="the snapshot's files were deleted; restore the directory from a copy") from None

@@ -266,7 +266,30 @@ class Lake:
         return self.table(name).version()
 
     def dataset(self, name: str, version: int | str | datetime | None = None) -> ds.Dataset:
-        return self.table(name, version).to_pyarrow_dataset()
+        """The pyarrow dataset of ``name`` at ``version`` (see :meth:`arrow_dataset`)."""
+        return self.arrow_dataset(name, self.table(name, version))
+
+    def arrow_dataset(self, name: str, dt: DeltaTable) -> ds.Dataset:
+        """A pyarrow dataset over exactly the data files of ``dt`` (table ``name``),
+        read through pyarrow's native filesystem (docs/clean-exit.md).
+
+        delta-rs still computes the fragments from the log (file list, partition
+        values, statistics as fragment guarantees, so filters prune files), but
+        ``to_pyarrow_dataset()``'s default filesystem is a Python handler: Arrow's
+        scanner threads call into it and drop the last reference to it after the
+        read returned, which made processes abort at interpreter exit (SIGABRT,
+        delta-rs #2184). A native filesystem keeps those threads out of Python.
+        Where no native filesystem can be built for the URI, delta-rs's handler is
+        the fallback.
+        """
+        import pyarrow.fs as pafs
+
+        try:
+            fs, _ = self.filesystem()
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError):
+            return dt.to_pyarrow_dataset()
+        base = self.table_uri(name) if self.is_local else self.table_uri(name).split("://", 1)[1]
+        return dt.to_pyarrow_dataset(filesystem=pafs.SubTreeFileSystem(base, fs))
 
     def read(self, name: str, *, columns: list[str] | None = None, version: int | None = None,
              filter: ds.Expression | None = None) -> pa.Table:

@@ -75,14 +75,17 @@ def detect_format(path: Path, head: bytes) -> str:
                          hint="name it *.parquet, *.arrow (Arrow IPC) or *.jsonl")
 
 
-def read_bytes(path: str | os.PathLike[str]) -> tuple[bytes, str]:
-    """(the file's bytes, their sha256)."""
+def read_bytes(path: str | os.PathLike[str]) -> tuple[pa.Buffer, str]:
+    """(the file's bytes in an Arrow-owned buffer, their sha256)."""
     p = Path(path)
     try:
-        data = p.read_bytes()
+        with pa.OSFile(str(p)) as f:
+            data = f.read_buffer()
     except FileNotFoundError:
         raise InputFileError(f"{p}: no such file") from None
-    except OSError as exc:
+    except (OSError, pa.ArrowIOError) as exc:
+        if not p.exists():
+            raise InputFileError(f"{p}: no such file") from None
         raise InputFileError(f"{p}: cannot read: {exc}") from None
     if not data:
         raise InputFileError(f"{p}: the file is empty (0 bytes)",
@@ -90,19 +93,35 @@ def read_bytes(path: str | os.PathLike[str]) -> tuple[bytes, str]:
     return data, hashlib.sha256(data).hexdigest()
 
 
-def count_rows(path: str | os.PathLike[str], data: bytes) -> int:
+def _arrow_owned(data: bytes | pa.Buffer) -> pa.Buffer:
+    """``data`` in memory Arrow owns. Arrow's reader threads may drop the last
+    reference to their input after a read returned; releasing Python-owned bytes
+    there needs the interpreter, which aborts the process if it is shutting down
+    (docs/clean-exit.md). A copy only for callers that pass bytes."""
+    if isinstance(data, pa.Buffer):  # read_bytes: read from a seekable file, so Arrow-allocated
+        return data
+    buf = pa.allocate_buffer(len(data))
+    memoryview(buf).cast("B")[:] = memoryview(data).cast("B")
+    return buf
+
+
+def count_rows(path: str | os.PathLike[str], data: bytes | pa.Buffer) -> int:
     """Row count without parsing rows (for files skipped as already ingested)."""
-    fmt = detect_format(Path(path), data[:8])
+    fmt = detect_format(Path(path), bytes(data[:8]))
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        return pq.ParquetFile(pa.BufferReader(data)).metadata.num_rows
+        return pq.ParquetFile(pa.BufferReader(_arrow_owned(data))).metadata.num_rows
     if fmt == "ipc":
         return read_file(path, data)[0].num_rows
-    return sum(1 for ln in data.split(b"\n") if ln.strip())
+    return sum(1 for ln in _py_bytes(data).split(b"\n") if ln.strip())
 
 
-def read_file(path: str | os.PathLike[str], data: bytes | None = None
+def _py_bytes(data: bytes | pa.Buffer) -> bytes:
+    return data.to_pybytes() if isinstance(data, pa.Buffer) else bytes(data)
+
+
+def read_file(path: str | os.PathLike[str], data: bytes | pa.Buffer | None = None
               ) -> tuple[pa.Table, list[str] | None, list[Reject], str]:
     """(raw table, raw JSON lines or None, parse rejects, sha256 of the bytes)."""
     p = Path(path)
@@ -110,8 +129,10 @@ def read_file(path: str | os.PathLike[str], data: bytes | None = None
         data, fp = read_bytes(p)
     else:
         fp = hashlib.sha256(data).hexdigest()
-    fmt = detect_format(p, data[:8])
+    fmt = detect_format(p, bytes(data[:8]))
     try:
+        if fmt in ("parquet", "ipc"):
+            data = _arrow_owned(data)
         if fmt == "parquet":
             import pyarrow.parquet as pq
 
@@ -126,7 +147,7 @@ def read_file(path: str | os.PathLike[str], data: bytes | None = None
                              hint="the file is corrupt or truncated; re-export it") from None
     from pipeline.lake.jsonl import parse_jsonl
 
-    table, lines, rejects = parse_jsonl(data, p)
+    table, lines, rejects = parse_jsonl(_py_bytes(data), p)
     return table, lines, rejects, fp
 
 
@@ -253,10 +274,12 @@ def _tid(raw: pa.Table, raw_lines: list[str] | None, row: int) -> str | None:
 
 
 # -- the wrapper --------------------------------------------------------------------------
-def precheck(path: str, data: bytes) -> None:
+def precheck(path: str, data: bytes | pa.Buffer) -> None:
     """Cheap structural check (Parquet footer, Arrow IPC schema) so a corrupt or
     truncated file fails the command before anything is written."""
-    fmt = detect_format(Path(path), data[:8])
+    fmt = detect_format(Path(path), bytes(data[:8]))
+    if fmt in ("parquet", "ipc"):
+        data = _arrow_owned(data)
     try:
         if fmt == "parquet":
             import pyarrow.parquet as pq

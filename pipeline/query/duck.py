@@ -75,7 +75,7 @@ def connect(lake, *, as_of: dict[str, int | datetime] | int | datetime | None = 
                 con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT * FROM "__ds_{name}"')
             continue
         if not (lake.is_local and _parquet_view(con, name, dt)):
-            con.register(f"__ds_{name}", dt.to_pyarrow_dataset())
+            con.register(f"__ds_{name}", lake.arrow_dataset(name, dt))
             con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT * FROM "__ds_{name}"')
     return con
 
