@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -118,7 +117,7 @@ def run(quick: bool = False, existing: int | None = None) -> list[Result]:
     from pipeline.lake.delta import Lake
 
     n = existing or (100_000 if quick else 1_000_000)
-    reps = 2 if quick else 3
+    reps = 2 if quick else 5
     root = Path(tempfile.mkdtemp(prefix="bench-history-"))
     try:
         big = Lake(root / "big")

@@ -131,15 +131,12 @@ def row_keys(spec: TableSpec, data: pa.Table) -> pa.Array:
     return pa.array(out, pa.int64())
 
 
-_KEY_CACHE: dict[tuple[str, str], tuple[int, frozenset[str], np.ndarray]] = {}
-
-
 def key_member(table_keys: np.ndarray, probes: np.ndarray) -> np.ndarray:
     """Boolean mask: which ``probes`` occur in ``table_keys`` (unsorted, may repeat).
 
     O(N log n) for N table keys and n probes: the few probes are sorted and the
     many table keys binary-searched among them, so nothing of size N is sorted
-    or hashed (the table keys are read fresh by each process)."""
+    or hashed."""
     if len(probes) == 0 or len(table_keys) == 0:
         return np.zeros(len(probes), bool)
     sp = np.sort(probes)
@@ -147,6 +144,32 @@ def key_member(table_keys: np.ndarray, probes: np.ndarray) -> np.ndarray:
     pos[pos == len(sp)] = 0
     found = sp[pos][sp[pos] == table_keys]
     return np.isin(probes, found)
+
+
+@dataclass(frozen=True)
+class KeySet:
+    """The ``row_key`` values of a table version: a sorted index written by
+    ``lake maintain`` (memory-mapped on a local lake) plus the keys of files
+    committed after it, unsorted. ``contains`` costs O(n log N) for n probes."""
+
+    index: np.ndarray           # sorted (may be empty)
+    loose: np.ndarray           # unsorted, may repeat
+
+    def contains(self, probes: np.ndarray) -> np.ndarray:
+        mask = key_member(self.loose, probes)
+        if len(self.index) and len(probes):
+            pos = np.searchsorted(self.index, probes)
+            ok = pos < len(self.index)
+            mask |= ok & (self.index[np.minimum(pos, len(self.index) - 1)] == probes)
+        return mask
+
+    def __len__(self) -> int:
+        return len(self.index) + len(self.loose)
+
+
+_EMPTY = np.empty(0, np.int64)
+_KEY_CACHE: dict[tuple[str, str], tuple[int, frozenset[str], KeySet]] = {}
+INDEX_DIR = "_index"  # <lake>/_index/<table>/keys-<version>.npy: sorted row_keys of that version
 
 
 @dataclass(frozen=True)
@@ -423,7 +446,7 @@ class Lake:
                     if time.time() - min(s.written_at for s in staged) > STAGE_MAX_AGE_S:
                         raise KeyRace(np.empty(0, np.int64))
                     ours = np.concatenate([s.keys for s in staged])
-                    hits = ours[key_member(self.keys(name, dt, since=checked), ours)]
+                    hits = ours[self.keys(name, dt, since=checked).contains(ours)]
                     if hits.size:
                         raise KeyRace(hits)
                 checked = dt.version()
@@ -481,7 +504,7 @@ class Lake:
         version ``since`` are looked at when given) or repeats earlier in ``data``.
         -> (rows to write, duplicates, conflicting rows or None)."""
         keys = data.column(ROW_KEY).to_numpy()
-        hit = key_member(self.keys(spec.name, dt, since=since), keys)
+        hit = self.keys(spec.name, dt, since=since).contains(keys)
         # within the batch: the first occurrence of a key wins
         _, first = np.unique(keys, return_index=True)
         repeat = np.ones(len(keys), bool)
@@ -517,27 +540,101 @@ class Lake:
         confl = data.filter(pa.array(conflict)) if n_conflict else None
         return kept, int(drop.sum()) - n_conflict, confl
 
-    def keys(self, name: str, dt: DeltaTable, *, since: int | None = None) -> np.ndarray:
+    def keys(self, name: str, dt: DeltaTable, *, since: int | None = None) -> KeySet:
         """``row_key`` of every row in ``dt`` (since=None) or in the files committed
-        after version ``since``; unsorted, may repeat (test with ``key_member``).
-        The full set is cached per process and brought forward by reading only
-        the files added since the cached version."""
+        after version ``since``. The full set is the newest key index at or
+        below ``dt``'s version (written by ``lake maintain``) plus the keys of the
+        files committed after it, so its cost follows the data added since the
+        last maintenance, not the table's history. Cached per process and
+        brought forward by reading only files added since the cached version."""
         version = dt.version()
         if since is not None:
             if since >= version:
-                return np.empty(0, np.int64)
-            return self._read_keys(name, self.files_added(name, dt, since=since))
+                return KeySet(_EMPTY, _EMPTY)
+            return KeySet(_EMPTY, self._read_keys(name, self.files_added(name, dt, since=since)))
         cached = _KEY_CACHE.get((self.uri, name))
         live = self.live_files(dt)
         names = frozenset(p for p, _ in live)
         if cached is not None and cached[0] <= version and cached[1] <= names:
             # only appends since the cached version: read just the new files
             extra = [f for f in live if f[0] not in cached[1]]
-            keys = np.concatenate([cached[2], self._read_keys(name, extra)]) if extra else cached[2]
-        else:  # first use, or a compaction replaced files: read every live file once
-            keys = self._read_keys(name, live)
-        _KEY_CACHE[(self.uri, name)] = (version, names, keys)
-        return keys
+            ks = cached[2]
+            if extra:
+                ks = KeySet(ks.index, np.concatenate([ks.loose, self._read_keys(name, extra)]))
+        else:
+            found = self.load_key_index(name, version)
+            if found is None:
+                ks = KeySet(_EMPTY, self._read_keys(name, live))
+            else:
+                iv, index = found
+                ks = KeySet(index, self._read_keys(name, self.files_added(name, dt, since=iv)))
+        _KEY_CACHE[(self.uri, name)] = (version, names, ks)
+        return ks
+
+    def _index_base(self, name: str) -> str:
+        _, root = self.filesystem()
+        return f"{root}/{INDEX_DIR}/{name}"
+
+    def write_key_index(self, name: str) -> int:
+        """Write the sorted ``row_key`` of every row of ``name``'s latest version as
+        ``_index/<name>/keys-<version>.npy`` (one atomic put) and delete older
+        indexes. Any index is valid forever: readers add the keys of files
+        committed after its version."""
+        import io
+
+        import pyarrow.fs as pafs
+
+        dt = self.table(name)
+        version = dt.version()
+        keys = np.sort(self._read_keys(name, self.live_files(dt)))
+        buf = io.BytesIO()
+        np.save(buf, keys, allow_pickle=False)
+        fs, _ = self.filesystem()
+        base = self._index_base(name)
+        fs.create_dir(base, recursive=True)
+        final = f"{base}/keys-{version:020d}.npy"
+        tmp = f"{base}/.tmp-{uuid.uuid4().hex}"
+        with fs.open_output_stream(tmp if self.is_local else final) as f:
+            f.write(buf.getvalue())
+        if self.is_local:
+            fs.move(tmp, final)  # atomic rename: a reader never sees half an index
+        for info in fs.get_file_info(pafs.FileSelector(base, allow_not_found=True)):
+            fname = info.path.rsplit("/", 1)[-1]
+            if fname.startswith("keys-") and fname < f"keys-{version:020d}.npy":
+                try:
+                    fs.delete_file(info.path)
+                except (FileNotFoundError, OSError):
+                    pass
+        return version
+
+    def load_key_index(self, name: str, version: int) -> tuple[int, np.ndarray] | None:
+        """(index version, sorted keys) of the newest index at or below ``version``."""
+        import pyarrow.fs as pafs
+
+        fs, _ = self.filesystem()
+        base = self._index_base(name)
+        try:
+            infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+        except (FileNotFoundError, OSError):
+            return None
+        found = []
+        for info in infos:
+            fname = info.path.rsplit("/", 1)[-1]
+            if fname.startswith("keys-") and fname.endswith(".npy"):
+                v = int(fname[len("keys-"):-len(".npy")])
+                if v <= version:
+                    found.append((v, info.path))
+        for v, path in sorted(found, reverse=True):
+            try:
+                if self.is_local:
+                    return v, np.load(path, mmap_mode="r", allow_pickle=False)
+                import io
+
+                with fs.open_input_file(path) as f:
+                    return v, np.load(io.BytesIO(f.read()), allow_pickle=False)
+            except (FileNotFoundError, OSError, ValueError):
+                continue  # deleted by a newer maintain meanwhile: try the next
+        return None
 
     def _read_keys(self, name: str, files: list[tuple[str, dict[str, str | None]]]) -> np.ndarray:
         if not files:

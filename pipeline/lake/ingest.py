@@ -428,15 +428,15 @@ def _land_once(lake, sources, fingerprints: list[str], report: IngestReport, *, 
 
     ingest_id = report.ingest_id
     # tables are created only when something is committed: a file that fails to parse leaves no version
-    from pipeline.lake.delta import key_member
+    from pipeline.lake.delta import KeySet
 
     read_version: int | None = None
     dt = None
-    table_keys = np.empty(0, np.int64)
+    table_keys = KeySet(np.empty(0, np.int64), np.empty(0, np.int64))
     if lake.exists("trajectories"):
         dt = lake.table("trajectories")
         read_version = dt.version()
-        table_keys = lake.keys("trajectories", dt)  # compact: one int64 per landed row
+        table_keys = lake.keys("trajectories", dt)  # key index + keys committed since: int64 per row
     accepted = pa.table({"trajectory_id": pa.array([], pa.string()), "content_hash": pa.array([], pa.string())})
     staged: list = []
     futures = []
@@ -453,7 +453,7 @@ def _land_once(lake, sources, fingerprints: list[str], report: IngestReport, *, 
                 if valid.num_rows:
                     valid = stamp_derived(valid, ingest_id)
                     keys = valid.column(ROW_KEY).to_numpy()
-                    hit = key_member(table_keys, keys)
+                    hit = table_keys.contains(keys)
                     existing = accepted
                     if hit.any():  # only rows whose key digest is in the table: fetch their id + hash
                         found = lake.read("trajectories", columns=["trajectory_id", "content_hash"],

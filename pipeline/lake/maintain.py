@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.schema import ALL_TABLES
+from pipeline.schema import ALL_TABLES, table_spec
 
 
 def snapshot_source_versions(lake) -> dict[str, set[int]]:
@@ -72,9 +72,12 @@ def _maintain(lake, *, retention_hours: int = 168, dry_run: bool = False,
             }
             continue
         compacted: dict[str, Any] = {}
+        index_version = None
         if not dry_run:
             compacted = lake.compact(name)
             lake.checkpoint(name)
+            if table_spec(name).enforces_key:  # the sorted key index appends dedupe against
+                index_version = lake.write_key_index(name)
         kept = sorted(keep.get(name, ()))
         vac = lake.vacuum(name, retention_hours=retention_hours, keep_versions=kept, dry_run=dry_run)
         orphans = lake.remove_orphans(name, min_age_s=age, dry_run=dry_run)
@@ -85,6 +88,7 @@ def _maintain(lake, *, retention_hours: int = 168, dry_run: bool = False,
             "version": lake.version(name),
             "vacuumed": len(vac),
             "orphans_removed": len(orphans),
+            "key_index_version": index_version,
             "kept_versions": kept,
         }
     report["snapshot_temp_dirs_removed"] = remove_snapshot_temps(lake, min_age_s=age, dry_run=dry_run)
