@@ -114,5 +114,5 @@ def run(quick: bool = False) -> list[Result]:
                f"{ing:.1f}s ({n / ing:,.0f} traj/s)", f"{base:.1f}s ({n / base:,.0f} traj/s)"),
         Result(f"ingest {size}: pipeline ingest / pq.write_table only", ing / write_only, None,
                f"{ing:.1f}s", f"{write_only:.1f}s", note="strict baseline: rows already in memory"),
-        Result(f"re-ingest same files (no-op) / first ingest", noop / ing, None, f"{noop:.2f}s", f"{ing:.1f}s"),
+        Result("re-ingest same files (no-op) / first ingest", noop / ing, None, f"{noop:.2f}s", f"{ing:.1f}s"),
     ]

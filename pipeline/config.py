@@ -158,7 +158,7 @@ def check_ranges(cfg: Any) -> None:
                 continue
             if isinstance(v, float) and math.isnan(v):
                 raise ConfigError(f"{f.name}: NaN is not a valid value")
-            for key, word, ok in _BOUNDS:
+            for key, _word, ok in _BOUNDS:
                 if key in f.metadata and not ok(v, f.metadata[key]):
                     raise ConfigError(f"{f.name}={v!r} is out of range: must be {bounds_text(f)}",
                                       hint=f"{f.name}: {f.metadata.get('help', '')}".rstrip(": "))

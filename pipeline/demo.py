@@ -174,7 +174,7 @@ def run_demo(lake, cfg: DemoConfig, *, out=print) -> dict[str, Any]:
         extra = _run_async(lake, cfg, lines, out)
     total = time.perf_counter() - t_start
     summary = {
-        "lake": lake.uri, "mode": cfg.mode, "engine": cfg.engine, "iterations": [l.__dict__ for l in lines],
+        "lake": lake.uri, "mode": cfg.mode, "engine": cfg.engine, "iterations": [it.__dict__ for it in lines],
         "heldout_first": lines[0].heldout_success, "heldout_last": lines[-1].heldout_success,
         "heldout_gain_points": round(100 * (lines[-1].heldout_success - lines[0].heldout_success), 1),
         "final_policy_version": lines[-1].policy_version, "seconds": round(total, 1), **extra,
@@ -194,7 +194,7 @@ def run_demo(lake, cfg: DemoConfig, *, out=print) -> dict[str, Any]:
         except ImportError:
             pass
     flag = f" --lake {lake.uri}"
-    last_ckpt = next((l.checkpoint_id for l in reversed(lines) if l.checkpoint_id), None)
+    last_ckpt = next((it.checkpoint_id for it in reversed(lines) if it.checkpoint_id), None)
     out("next, try:\n"
         f"  pipeline sql{flag} \"SELECT decision, count(*) FROM receipts GROUP BY 1\"\n"
         f"  pipeline sql{flag} \"SELECT policy_version, avg(reward), count(*) FROM trajectories GROUP BY 1 ORDER BY 1\"\n"

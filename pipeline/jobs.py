@@ -226,7 +226,7 @@ def schedule(lake, jobs: dict[str, JobSpec], *, for_seconds: float | None = None
                 time.sleep(min(0.2, max(0.0, min(nxt.values()) - time.time())))
         except KeyboardInterrupt:
             pass
-        for name, fut in running.items():
+        for fut in running.values():
             res = fut.result()
             results.append(res)
             if on_result:

@@ -347,7 +347,7 @@ def run_with_quality(lake, version: int, cfg: AdmissionConfig, *, decided: pa.Ar
                                     hint="the workers get the lake's storage options from this process: check "
                                          "AWS_* here (endpoint, credentials) and that workers reach the store"
                                     ) from None
-            raise exc
+            raise
         except (OSError, TimeoutError, CancelledError) as exc:  # CommClosedError is an OSError
             raise _lost(where, exc) from None
         except Exception as exc:

@@ -284,12 +284,12 @@ def precheck(path: str, data: bytes | pa.Buffer) -> None:
         if fmt == "parquet":
             import pyarrow.parquet as pq
 
-            pq.ParquetFile(pa.BufferReader(data)).metadata
+            _ = pq.ParquetFile(pa.BufferReader(data)).metadata  # parses the footer
         elif fmt == "ipc":
             try:
-                pa.ipc.open_file(pa.BufferReader(data)).schema
+                _ = pa.ipc.open_file(pa.BufferReader(data)).schema
             except pa.ArrowInvalid:
-                pa.ipc.open_stream(pa.BufferReader(data)).schema
+                _ = pa.ipc.open_stream(pa.BufferReader(data)).schema
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
         raise InputFileError(f"{path}: not a readable {fmt} file ({exc})",
                              hint="the file is corrupt or truncated; re-export it") from None

@@ -326,10 +326,11 @@ def _events(rows: pa.Table, spec: HealthLakeSpec) -> pa.Table:
                                              "worker_id", "policy_version", "state", "payload", "created_at")}
 
     def add(i, step, action, etype, ts, worker, state=None, payload=None):
-        cols["episode_id"].append(tid[i]); cols["step_id"].append(step); cols["action_id"].append(action)
-        cols["event_type"].append(etype); cols["run_id"].append(run[i]); cols["group_id"].append(gid[i])
-        cols["worker_id"].append(worker); cols["policy_version"].append(int(ver[i])); cols["state"].append(state)
-        cols["payload"].append(payload); cols["created_at"].append(int(ts))
+        row = {"episode_id": tid[i], "step_id": step, "action_id": action, "event_type": etype, "run_id": run[i],
+               "group_id": gid[i], "worker_id": worker, "policy_version": int(ver[i]), "state": state,
+               "payload": payload, "created_at": int(ts)}
+        for k, v in row.items():
+            cols[k].append(v)
 
     gen = rng.gamma(2.0, 150_000.0 * (1 + 0.3 * ver)[:, None], (n, 4)).astype(np.int64)   # us
     tool = rng.lognormal(np.log(40_000.0), 0.8, (n, 4)).astype(np.int64)

@@ -184,7 +184,7 @@ def test_alerts_say_in_words_what_is_wrong(tmp_path):
     lake.append("evaluations", pa.Table.from_pylist([drop], schema=schema), command="t")
     _, res = build_report(lake)
     text = " ".join(res["alerts"])
-    assert "mismatch_kl reached 0.05" in text and f"step 99" in text
+    assert "mismatch_kl reached 0.05" in text and "step 99" in text
     assert "Held-out success fell" in text and f"policy version {last['policy_version'] + 1}" in text
     assert res["errors"] == []
 

@@ -5,7 +5,6 @@ the lake already holds (its new batches would be skipped as shipped)."""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 from pipeline.rollout.run import run_rollout
 from pipeline.rollout.spool import Spool
