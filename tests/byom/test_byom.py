@@ -266,3 +266,24 @@ def test_checkpoint_retention_keeps_hf_and_newest_states(lake):
     assert [x["checkpoint_id"] for x in rep["retired"]] == ["ck-1"]
     assert maintain(lake, keep_checkpoints=1, tables=["checkpoints"])["checkpoints"]["retired"] == []
     resolve_policy(lake, 1)
+
+
+def test_eval_runs_an_imported_model(lake, qwen2_dir):
+    p = cli(lake, "policy", "eval", "--policy", str(qwen2_dir), "--env", "reverse-digits", "--n", "3", "--json")
+    r = json.loads(p.stdout)
+    assert r["n"] == 3 and 0.0 <= r["success_rate"] <= 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_engine_loads_an_imported_model(lake, qwen2_dir):
+    pytest.importorskip("vllm")
+    from pipeline.rollout.run import RolloutConfig, run_rollout
+
+    cli(lake, "policy", "import", "--hf-dir", str(qwen2_dir))
+    s = run_rollout(lake, RolloutConfig(env="arithmetic-tool", engine="vllm", groups=2, group_size=2, seed=1,
+                                        run_id="byom-vllm", spool_fsync=False, max_tokens_per_turn=8,
+                                        max_total_tokens=24))
+    assert s.trajectories == 4
+    rows = lake.read("trajectories").to_pylist()
+    assert all(len(r["response_ids"]) == len(r["response_logprobs"]) for r in rows)
