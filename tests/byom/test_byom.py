@@ -287,3 +287,53 @@ def test_vllm_engine_loads_an_imported_model(lake, qwen2_dir):
     assert s.trajectories == 4
     rows = lake.read("trajectories").to_pylist()
     assert all(len(r["response_ids"]) == len(r["response_logprobs"]) for r in rows)
+
+
+def test_harness_multi_turn_with_a_bpe_tokenizer(lake, qwen2_dir):
+    """A scripted engine answers in the BPE tokenizer's ids: the call stops at the decoded
+    ``</call>`` (extra tokens after it are cut), the observation is encoded with the same
+    tokenizer, and ``<ans>N`` + eos is a correct answer."""
+    from pipeline.rollout import codec as codecs
+    from pipeline.rollout.engine import Completion, Sampling
+    from pipeline.rollout.envs import get_env
+    from pipeline.rollout.harness import Harness
+    from pipeline.rollout.spool import Spool, ship
+
+    c = codecs.load(qwen2_dir)
+    env = get_env("arithmetic-tool")
+    task = env.reset(0)
+    call = c.encode(f"<call>{task.meta['expr']}</call>") + c.encode("<ans>1")     # sampled past the stop string
+    answer = c.encode(f"<ans>{task.answer}") + [c.eos_id]
+
+    class Scripted:
+        name, hf_dir = "scripted", qwen2_dir
+        seen: list = []
+
+        def generate(self, requests, sampling):
+            assert sampling.stop_ids == (c.eos_id,)
+            out = []
+            for r in requests:
+                self.seen.append(list(r.context))
+                ids = call if len(self.seen) == 1 else answer
+                out.append([Completion(list(ids), [-0.5] * len(ids), "stop" if ids[-1] == c.eos_id else "length")])
+            return out
+
+        def close(self):
+            pass
+
+    eng = Scripted()
+    spool = Spool(lake.uri + "/_spool", "w", fsync=False)
+    h = Harness(env, lambda: (eng, 0), spool, run_id="bpe", worker_id="w", sampling=Sampling(max_new_tokens=40),
+                codec=c)
+    (ep,) = h.run([h.new_episode(episode_id="e", group_id="g", group_size=1, task=task, seed=0, policy_version=0)])
+    assert ep.status == "ACCEPTED" and ep.verdict == "PASS" and ep.tool_calls == 1, (ep.status, ep.stop_reason)
+    n_call = codecs.cut_at_stop(c, call, ("</call>",))
+    assert n_call < len(call) and c.decode(call[:n_call]).endswith("</call>")
+    obs = c.encode(f"<obs>{task.answer}</obs>")
+    assert ep.prompt_ids == c.encode(task.prompt)
+    assert ep.response_ids == call[:n_call] + obs + answer
+    assert ep.mask == [1] * n_call + [0] * len(obs) + [1] * len(answer)
+    assert eng.seen[1] == ep.prompt_ids + call[:n_call] + obs       # the second turn saw the observation
+    rep = ship(lake, spool)
+    assert rep.trajectories == 1 and rep.quarantined == 0
+    assert lake.read("trajectories").column("tokenizer_rev").to_pylist() == [c.rev]
