@@ -257,8 +257,8 @@ def snapshot_revisions(lake, snapshot_id: str) -> dict[str, set[str]]:
 
     t = lake.read("receipts", columns=["ref_tokenizer_rev", "ref_prompt_template_rev", "snapshot_id"],
                   filter=ds.field("snapshot_id") == snapshot_id)
-    for field in out:
-        out[field] = {v for v in t.column(f"ref_{field}").to_pylist() if v is not None}
+    for name in out:
+        out[name] = {v for v in t.column(f"ref_{name}").to_pylist() if v is not None}
     return out
 
 

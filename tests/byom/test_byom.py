@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 
-import pyarrow.compute as pc
 import pytest
 
 
@@ -152,7 +151,6 @@ def test_prompt_template_revision_the_policy_was_not_trained_with(lake, tmp_path
     from pipeline.train.data import check_comparable
     from pipeline.train.fixtures import publish_tiny_policy
 
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     from pipeline.lake.ingest import ingest_files
@@ -175,7 +173,6 @@ def test_prompt_template_revision_the_policy_was_not_trained_with(lake, tmp_path
 
 
 def test_admission_keeps_one_tokenizer_and_scopes(lake, tmp_path):
-    import pyarrow as pa
 
     import pyarrow.parquet as pq
 
