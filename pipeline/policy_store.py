@@ -142,6 +142,9 @@ def resolve_policy(lake, spec: str | int | None = None, *, verify: bool = True) 
             raise NotFoundError(f"checkpoint {spec} not found")
         row = matches[0]
     files = dict(row["file_sha256"])
+    gone = retired_files(lake, row["checkpoint_id"])       # DeepSpeed state removed by retention
+    if gone:
+        files = {k: v for k, v in files.items() if k not in gone}
     local = fetch_checkpoint(lake, row["checkpoint_id"], files)
     key = (str(local), row["checkpoint_id"])
     if verify and _VERIFIED.get(key) != (files, _stats(local, files)):
@@ -246,3 +249,234 @@ def publish_checkpoint(lake, *, checkpoint_id: str, policy_version: int | None, 
                 row["policy_version"] = int(prior[0]["policy_version"])
         return row
     raise ConflictError("could not take a policy version: other publishers kept winning", hint="rerun")
+
+
+# -- bring your own model: tokenizer revisions, import, listing -------------------------------
+# The files that define a tokenizer (whichever of them a model directory has).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "vocab.txt")
+
+
+def tokenizer_rev(hf_dir: str | Path) -> str:
+    """The tokenizer revision of a model directory: ``vocab.TOKENIZER_REV`` for the
+    built-in char tokenizer (its vocabulary is the char table), otherwise
+    ``bpe-`` + the sha256 of the tokenizer files' names and contents. A trained
+    version copies its parent's tokenizer files, so it keeps its parent's rev."""
+    from pipeline.rollout import vocab
+
+    d = Path(hf_dir)
+    tj = d / "tokenizer.json"
+    if tj.is_file():
+        try:
+            model = json.loads(tj.read_text()).get("model") or {}
+            if model.get("type") == "WordLevel" and model.get("vocab") == {t: i for i, t in enumerate(vocab.TOKENS)}:
+                return vocab.TOKENIZER_REV
+        except (ValueError, OSError):
+            pass
+    h = hashlib.sha256()
+    found = False
+    for name in TOKENIZER_FILES:
+        p = d / name
+        if p.is_file():
+            found = True
+            h.update(name.encode() + b"\x00" + hashlib.sha256(p.read_bytes()).digest())
+    if not found:
+        raise NotFoundError(f"{d}: no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...)",
+                            hint="save the tokenizer next to the model: tokenizer.save_pretrained(DIR)")
+    return "tok-" + h.hexdigest()[:16]
+
+
+def _origin(row: dict[str, Any]) -> str:
+    try:
+        kind = json.loads(row.get("train_config_json") or "{}").get("kind")
+    except ValueError:
+        kind = None
+    return {"warm_start": "init", "import": "import"}.get(kind, "train")
+
+
+def list_policies(lake) -> list[dict[str, Any]]:
+    """One row per published version: version, checkpoint id, origin (init /
+    import / train), tokenizer_rev, parent, architecture, created_at."""
+    if not lake.exists("checkpoints"):
+        return []
+    t = lake.read("checkpoints", columns=["checkpoint_id", "policy_version", "parent_checkpoint_id",
+                                          "train_config_json", "created_at"])
+    out = []
+    for r in sorted(t.to_pylist(), key=lambda r: (r["policy_version"], r["created_at"])):
+        cfg = json.loads(r["train_config_json"] or "{}")
+        hf = local_checkpoint_dir(lake, r["checkpoint_id"]) / HF_SUBDIR
+        rev = cfg.get("tokenizer_rev")
+        arch = cfg.get("model_type")
+        if rev is None or arch is None:
+            try:
+                rev = rev or tokenizer_rev(hf)
+                arch = arch or json.loads((hf / "config.json").read_text()).get("model_type")
+            except (OSError, ValueError, NotFoundError):
+                pass
+        out.append({"policy_version": int(r["policy_version"]), "checkpoint_id": r["checkpoint_id"],
+                    "origin": _origin(r), "tokenizer_rev": rev, "model_type": arch,
+                    "parent_checkpoint_id": r["parent_checkpoint_id"], "created_at": r["created_at"].isoformat()})
+    return out
+
+
+def policy_info(lake, policy_version: int) -> dict[str, Any] | None:
+    """The ``list_policies`` row of one version (None when not published)."""
+    rows = [r for r in list_policies(lake) if r["policy_version"] == int(policy_version)]
+    return rows[-1] if rows else None
+
+
+def import_policy(lake, hf_dir: str | Path) -> dict[str, Any]:
+    """Register a Hugging Face causal LM directory as the next policy version.
+
+    Checks that transformers can read its config and tokenizer and that it has
+    safetensors weights, copies the model, config and tokenizer files into
+    ``<lake>/_checkpoints/import-<hash>/hf/`` and publishes them (every file
+    hashed). Idempotent: importing the same files again returns the version they
+    already have."""
+    import shutil
+
+    from pipeline.errors import InputFileError
+
+    src = Path(hf_dir)
+    if not (src / "config.json").is_file():
+        raise InputFileError(f"{src}: not a Hugging Face model directory (no config.json)",
+                             hint="pass the directory model.save_pretrained() wrote")
+    weights = sorted(p.name for p in src.iterdir() if p.name.endswith(".safetensors")
+                     or p.name == "model.safetensors.index.json")
+    if not weights:
+        raise InputFileError(f"{src}: no *.safetensors weights",
+                             hint="save with model.save_pretrained(DIR, safe_serialization=True); "
+                                  "pickled .bin weights are not imported")
+    try:
+        from transformers import AutoConfig, AutoTokenizer
+
+        config = AutoConfig.from_pretrained(str(src))
+        tok = AutoTokenizer.from_pretrained(str(src))
+    except Exception as exc:  # noqa: BLE001 - any failure to load is a bad input directory
+        raise InputFileError(f"{src}: transformers cannot load it: {type(exc).__name__}: {str(exc)[:200]}",
+                             hint="the directory needs config.json and the tokenizer files") from None
+    if getattr(config, "vocab_size", None) is not None and len(tok) > int(config.vocab_size):
+        raise InputFileError(f"{src}: the tokenizer has {len(tok)} tokens, the model's vocabulary {config.vocab_size}",
+                             hint="resize the embeddings (model.resize_token_embeddings) before saving")
+    if tok.eos_token_id is None:
+        raise InputFileError(f"{src}: the tokenizer has no eos token", hint="set tokenizer.eos_token and save it again")
+    rev = tokenizer_rev(src)
+    keep = [p for p in sorted(src.iterdir()) if p.is_file() and not p.name.endswith((".bin", ".pt", ".pth", ".pkl"))]
+    h = hashlib.sha256()
+    for p in keep:
+        h.update(p.name.encode() + b"\x00" + hashlib.sha256(p.read_bytes()).digest())
+    content = h.hexdigest()
+    ckpt_id = f"import-{content[:16]}"
+    prior = [r for r in _rows(lake) if r["checkpoint_id"] == ckpt_id]
+    if not prior:
+        root = local_checkpoint_dir(lake, ckpt_id)
+        if root.exists():
+            shutil.rmtree(root)    # an unpublished leftover of a crashed import
+        (root / HF_SUBDIR).mkdir(parents=True)
+        for p in keep:
+            shutil.copy2(p, root / HF_SUBDIR / p.name)
+        train_cfg = {"kind": "import", "source": str(src.resolve()), "content_sha256": content,
+                     "tokenizer_rev": rev, "model_type": config.model_type,
+                     "architectures": list(getattr(config, "architectures", None) or [])}
+        row = publish_checkpoint(lake, checkpoint_id=ckpt_id, policy_version=None, parent_checkpoint_id=None,
+                                 snapshot_ids=[], train_config=train_cfg, train_config_hash=content, seed=0,
+                                 command="pipeline policy import")
+        version = int(row["policy_version"])
+    else:
+        version = int(prior[0]["policy_version"])
+    return {"policy_version": version, "checkpoint_id": ckpt_id, "tokenizer_rev": rev,
+            "model_type": config.model_type, "path": str(local_checkpoint_dir(lake, ckpt_id) / HF_SUBDIR),
+            "already_present": bool(prior)}
+
+
+def policy_train_config(lake, ref: PolicyRef) -> dict[str, Any]:
+    """The train config a published policy recorded ({} for a plain directory)."""
+    if ref.policy_version < 0 or not lake.exists("checkpoints"):
+        return {}
+    import pyarrow.dataset as ds
+
+    t = lake.read("checkpoints", columns=["train_config_json"], filter=ds.field("checkpoint_id") == ref.checkpoint_id)
+    rows = t.column("train_config_json").to_pylist()
+    return json.loads(rows[0] or "{}") if rows else {}
+
+
+def policy_tokenizer_rev(lake, ref: PolicyRef) -> str:
+    """The policy's tokenizer revision: the one its checkpoint row records (a
+    trained version records its parent's), else the one of its files."""
+    return policy_train_config(lake, ref).get("tokenizer_rev") or tokenizer_rev(ref.hf_dir)
+
+
+# -- checkpoint retention ---------------------------------------------------------------------
+RETIRED_FILE = "retired.json"      # in a checkpoint directory: the DeepSpeed files retention removed
+RETIRABLE = ("ds/", "rng/")         # never hf/: the exported model every lineage query points to
+
+
+def retired_files(lake, checkpoint_id: str) -> set[str]:
+    """The files of a published checkpoint that retention removed (verification skips them)."""
+    fs, root = lake.filesystem()
+    try:
+        with fs.open_input_stream(f"{root}/{checkpoint_rel(checkpoint_id)}/{RETIRED_FILE}") as f:
+            return set(json.loads(f.read().decode()).get("removed", []))
+    except (FileNotFoundError, OSError, ValueError):
+        return set()
+
+
+def retire_checkpoints(lake, keep: int, *, dry_run: bool = False) -> dict[str, Any]:
+    """Remove the DeepSpeed state (``ds/``, ``rng/``) of every published version
+    but the newest ``keep`` ones and the parents of interrupted training runs
+    (``_checkpoints/_runs/*/run.json``: a resume may carry their optimizer).
+    Their ``hf/`` model stays, so every version still loads, rolls out, serves as
+    a parent (with a fresh optimizer) and answers lineage queries. The list of
+    removed files is written to ``retired.json`` before anything is removed."""
+    import pyarrow.fs as pafs
+
+    rows = sorted(_rows(lake), key=lambda r: (r["policy_version"], r["created_at"]))
+    keep_ids = {r["checkpoint_id"] for r in rows[len(rows) - keep:]} if keep > 0 else set()
+    fs, root = lake.filesystem()
+    runs = f"{root}/_checkpoints/_runs"
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(runs, allow_not_found=True, recursive=False))
+    except (FileNotFoundError, OSError):
+        infos = []
+    for info in infos:
+        try:
+            with fs.open_input_stream(f"{info.path}/run.json") as f:
+                keep_ids.add(json.loads(f.read().decode()).get("parent_checkpoint_id"))
+        except (FileNotFoundError, OSError, ValueError):
+            pass
+    report: dict[str, Any] = {"keep_checkpoints": keep, "retired": [], "files_removed": 0, "bytes_removed": 0}
+    if keep <= 0:
+        return report
+    for r in rows:
+        cid = r["checkpoint_id"]
+        if cid in keep_ids:
+            continue
+        done = retired_files(lake, cid)
+        todo = sorted(k for k, _ in r["file_sha256"] if k.startswith(RETIRABLE) and k not in done)
+        if not todo:
+            continue
+        base = f"{root}/{checkpoint_rel(cid)}"
+        sizes = {k: fs.get_file_info(f"{base}/{k}").size or 0 for k in todo}
+        report["retired"].append({"policy_version": int(r["policy_version"]), "checkpoint_id": cid,
+                                  "files": len(todo), "bytes": sum(sizes.values())})
+        report["files_removed"] += len(todo)
+        report["bytes_removed"] += sum(sizes.values())
+        if dry_run:
+            continue
+        body = json.dumps({"removed": sorted(done | set(todo)),
+                           "at": datetime.now(timezone.utc).isoformat()}, indent=1).encode()
+        tmp = f"{base}/.{RETIRED_FILE}.tmp{os.getpid()}"
+        with fs.open_output_stream(tmp) as f:     # the record first: a crash leaves files it allows missing
+            f.write(body)
+        fs.move(tmp, f"{base}/{RETIRED_FILE}")
+        for k in todo:
+            try:
+                fs.delete_file(f"{base}/{k}")
+            except (FileNotFoundError, OSError):
+                pass
+        for d in ("ds", "rng"):
+            try:
+                fs.delete_dir(f"{base}/{d}")
+            except (FileNotFoundError, OSError):
+                pass
+    return report

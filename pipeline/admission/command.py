@@ -41,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default: $PIPELINE_DASK_WORKER_TIMEOUT_S, else 120)")
     p.add_argument("--target-groups", type=int, default=None, metavar="N",
                    help="report how many admitted groups are missing to reach N and the observed admit rate")
+    p.add_argument("--run-id", default=None, help="decide only groups of this rollout run")
+    p.add_argument("--env", default=None, help="decide only groups of this environment (e.g. arithmetic-tool)")
+    p.add_argument("--task", default=None, metavar="TASK_ID", help="decide only groups of this task")
     p.set_defaults(handler=_admit)
 
     s = sub.add_parser("snapshots", help="list, show and verify batch snapshots")
@@ -72,8 +75,11 @@ def _admit(args: argparse.Namespace) -> int | None:
         if args.dask_worker_timeout <= 0:
             raise ConfigError("--dask-worker-timeout must be a positive number of seconds")
         os.environ["PIPELINE_DASK_WORKER_TIMEOUT_S"] = str(args.dask_worker_timeout)  # read by the Dask engine
+    from pipeline.admission.scope import Scope
+
     res = admit(open_lake(args), cfg, current_policy_version=args.current_policy_version, dry_run=args.dry_run,
-                engine=engine, dask_scheduler=scheduler, target_groups=args.target_groups)
+                engine=engine, dask_scheduler=scheduler, target_groups=args.target_groups,
+                scope=Scope(args.run_id, args.env, args.task))
     out = res.as_dict(with_receipts=args.dry_run)
     emit(out, args, _admit_text)
     return None

@@ -203,14 +203,16 @@ def _decisions_from_engine(lake, tv: int, cfg: AdmissionConfig, engine: str, dec
 def admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: int | None = None,
           dry_run: bool = False, engine: Literal["duckdb", "dask"] = "duckdb", dask_scheduler: str | None = None,
           target_groups: int | None = None, now: datetime | None = None,
-          command: str = "pipeline admit") -> AdmissionResult:
-    """Decide every ready, undecided group; write receipts and one snapshot of the admitted members.
-    Reported as an OpenLineage run (pipeline.lineage)."""
+          command: str = "pipeline admit", scope=None) -> AdmissionResult:
+    """Decide every ready, undecided group (of ``scope``: pipeline/admission/scope.py); write receipts
+    and one snapshot of the admitted members, all sampled with one tokenizer. Reported as an
+    OpenLineage run (pipeline.lineage)."""
     from pipeline import lineage
 
     with lineage.admit_run(lake, cfg or AdmissionConfig(), engine, dry_run) as run:
         result = _admit(lake, cfg, current_policy_version=current_policy_version, dry_run=dry_run, engine=engine,
-                        dask_scheduler=dask_scheduler, target_groups=target_groups, now=now, command=command)
+                        dask_scheduler=dask_scheduler, target_groups=target_groups, now=now, command=command,
+                        scope=scope)
         lineage.admit_done(run, lake, result)
     return result
 
@@ -218,7 +220,12 @@ def admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: i
 def _admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: int | None = None,
            dry_run: bool = False, engine: Literal["duckdb", "dask"] = "duckdb", dask_scheduler: str | None = None,
            target_groups: int | None = None, now: datetime | None = None,
-           command: str = "pipeline admit") -> AdmissionResult:
+           command: str = "pipeline admit", scope=None) -> AdmissionResult:
+    from pipeline.admission import scope as scoping
+
+    # a scoped run leaves groups undecided whatever their age: no incremental-scan state, so the
+    # next run scans them all again
+    scoped = scope is not None and bool(scope.run_id or scope.env or scope.task)
     cfg = cfg or AdmissionConfig()
     run_id = f"admit-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
     receipts_schema = table_spec("receipts").arrow_schema()
@@ -241,6 +248,7 @@ def _admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: 
         sources = _trajectory_sources(lake, tv, _previous_state(lake, rv)) if engine == "duckdb" else None
         members, groups, qsummary, n_cands = _decisions_from_engine(
             lake, tv, cfg, engine, decided, current, now, dask_scheduler, timings, sources)
+        members, groups, _tok = scoping.apply(members, groups, scope, _policy_tokenizer(lake, current))
         dec = finalize(members, groups, cfg, config_hash=chash, current_policy_version=current,
                        previous_baseline=_previous_baseline(lake, cfg))
         timings["decide_s"] = time.perf_counter() - t0
@@ -272,9 +280,8 @@ def _admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: 
         t1 = time.perf_counter()
         pending = now - timedelta(microseconds=round(cfg.group_timeout_s * 1e6))
         res = lake.append("receipts", receipts, command=command, config_hash=chash, app_id=LOCK_APP,
-                          txn_version=rv + 1, extra_metadata={"pipeline.admission_run_id": run_id,
-                                                              STATE_VERSION: str(tv),
-                                                              STATE_PENDING: pending.isoformat()})
+                          txn_version=rv + 1, extra_metadata={"pipeline.admission_run_id": run_id} | (
+                              {} if scoped else {STATE_VERSION: str(tv), STATE_PENDING: pending.isoformat()}))
         timings["receipts_s"] = time.perf_counter() - t1
         if not res.landed or not _landed(lake, run_id, res.version):
             continue  # lost the race: reread, decide what is left
@@ -282,6 +289,17 @@ def _admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: 
         return result
     raise PipelineError(f"admission could not commit after {MAX_ATTEMPTS} attempts (other admission runs kept "
                         "winning the receipts commit)", hint="rerun pipeline admit")
+
+
+def _policy_tokenizer(lake, version: int) -> str | None:
+    """The tokenizer_rev of a published policy version (None when unknown)."""
+    try:
+        from pipeline.policy_store import policy_info
+
+        info = policy_info(lake, version)
+    except Exception:  # noqa: BLE001 - a lake without (readable) checkpoints: no preference
+        return None
+    return info["tokenizer_rev"] if info else None
 
 
 def _stamp(core: pa.Table, run_id: str, snapshot_id: str | None, schema: pa.Schema) -> pa.Table:

@@ -29,6 +29,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--orphan-age-minutes", type=float, default=None,
                    help="remove data files no commit references (and _snapshots/.tmp-* directories) once they "
                         "are this old (default 60: a live writer never commits a file older than 30 minutes)")
+    m.add_argument("--keep-checkpoints", type=int, default=None, metavar="N",
+                   help="sets the keep_checkpoints key: DeepSpeed states of all but the newest N policy versions "
+                        "are removed (hf/ models stay)")
+    from pipeline.cli import add_config_options
+
+    add_config_options(m)
     m.set_defaults(handler=_maintain)
     i = common(lsub.add_parser("info", help="tables, versions, row and file counts, sizes"))
     i.set_defaults(handler=_info)
@@ -85,9 +91,16 @@ def _maintain(args: argparse.Namespace) -> None:
     unknown = sorted(set(args.table or ()) - set(ALL_TABLES))
     if unknown:
         raise ConfigError(f"unknown table(s) {', '.join(unknown)}", hint=f"tables: {', '.join(ALL_TABLES)}")
+    from pipeline.config import load_config, parse_set
+    from pipeline.lake.maintain import MaintainConfig
+
+    over = parse_set(args.set)
+    if args.keep_checkpoints is not None:
+        over["keep_checkpoints"] = args.keep_checkpoints
+    cfg = load_config(MaintainConfig, args.config, over)
     age = None if args.orphan_age_minutes is None else args.orphan_age_minutes * 60
     out = maintain(open_lake(args), retention_hours=args.retention_hours, dry_run=args.dry_run, tables=args.table,
-                   orphan_min_age_s=age)
+                   orphan_min_age_s=age, keep_checkpoints=cfg.keep_checkpoints)
     emit(out, args, _maintain_text)
 
 
@@ -108,6 +121,12 @@ def _maintain_text(r: dict[str, Any]) -> str:
     if temps:
         lines.append(f"_snapshots: {'would remove' if r.get('dry_run') else 'removed'} {len(temps)} temporary "
                      f"director{'y' if len(temps) == 1 else 'ies'}")
+    ck = r.get("checkpoints")
+    if ck:
+        verb = "would remove" if r.get("dry_run") else "removed"
+        lines.append(f"checkpoints: {verb} the DeepSpeed state of {len(ck['retired'])} old version(s) "
+                     f"({ck['files_removed']} files, {ck['bytes_removed'] / 2**20:.1f} MiB); kept the newest "
+                     f"{ck['keep_checkpoints']} and every hf/ model")
     if r.get("dry_run") and lines:
         lines.append("dry run: nothing was changed")
     return "\n".join(lines) or "no tables"

@@ -15,9 +15,19 @@ so `--as-of` queries and lineage can read the exact rows it saw.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.schema import ALL_TABLES, table_spec
+
+
+@dataclass(frozen=True)
+class MaintainConfig:
+    """Config keys of ``pipeline lake maintain`` (``--config`` / ``--set``)."""
+
+    keep_checkpoints: int = field(default=0, metadata={"ge": 0, "help":
+        "keep the DeepSpeed state (optimizer, RNG) of the newest N policy versions and remove it from older ones "
+        "(their hf/ model always stays); 0 = keep every state (like verl's max checkpoints to keep)"})
 
 
 def snapshot_source_versions(lake) -> dict[str, set[int]]:
@@ -34,20 +44,24 @@ def snapshot_source_versions(lake) -> dict[str, set[int]]:
 
 
 def maintain(lake, *, retention_hours: int = 168, dry_run: bool = False,
-             tables: list[str] | None = None, orphan_min_age_s: float | None = None) -> dict[str, Any]:
-    """Compact, checkpoint, vacuum and clean every table; an OpenLineage run (pipeline.lineage)."""
+             tables: list[str] | None = None, orphan_min_age_s: float | None = None,
+             keep_checkpoints: int = 0) -> dict[str, Any]:
+    """Compact, checkpoint, vacuum and clean every table, and apply checkpoint retention
+    (``keep_checkpoints``); an OpenLineage run (pipeline.lineage)."""
     from pipeline import lineage
 
     with lineage.maintain_run(lake, {"retention_hours": retention_hours, "dry_run": dry_run, "tables": tables,
-                                     "orphan_min_age_s": orphan_min_age_s}) as run:
+                                     "orphan_min_age_s": orphan_min_age_s}
+                               | ({"keep_checkpoints": keep_checkpoints} if keep_checkpoints else {})) as run:
         report = _maintain(lake, retention_hours=retention_hours, dry_run=dry_run, tables=tables,
-                           orphan_min_age_s=orphan_min_age_s)
+                           orphan_min_age_s=orphan_min_age_s, keep_checkpoints=keep_checkpoints)
         lineage.maintain_done(run, lake, report, dry_run)
     return report
 
 
 def _maintain(lake, *, retention_hours: int = 168, dry_run: bool = False,
-              tables: list[str] | None = None, orphan_min_age_s: float | None = None) -> dict[str, Any]:
+              tables: list[str] | None = None, orphan_min_age_s: float | None = None,
+              keep_checkpoints: int = 0) -> dict[str, Any]:
     from pipeline.lake.delta import ORPHAN_MIN_AGE_S
 
     age = ORPHAN_MIN_AGE_S if orphan_min_age_s is None else orphan_min_age_s
@@ -95,6 +109,10 @@ def _maintain(lake, *, retention_hours: int = 168, dry_run: bool = False,
     from pipeline.admission.snapshot import remove_unpublished_payloads  # object stores' unpublished payloads
 
     report["snapshot_temp_dirs_removed"] += remove_unpublished_payloads(lake, min_age_s=age, dry_run=dry_run)
+    if keep_checkpoints:
+        from pipeline.policy_store import retire_checkpoints
+
+        report["checkpoints"] = retire_checkpoints(lake, keep_checkpoints, dry_run=dry_run)
     return report
 
 

@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_options(p)
     p.set_defaults(handler=_rollout)
 
-    pol = sub.add_parser("policy", help="policy versions: init (version 0), eval")
+    pol = sub.add_parser("policy", help="policy versions: init (version 0), import, list, eval")
     psub = pol.add_subparsers(dest="policy_command", metavar="ACTION")
     i = common(psub.add_parser(
         "init", help="build the tokenizer + tiny Llama, warm-start it, publish policy version 0",
@@ -46,6 +46,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "the deployment's bootstrap step")
     add_config_options(i)
     i.set_defaults(handler=_init)
+    im = common(psub.add_parser(
+        "import", help="register a Hugging Face causal LM directory as the next policy version",
+        description="Copy a Hugging Face causal LM directory (config.json, *.safetensors, tokenizer files; any\n"
+                    "architecture transformers loads, e.g. qwen2, llama) into <lake>/_checkpoints/ with the sha256\n"
+                    "of every file and publish it as the next policy version (0 on an empty lake). tokenizer_rev\n"
+                    "is the hash of the tokenizer files. Idempotent for the same files.",
+        formatter_class=argparse.RawDescriptionHelpFormatter))
+    im.add_argument("--hf-dir", required=True, metavar="DIR", help="the directory save_pretrained() wrote")
+    im.set_defaults(handler=_import)
+    ls = common(psub.add_parser("list", help="published versions: origin (init/import/train) and tokenizer_rev"))
+    ls.set_defaults(handler=_list)
     e = common(psub.add_parser(
         "eval", help="greedy success on the environment's fixed held-out set",
         description="Greedy (temperature 0) episodes on the first N tasks of the environment's held-out split,\n"
@@ -165,3 +176,23 @@ def _eval(args: argparse.Namespace) -> None:
         f"success {r['success_rate']:.3f}, format {r['format_rate']:.3f}, tool use {r['tool_use_rate']:.3f}"
         + "".join(f", pass@{k} {v:.3f}" for k, v in r["pass_at_k"].items() if k > 1)
         + "".join(f"\n  {k}: {v:.3f}" for k, v in r["success_by_difficulty"].items())))
+
+
+def _import(args: argparse.Namespace) -> None:
+    from pipeline.cli import emit, open_lake
+    from pipeline.policy_store import import_policy
+
+    r = import_policy(open_lake(args, create=True), args.hf_dir)
+    emit(r, args, lambda r: f"policy version {r['policy_version']}: {r['checkpoint_id']} ({r['model_type']}, "
+                            f"tokenizer {r['tokenizer_rev']})" + (" already imported" if r["already_present"] else ""))
+
+
+def _list(args: argparse.Namespace) -> None:
+    from pipeline.cli import emit, open_lake
+    from pipeline.policy_store import list_policies
+
+    rows = list_policies(open_lake(args))
+    emit({"policies": rows}, args, lambda r: "\n".join(
+        [f"{'version':>7}  {'origin':<6}  {'model':<8}  {'tokenizer_rev':<22}  checkpoint"]
+        + [f"{x['policy_version']:>7}  {x['origin']:<6}  {str(x['model_type']):<8}  {str(x['tokenizer_rev']):<22}  "
+           f"{x['checkpoint_id']}" for x in r["policies"]]))

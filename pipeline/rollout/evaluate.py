@@ -27,6 +27,7 @@ def evaluate(policy, env_name: str = "arithmetic-tool", *, n: int = 200, seed: i
              max_total_tokens: int = 64, samples: int = 1, temperature: float | None = None) -> dict[str, Any]:
     """``policy``: a PolicyRef, an HF directory, or (with ``lake``) a version / id / 'latest'."""
     from pipeline.policy_store import PolicyRef, resolve_policy
+    from pipeline.rollout import codec
     from pipeline.rollout.engine import Sampling, derive_seed, make_engine
     from pipeline.rollout.envs import get_env
     from pipeline.rollout.harness import Harness, Limits
@@ -53,7 +54,8 @@ def evaluate(policy, env_name: str = "arithmetic-tool", *, n: int = 200, seed: i
             spool = Spool(tmp, "eval", fsync=False)
             h = Harness(env, lambda: (eng, max(version, 0)), spool, run_id="eval", worker_id="eval",
                         sampling=Sampling(temperature, 1.0, max_tokens_per_turn),
-                        limits=Limits(max_turns, max_tokens_per_turn, max_total_tokens, 1e9))
+                        limits=Limits(max_turns, max_tokens_per_turn, max_total_tokens, 1e9),
+                        codec=codec.load(hf_dir))
             eps = []
             for i in range(n):
                 task = env.reset(derive_seed("eval", seed, i), "eval")

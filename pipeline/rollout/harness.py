@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-from pipeline.rollout import vocab
+from pipeline.rollout import codec as codecs, vocab
 from pipeline.rollout.engine import Engine, Request, Sampling, derive_seed
 from pipeline.rollout.envs import Environment, Task, ToolError, ToolTimeout, Verification
 
@@ -144,8 +144,11 @@ class Harness:
 
     def __init__(self, env: Environment, engine_fn: Callable[[], tuple[Engine, int]], spool, *, run_id: str,
                  worker_id: str, sampling: Sampling, limits: Limits = Limits(), faults: Faults = Faults(),
-                 follow_every_turn: bool = False, before_tools: Callable[[], Any] | None = None) -> None:
+                 follow_every_turn: bool = False, before_tools: Callable[[], Any] | None = None,
+                 codec=None) -> None:
         self.env = env
+        # the policy's tokenizer (pipeline/rollout/codec.py); the char one by default
+        self.codec = codec if codec is not None else codecs.CharCodec()
         self.engine_fn = engine_fn           # -> (engine, policy_version); may swap to a newer policy
         self.spool = spool
         self.run_id = run_id
@@ -182,7 +185,7 @@ class Harness:
     # -- the wave ------------------------------------------------------------------------
     def new_episode(self, *, episode_id: str, group_id: str, group_size: int, task: Task, seed: int,
                     policy_version: int) -> Episode:
-        ep = Episode(episode_id, group_id, group_size, task, seed, [vocab.BOS_ID] + vocab.encode(task.prompt),
+        ep = Episode(episode_id, group_id, group_size, task, seed, self.codec.prompt(task.prompt),
                      policy_version=policy_version)
         self._event(ep, "CREATED", step=0, state="CREATED", payload={
             "task_id": task.task_id, "prompt_ids": ep.prompt_ids, "seed": seed, "group_size": group_size,
@@ -225,7 +228,8 @@ class Harness:
             by_budget.setdefault(max(b, 1), []).append(i)
         outs: dict[int, Any] = {}
         for b, idx in by_budget.items():
-            sampling = Sampling(self.sampling.temperature, self.sampling.top_p, b, self.sampling.stop_ids)
+            sampling = Sampling(self.sampling.temperature, self.sampling.top_p, b,
+                                self.sampling.stop_ids if self.codec.char else self.codec.stop_ids)
             reqs = [Request(tuple(active[i].prompt_ids + active[i].response_ids), 1,
                             derive_seed(active[i].seed, active[i].turns)) for i in idx]
             for i, comps in zip(idx, engine.generate(reqs, sampling)):
@@ -233,6 +237,10 @@ class Harness:
         for i, ep in enumerate(active):
             c = outs[i]
             turn, lps = list(c.token_ids), [float(x) for x in c.logprobs]
+            finish = c.finish
+            cut = codecs.cut_at_stop(self.codec, turn, self.codec.stop_strings)
+            if cut is not None:        # a stop string, found in the decoded text (BPE may merge it)
+                turn, lps, finish = turn[:cut], lps[:cut], "stop"
             ep.response_ids += turn
             ep.logprobs += lps
             ep.mask += [1] * len(turn)
@@ -242,8 +250,8 @@ class Harness:
             if time.monotonic() - ep.started > self.limits.wall_clock_s:
                 self._terminal(ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None, turn_payload)
                 continue
-            call = parse_call(turn)
-            if c.finish == "length":
+            call = parse_call(turn) if self.codec.char else codecs.parse_turn(self.codec, turn)[0]
+            if finish == "length":
                 self._reject(ep, "max_length", turn_payload)
             elif call is not None and self.env.multi_turn:
                 if ep.turns >= self.limits.max_turns:
@@ -259,7 +267,7 @@ class Harness:
             else:
                 ep.final_turn = turn
                 self._event(ep, "VERIFYING", step=ep.turns - 1, state="VERIFYING", version=version,
-                            payload=turn_payload | {"stop": "eos" if turn[-1] == vocab.EOS_ID else "stop_sequence"})
+                            payload=turn_payload | {"stop": "eos" if turn[-1] == self.codec.eos_id else "stop_sequence"})
         self.spool.sync()   # every ACTION_COMMITTED is durable before any tool runs
 
     def _reject(self, ep: Episode, stop_reason: str, turn_payload: dict[str, Any]) -> None:
@@ -322,7 +330,8 @@ class Harness:
         self.spool.sync()
         for ep in executed:
             p = ep.pending
-            obs = [vocab.OBS_ID] + vocab.encode(p["output"]) + [vocab.END_OBS_ID]
+            obs = ([vocab.OBS_ID] + vocab.encode(p["output"]) + [vocab.END_OBS_ID] if self.codec.char
+                   else self.codec.encode(f"{vocab.OBS}{p['output']}{vocab.END_OBS}"))
             ep.response_ids += obs
             ep.logprobs += [0.0] * len(obs)
             ep.mask += [0] * len(obs)
@@ -340,8 +349,8 @@ class Harness:
     def _verify(self, eps: list[Episode]) -> None:
         for ep in eps:
             turn = ep.final_turn or []
-            stop = "eos" if turn and turn[-1] == vocab.EOS_ID else "stop_sequence"
-            answer = parse_answer(turn)
+            stop = "eos" if turn and turn[-1] == self.codec.eos_id else "stop_sequence"
+            answer = parse_answer(turn) if self.codec.char else codecs.parse_turn(self.codec, turn)[1]
             try:
                 if self._rng.random() < self.faults.verifier_error:
                     raise RuntimeError("injected verifier error")
@@ -373,7 +382,7 @@ class Harness:
             "trajectory_id": ep.episode_id, "group_id": ep.group_id, "group_size": ep.group_size,
             "task_id": ep.task.task_id, "task_version": self.env.version, "run_id": self.run_id,
             "policy_version": ep.policy_version, "token_policy_versions": list(ep.token_versions),
-            "tokenizer_rev": vocab.TOKENIZER_REV, "prompt_template_rev": self.env.prompt_template_rev,
+            "tokenizer_rev": self.codec.rev, "prompt_template_rev": self.env.prompt_template_rev,
             "harness_version": HARNESS_VERSION, "env_version": self.env.env_version,
             "verifier_version": self.env.verifier_version, "temperature": float(s.temperature),
             "top_p": float(s.top_p), "sampling_seed": ep.seed, "status": ep.status, "verdict": ep.verdict,

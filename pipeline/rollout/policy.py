@@ -125,7 +125,10 @@ def init_policy(lake, cfg: PolicyInitConfig | None = None, *, progress=None, **o
     if root.exists():
         shutil.rmtree(root)       # an unpublished leftover of a crashed init
     hf.save_policy(model, root / HF_SUBDIR)
-    train_cfg = config_dict(cfg) | {"kind": "warm_start", "tokenizer_rev": vocab.TOKENIZER_REV}
+    from pipeline.rollout.envs import get_env
+
+    train_cfg = config_dict(cfg) | {"kind": "warm_start", "tokenizer_rev": vocab.TOKENIZER_REV,
+                                    "prompt_template_revs": sorted({get_env(n).prompt_template_rev for n in cfg.envs})}
     publish_checkpoint(lake, checkpoint_id=ckpt_id, policy_version=0, parent_checkpoint_id=None, snapshot_ids=[],
                        train_config=train_cfg, train_config_hash=chash, seed=cfg.seed, world_size=1,
                        global_step=int(stats.get("steps", 0)), samples_seen=int(stats.get("steps", 0)) * cfg.batch_size,

@@ -139,6 +139,7 @@ class _PolicyHolder:
         self.checkpoint_id: str | None = None
         self.version = 0
         self.versions: set[int] = set()
+        self.codec = None       # the policy's tokenizer (pipeline/rollout/codec.py)
 
     def __call__(self):
         from pipeline.policy_store import resolve_policy
@@ -157,7 +158,10 @@ class _PolicyHolder:
             if ckpt != self.checkpoint_id:
                 if self.engine is not None:
                     self.engine.close()
+                from pipeline.rollout import codec
+
                 self.engine = make_engine(self.cfg.engine, hf_dir, threads=self.cfg.threads)
+                self.codec = codec.load(hf_dir)
                 self.checkpoint_id = ckpt
                 self.version = version
         self.versions.add(self.version)
@@ -253,6 +257,7 @@ def run_worker(lake, cfg: RolloutConfig, worker: int, *, guard=None) -> RolloutS
         if not wave:
             continue
         _, version = holder()
+        harness.codec = holder.codec      # prompts and observations in the policy's tokenizer
         eps = [w if not isinstance(w, tuple) else harness.new_episode(
             episode_id=w[0], group_id=w[1], group_size=cfg.group_size, task=w[2], seed=w[3], policy_version=version)
             for w in wave]

@@ -245,3 +245,48 @@ def _check_layout(m: Members, idx, input_ids: np.ndarray, rows: list[np.ndarray]
         tv = m.token_versions[i]
         if tv is not None and mask[b, :R[b]][tv < 0].any():
             raise _fail(m, i, "loss mask is non-zero on an observation token")
+
+
+def snapshot_revisions(lake, snapshot_id: str) -> dict[str, set[str]]:
+    """tokenizer_rev / prompt_template_rev values the admission receipts of this
+    snapshot recorded for its admitted groups (empty sets when not recorded)."""
+    out: dict[str, set[str]] = {"tokenizer_rev": set(), "prompt_template_rev": set()}
+    if not lake.exists("receipts"):
+        return out
+    import pyarrow.dataset as ds
+
+    t = lake.read("receipts", columns=["ref_tokenizer_rev", "ref_prompt_template_rev", "snapshot_id"],
+                  filter=ds.field("snapshot_id") == snapshot_id)
+    for name in out:
+        out[name] = {v for v in t.column(f"ref_{name}").to_pylist() if v is not None}
+    return out
+
+
+def _family(template_rev: str) -> str:
+    return template_rev.rsplit("/", 1)[0] if "/" in template_rev else template_rev
+
+
+def check_comparable(lake, snapshot_id: str, *, policy_tokenizer: str, policy_templates: list[str] | None,
+                     policy_name: str) -> dict[str, set[str]]:
+    """Refuse a snapshot the policy cannot learn from: sampled with another
+    tokenizer than the policy's, or with a revision of a prompt template whose
+    other revision the policy was trained with (when the policy records its
+    templates: ``prompt_template_revs`` in its train config). Returns the
+    snapshot's revisions."""
+    revs = snapshot_revisions(lake, snapshot_id)
+    foreign = sorted(revs["tokenizer_rev"] - {policy_tokenizer})
+    if foreign:
+        raise TrainDataError(
+            f"snapshot {snapshot_id[:16]}… was sampled with tokenizer {', '.join(foreign)}; policy {policy_name} "
+            f"uses {policy_tokenizer}: its token ids mean other text",
+            hint="train it from a policy with that tokenizer (--from-checkpoint), or re-admit with "
+                 "`pipeline admit --run-id RUN` the runs sampled by this policy")
+    if policy_templates:
+        known = {_family(t): t for t in policy_templates}
+        bad = sorted(t for t in revs["prompt_template_rev"] if _family(t) in known and t not in policy_templates)
+        if bad:
+            raise TrainDataError(
+                f"snapshot {snapshot_id[:16]}… uses prompt template revision(s) {', '.join(bad)}; policy "
+                f"{policy_name} was trained with {', '.join(known[_family(t)] for t in bad)}",
+                hint="roll out with the template revision the policy knows, or start from a policy trained on it")
+    return revs

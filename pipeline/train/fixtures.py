@@ -30,6 +30,10 @@ def tiny_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
+# the tokenizer_rev pipeline.synth's trajectories declare: the tiny policy is the model they are made for
+SYNTH_TOKENIZER_REV = "tok-1"
+
+
 def publish_tiny_policy(lake, *, checkpoint_id: str = "tiny-v0", seed: int = 0, **arch: Any):
     """Build, save and publish a tiny random Llama as policy version 0 (or next)."""
     import torch
@@ -46,7 +50,7 @@ def publish_tiny_policy(lake, *, checkpoint_id: str = "tiny-v0", seed: int = 0, 
     model.save_pretrained(str(out))
     tiny_tokenizer(spec["vocab_size"]).save_pretrained(str(out))
     publish_checkpoint(lake, checkpoint_id=checkpoint_id, policy_version=next_policy_version(lake),
-                       parent_checkpoint_id=None, snapshot_ids=[], train_config={"kind": "tiny", **spec},
+                       parent_checkpoint_id=None, snapshot_ids=[], train_config={"kind": "tiny", **spec, "tokenizer_rev": SYNTH_TOKENIZER_REV},
                        train_config_hash="tiny", seed=seed, command="test fixture")
     return resolve_policy(lake, checkpoint_id)
 

@@ -185,9 +185,9 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
 
     from pipeline import lineage
     from pipeline.lake.delta import pause_point
-    from pipeline.policy_store import local_checkpoint_dir, resolve_policy
+    from pipeline.policy_store import local_checkpoint_dir, policy_train_config, resolve_policy, tokenizer_rev
     from pipeline.train import checkpoint as ck
-    from pipeline.train.data import check_members, load_members, receipt_counts
+    from pipeline.train.data import check_comparable, check_members, load_members, receipt_counts
     from pipeline.train.ds_adapter import DeepSpeedStrategy, ds_config
     from pipeline.train.model import PolicyLogprobs, load_causal_lm
     from pipeline.train.packing import plan_steps
@@ -235,6 +235,13 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
     try:
         # 2. the snapshot, verified, and the pre-training assertions
         members, _ = load_members(lake, snapshot_id)
+        parent_cfg = policy_train_config(lake, parent)
+        parent_tok = parent_cfg.get("tokenizer_rev") or tokenizer_rev(parent.hf_dir)
+        revs = check_comparable(lake, snapshot_id, policy_tokenizer=parent_tok,
+                                policy_templates=parent_cfg.get("prompt_template_revs"),
+                                policy_name=f"v{parent.policy_version} ({parent.checkpoint_id})")
+        lineage_cfg = {"tokenizer_rev": parent_tok, "prompt_template_revs": sorted(
+            set(parent_cfg.get("prompt_template_revs") or []) | revs["prompt_template_rev"])}
         lm = load_causal_lm(parent.hf_dir, activation_checkpointing=cfg.activation_checkpointing,
                             ds_config=ds_config(zero_stage=cfg.zero_stage, precision=cfg.precision,
                                                 offload=cfg.offload, max_grad_norm=cfg.max_grad_norm))
@@ -332,7 +339,7 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
             result = _publish(lake, checkpoint_id=checkpoint_id, parent=parent, snapshot_id=snapshot_id, cfg=cfg,
                               world_size=world_size, global_step=global_step, samples_seen=samples_seen,
                               summary=summary, rows=rows, resumed_from=resumed_from, t_start=t_start,
-                              lineage_run_id=lineage_run_id, final=final, live=live)
+                              lineage_run_id=lineage_run_id, final=final, live=live, extra_config=lineage_cfg)
             lineage.emit_run_event(lake, event_type="COMPLETE", run_id=lineage_run_id, job_name=JOB_NAME,
                                    inputs=inputs, outputs=lineage.train_outputs(lake, checkpoint_id,
                                                                                 result.policy_version), **ol)
@@ -542,7 +549,7 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def _publish(lake, *, checkpoint_id: str, parent, snapshot_id: str, cfg: TrainConfig, world_size: int,
              global_step: int, samples_seen: int, summary: dict[str, Any], rows: list[dict[str, Any]],
              resumed_from: int | None, t_start: float, lineage_run_id: str, final: Path,
-             live=None) -> TrainResult:
+             live=None, extra_config: dict[str, Any] | None = None) -> TrainResult:
     """Metrics rows (exactly once), then the checkpoints row: that commit publishes the version."""
     from pipeline.policy_store import hash_dir, publish_checkpoint
     from pipeline.train.checkpoint import weight_hashes
@@ -553,7 +560,8 @@ def _publish(lake, *, checkpoint_id: str, parent, snapshot_id: str, cfg: TrainCo
     published = publish_checkpoint(lake, checkpoint_id=checkpoint_id, policy_version=None,
                        parent_checkpoint_id=parent.checkpoint_id if parent.policy_version >= 0 else None,
                        snapshot_ids=[snapshot_id],
-                       train_config=config_dict(cfg) | {"snapshot_id": snapshot_id, "parent": parent.checkpoint_id},
+                       train_config=config_dict(cfg) | {"snapshot_id": snapshot_id, "parent": parent.checkpoint_id}
+                       | (extra_config or {}),
                        train_config_hash=config_hash(cfg), seed=cfg.seed, world_size=world_size,
                        global_step=global_step, samples_seen=samples_seen, metrics=summary, command="pipeline train")
     version = published["policy_version"]
