@@ -191,7 +191,8 @@ def query(lake, sql: str, *, params: dict[str, Any] | None = None,
         return rel.to_arrow_table()
     except duckdb.Error as exc:
         msg = str(exc)
-        if as_of is not None and ("not found" in msg or "No such file" in msg) and "Parquet" in msg:
+        if as_of is not None and ("not found" in msg or "No such file" in msg) and (
+                "Parquet" in msg or ".parquet" in msg):  # DuckDB's reader, or Arrow's through a registered stream
             raise SQLError("--as-of: a data file of that table version no longer exists (removed by vacuum)",
                            hint="pipeline lake maintain keeps only the versions snapshots were admitted from; "
                                 "query a newer version (pipeline lake info shows the current ones)") from None
