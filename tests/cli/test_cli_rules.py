@@ -111,6 +111,10 @@ def test_third_party_noise_is_silenced_unless_verbose(capsys, monkeypatch):
     handler = logging.StreamHandler(sys.stderr)
     ds.addHandler(handler)
     dist.addHandler(handler)
+    # importing distributed earlier in the session (a Dask test) sets its loggers' levels from
+    # dask's config: start from levels that let a warning through, as in a fresh process
+    for lg, level in ((ds, logging.NOTSET), (dist, logging.WARNING), (shuffle, logging.NOTSET)):
+        monkeypatch.setattr(lg, "level", level)
     try:
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
