@@ -1,6 +1,9 @@
 -- Retry amplification per run: how much extra rollout work retries of failed members cost,
 -- and how much of it bought a valid evaluation.
 --
+-- Answers: does the run resample failed members, how often, and does it pay? An
+-- amplification near 1 with a low recovery rate under a failing tool is the budget holding.
+--
 -- A retry is an episode whose CREATED event carries "retry_of" in its payload (the harness
 -- writes it when it resamples an INFRA_FAILED / UNKNOWN member of a group under the retry
 -- budgets: pipeline/rollout/run.py, retry_group_budget and retry_run_budget).
