@@ -38,6 +38,14 @@ reward. It exists for the gate ablations in benchmarks/bench_gates.py.)
 
 A null reward is "no valid evaluation" and never 0.0: admission drops those
 members from group baselines instead of counting them as policy failures.
+
+Tools run under a deadline and concurrently: the wave's tool calls run in
+daemon threads, at most ``Limits.tool_concurrency`` at once, each bounded by
+``Limits.tool_timeout_s`` (else the environment's ``tool_timeout_s``, else
+30s). A call past its deadline ends its episode INFRA_FAILED / env_timeout
+and its thread is abandoned, so a hung tool never stalls the wave or keeps the
+worker alive. Outcomes are recorded in episode order, whatever order the calls
+finish in.
 """
 
 from __future__ import annotations
