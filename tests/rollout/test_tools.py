@@ -105,5 +105,21 @@ def test_retries_resample_failed_members_within_budget(lake, policy_dir):
     assert amp[0]["recovered"] == sum(1 for r in retries if r["reward"] is not None)
 
 
+def test_deadline_precedence_run_then_environment_then_default():
+    from pipeline.rollout.engine import Sampling
+    from pipeline.rollout.harness import DEFAULT_TOOL_TIMEOUT_S, Harness, Limits
+
+    class Declares(ArithmeticTool):
+        tool_timeout_s = 7.0
+
+    def deadline(env, run_value):
+        return Harness(env, lambda: None, None, run_id="r", worker_id="w", sampling=Sampling(),
+                       limits=Limits(tool_timeout_s=run_value))._tool_timeout()
+
+    assert deadline(ArithmeticTool(), 0.0) == DEFAULT_TOOL_TIMEOUT_S
+    assert deadline(Declares(), 0.0) == 7.0                 # the environment's own deadline
+    assert deadline(Declares(), 2.5) == 2.5                 # the run's setting wins
+
+
 def teardown_module():
     RELEASE.set()
