@@ -245,6 +245,7 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
         consumed_at = datetime.now(timezone.utc)
         freshness = check_freshness(members, parent.policy_version, cfg.max_train_lag, snapshot_id)
         freshness["consumed_at"] = consumed_at.isoformat()
+        freshness["snapshot_wait_ms"] = _snapshot_wait_ms(lake, snapshot_id, consumed_at)
         lm = load_causal_lm(parent.hf_dir, activation_checkpointing=cfg.activation_checkpointing,
                             ds_config=ds_config(zero_stage=cfg.zero_stage, precision=cfg.precision,
                                                 offload=cfg.offload, max_grad_norm=cfg.max_grad_norm))
@@ -405,6 +406,20 @@ def kl_reference_spec(kl_reference: str, parent) -> str:
     if kl_reference in (parent.checkpoint_id, str(parent.policy_version)):
         return "parent"
     return kl_reference
+
+
+def _snapshot_wait_ms(lake, snapshot_id: str, consumed_at: datetime) -> int | None:
+    """How long the snapshot waited between its publication and its use (ms);
+    with the members' ``queue_wait_ms`` (finish -> landing) this measures the
+    queue to the point of use. None when the snapshots table has no row for it."""
+    import pyarrow.dataset as ds
+
+    if not lake.exists("snapshots"):
+        return None
+    rows = lake.read("snapshots", columns=["created_at"], filter=ds.field("snapshot_id") == snapshot_id).to_pylist()
+    if not rows:
+        return None
+    return max(0, int((consumed_at - rows[0]["created_at"]).total_seconds() * 1000))
 
 
 def check_freshness(members, parent_version: int, max_train_lag: int | None, snapshot_id: str) -> dict[str, Any]:

@@ -53,6 +53,8 @@ def test_fresh_enough_snapshot_trains_and_records_consumption(tlake):
     consumed = datetime.fromisoformat(metrics["consumed_at"])
     assert before <= consumed <= datetime.now(timezone.utc)
     assert json.loads(row["train_config_json"])["consumed_at"] == metrics["consumed_at"]
+    snap = lake.read("snapshots").to_pylist()[0]
+    assert metrics["snapshot_wait_ms"] == int((consumed - snap["created_at"]).total_seconds() * 1000)
     # no limit: the same data from a newer version is accepted when the operator says so
     _publish_versions_from(lake, 3)         # (published as version 4: the run above published version 3)
     ok = train_snapshot(lake, sid, TrainConfig(max_steps=1, micro_batch_tokens=256, max_train_lag=None),
