@@ -119,14 +119,17 @@ class TrainConfig:
 # How a run reports itself, not what it computes: changing these names the same
 # run (same checkpoint id, resumable state) and the same weights.
 OBSERVABILITY = ("metrics_every_steps", "metrics_every_s", "trackers", "tracker_dir")
+# Whether a run may start, not what it computes: a run that passes the gate trains
+# the same weights under any bound, so the bound is not part of its identity either.
+ADMISSION_GATES = ("max_train_lag",)
 
 
 def identity_hash(cfg: TrainConfig) -> str:
-    """sha256 of the config without the OBSERVABILITY fields (the run identity's part)."""
+    """sha256 of the config without the OBSERVABILITY and ADMISSION_GATES fields (the run identity's part)."""
     import hashlib
     import json
 
     from pipeline.config import config_dict
 
-    d = {k: v for k, v in config_dict(cfg).items() if k not in OBSERVABILITY}
+    d = {k: v for k, v in config_dict(cfg).items() if k not in OBSERVABILITY + ADMISSION_GATES}
     return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()

@@ -73,6 +73,12 @@ class _Ref:
         self.checkpoint_id, self.policy_version = cid, v
 
 
+def test_the_bound_is_not_part_of_the_run_identity():
+    from pipeline.train.config import identity_hash
+
+    assert identity_hash(TrainConfig(max_train_lag=None)) == identity_hash(TrainConfig(max_train_lag=5))
+
+
 def test_kl_reference_defaults_to_the_frozen_initial_policy():
     assert TrainConfig().kl_reference == "initial"
     assert kl_reference_spec("initial", _Ref("c5", 5)) == "0"          # a fixed anchor, not the moving parent
