@@ -347,8 +347,7 @@ def _retries(cfg: RolloutConfig, harness, holder, index, state, last, wave, budg
     lasts, and only while the served policy is still the group's version (a retry
     from a newer policy would not be comparable with its group). Their CREATED
     event says ``retry_of`` (the failed trajectory) and ``retry`` (n)."""
-    if cfg.retry_group_budget <= 0:
-        summary.retries_denied += sum(1 for e in last if needs_retry(e))
+    if cfg.retry_group_budget <= 0:     # retries off
         return [], budget
     ids = {e.episode_id for e in wave}
     used = {gid: sum(1 for n in range(cfg.retry_group_budget)      # every retry id on record or run counts
