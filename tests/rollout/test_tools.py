@@ -123,3 +123,32 @@ def test_deadline_precedence_run_then_environment_then_default():
 
 def teardown_module():
     RELEASE.set()
+
+
+def test_retry_only_while_the_groups_policy_is_still_served():
+    from pipeline.rollout.envs import Task
+    from pipeline.rollout.harness import Episode
+    from pipeline.rollout.run import RolloutSummary, _retries
+
+    class Recorder:
+        def __init__(self):
+            self.made = []
+
+        def new_episode(self, **kw):
+            self.made.append(kw)
+            return kw["episode_id"]
+
+    task = Task("t", "1+1=")
+    ok = Episode("g-0", "g", 2, task, 0, [1], policy_version=2)
+    ok.status, ok.verdict = "ACCEPTED", "PASS"
+    bad = Episode("g-1", "g", 2, task, 0, [1], policy_version=2)
+    bad.status, bad.verdict = "INFRA_FAILED", "ENV_ERROR"
+    cfg = RolloutConfig(retry_group_budget=2, retry_run_budget=10)
+    for served, expect in ((3, []), (2, ["g-r0"])):
+        rec, summary = Recorder(), RolloutSummary("r", "e", "hf")
+        out, left = _retries(cfg, rec, lambda v=served: (None, v), {"g": (0, task)}, {}, [ok, bad], [ok, bad], 10,
+                             summary)
+        assert out == expect and left == 10 - len(expect)
+        assert summary.retries_denied == (1 if served == 3 else 0)   # a newer policy: not comparable, no retry
+        if expect:
+            assert rec.made[0]["extra"] == {"retry_of": "g-1", "retry": 0} and rec.made[0]["policy_version"] == 2
