@@ -435,7 +435,7 @@ def check_freshness(members, parent_version: int, max_train_lag: int | None, sna
     if parent_version < 0 or len(members) == 0:      # an unpublished directory has no version to compare
         return {"train_lag_max": None, "train_lag_mean": None, "parent_version": parent_version}
     oldest = []
-    for tv, lag in zip(members.token_versions, members.policy_lag):
+    for tv in members.token_versions:      # a row without per-token versions has no measurable lag here
         sampled = tv[tv >= 0] if tv is not None else np.zeros(0)
         oldest.append(int(sampled.min()) if sampled.size else None)
     lags = np.array([parent_version - o if o is not None else np.nan for o in oldest], np.float64)

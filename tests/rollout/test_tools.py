@@ -8,7 +8,6 @@ import json
 import threading
 import time
 
-import pyarrow.compute as pc
 
 from pipeline.rollout.envs.arithmetic import ArithmeticTool
 from pipeline.rollout.run import RolloutConfig, run_rollout
