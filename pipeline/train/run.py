@@ -425,7 +425,8 @@ def _snapshot_wait_ms(lake, snapshot_id: str, consumed_at: datetime) -> int | No
 def check_freshness(members, parent_version: int, max_train_lag: int | None, snapshot_id: str) -> dict[str, Any]:
     """Freshness at use: the lag between the snapshot's data and the policy this
     update starts from, ``parent_version - oldest sampled token version`` per
-    member (the version that started it when the row has no per-token versions).
+    member (a row without per-token versions is not measured here; admission
+    measured it through ``policy_version``).
     Raises StaleSnapshotError beyond ``max_train_lag``; returns the figures
     recorded with the checkpoint (``train_lag_max``, ``train_lag_mean``)."""
     import numpy as np
