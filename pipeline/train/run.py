@@ -425,8 +425,7 @@ def _snapshot_wait_ms(lake, snapshot_id: str, consumed_at: datetime) -> int | No
 def check_freshness(members, parent_version: int, max_train_lag: int | None, snapshot_id: str) -> dict[str, Any]:
     """Freshness at use: the lag between the snapshot's data and the policy this
     update starts from, ``parent_version - oldest sampled token version`` per
-    member (a row without per-token versions is not measured here; admission
-    measured it through ``policy_version``).
+    member (the version that started it when the row has no per-token versions).
     Raises StaleSnapshotError beyond ``max_train_lag``; returns the figures
     recorded with the checkpoint (``train_lag_max``, ``train_lag_mean``)."""
     import numpy as np
@@ -436,9 +435,11 @@ def check_freshness(members, parent_version: int, max_train_lag: int | None, sna
     if parent_version < 0 or len(members) == 0:      # an unpublished directory has no version to compare
         return {"train_lag_max": None, "train_lag_mean": None, "parent_version": parent_version}
     oldest = []
-    for tv in members.token_versions:      # a row without per-token versions has no measurable lag here
+    started = members.policy_version
+    for i, tv in enumerate(members.token_versions):
         sampled = tv[tv >= 0] if tv is not None else np.zeros(0)
-        oldest.append(int(sampled.min()) if sampled.size else None)
+        oldest.append(int(sampled.min()) if sampled.size else
+                      (int(started[i]) if started is not None else None))
     lags = np.array([parent_version - o if o is not None else np.nan for o in oldest], np.float64)
     known = lags[~np.isnan(lags)]
     worst = int(known.max()) if known.size else None

@@ -87,3 +87,22 @@ def test_kl_reference_defaults_to_the_frozen_initial_policy():
     assert kl_reference_spec("parent", _Ref("c5", 5)) == "parent"
     assert kl_reference_spec("3", _Ref("c5", 5)) == "3"
     assert kl_reference_spec("5", _Ref("c5", 5)) == "parent"
+
+
+def test_lag_over_the_oldest_sampled_token_else_the_starting_version():
+    import numpy as np
+
+    from pipeline.train.run import check_freshness
+
+    class M(list):
+        pass
+
+    m = M(["a", "b", "c"])
+    m.trajectory_id = ["a", "b", "c"]
+    m.token_versions = [np.array([4, -1, 3], np.int32), None, np.array([-1, -1], np.int32)]
+    m.policy_version = np.array([4, 2, 5])
+    # a: oldest sampled token 3 -> lag 2; b: no per-token versions, started by 2 -> lag 3; c: observations only -> 5
+    got = check_freshness(m, 5, None, "s")
+    assert got["train_lag_max"] == 3 and got["train_lag_mean"] == (2 + 3 + 0) / 3
+    with pytest.raises(StaleSnapshotError, match="trajectory b was sampled by policy version 2"):
+        check_freshness(m, 5, 2, "s")
