@@ -176,8 +176,10 @@ def run_arm(lake, arm: Arm, seed: int, cfg: GatesConfig, v0: dict[str, Any]) -> 
             row["useful_tokens"] = sum(toks[i] for i, x in zip(ids, adv) if abs(x) > 1e-9)
             row["max_policy_lag_admitted"] = max(lags)
             t1 = time.perf_counter()
-            train_snapshot(lake, a.snapshot_id, TrainConfig(lr=cfg.lr, epochs=cfg.epochs, seed=seed * 100 + k),
-                           progress=False)
+            # the arms ablate admission's gates: the trainer's own freshness check (max_train_lag)
+            # would refuse async_no_freshness's lag-3 data, so it is off here for every arm
+            train_snapshot(lake, a.snapshot_id, TrainConfig(lr=cfg.lr, epochs=cfg.epochs, seed=seed * 100 + k,
+                                                            max_train_lag=None), progress=False)
             row["train_s"] = round(time.perf_counter() - t1, 2)
         row["policy_version"], row["heldout_success"], row["heldout_tool_use"] = _evaluate(lake, cfg.eval_n, arm.env)
         curve.append(row)

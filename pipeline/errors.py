@@ -56,3 +56,7 @@ class MissingExtraError(PipelineError):
             f"{module} is not installed",
             hint=f"pip install 'trajectory-lakehouse[{extra}]' (see README, Setup)",
         )
+
+
+class StaleSnapshotError(PipelineError):
+    """A snapshot's data is too many policy versions behind the policy it would update."""

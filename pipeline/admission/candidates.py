@@ -6,7 +6,8 @@ reduced to scalars once, when the row landed (pipeline/lake/ingest.py
 sampling versions that are >= 0 (observation tokens carry -1), falling back to
 ``policy_version`` when there is none; ``response_len`` = number of response
 tokens. Reward components the config gates or caps on become plain
-``comp_<name>`` columns, and ``reward`` is the capped reward.
+``comp_<name>`` columns, and ``reward`` is the capped reward, shaped by the
+run's truncation policy (truncation.py: soft_penalty).
 
 ``extract`` is the pure core (Arrow in, Arrow out), shared by the DuckDB and
 the Dask engines; ``scan`` is the pyarrow reader over a Delta version.
@@ -24,7 +25,7 @@ SCALARS = (
     "trajectory_id", "group_id", "group_size", "task_id", "run_id", "policy_version",
     "tokenizer_rev", "prompt_template_rev", "env_version", "verifier_version", "temperature",
     "status", "verdict", "reward", "difficulty", "num_tool_calls", "finished_at", "queue_wait_ms",
-    "content_hash",
+    "content_hash", "stop_reason",
 )
 DERIVED = ("oldest_version", "response_len")  # stored per row at landing
 
@@ -80,7 +81,9 @@ def extract(batch: pa.Table | pa.RecordBatch, cfg: AdmissionConfig,
         if name in cfg.component_caps:
             excess = pc.max_element_wise(pc.subtract(comp.fill_null(0.0), cfg.component_caps[name]), 0.0)
             reward = pc.subtract(reward, excess)
-    cols["reward"] = reward
+    from pipeline.admission.truncation import shaped_reward
+
+    cols["reward"] = shaped_reward(reward, cols["response_len"], cfg)   # the run's truncation policy
     return pa.table({f.name: cols[f.name] for f in schema}, schema=schema)
 
 

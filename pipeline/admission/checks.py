@@ -41,7 +41,8 @@ CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("quality", _never, "error", None,
               "rows failing the great-expectations suite from schemas/ are excluded (reason quality:<expectation>)"),
     CheckSpec("member_exclusions", _never, "info", None,
-              "infra_failed / expired / no_reward members leave the group baseline"),
+              "infra_failed / expired / no_reward (and, under truncation=filter, truncated) members leave the "
+              "group baseline"),
     CheckSpec("comparability", _never, "warning", None,
               "members differing from the reference configuration are excluded (*_mismatch)"),
     CheckSpec("freshness", _never, "warning", None,
@@ -84,7 +85,7 @@ def reason_details(group_index: np.ndarray, reasons: np.ndarray, n_groups: int) 
 
 MEMBER_REASONS = {
     "quality": lambda r: r.startswith("quality:"),
-    "member_exclusions": lambda r: r in ("infra_failed", "expired", "no_reward"),
+    "member_exclusions": lambda r: r in ("infra_failed", "expired", "no_reward", "truncated"),
     "comparability": lambda r: r.endswith("_mismatch"),
     "freshness": lambda r: r in ("stale_policy", "stale_wait"),
 }

@@ -84,6 +84,15 @@ class AdmissionConfig:
     bucket_caps: dict[str, int] = field(default_factory=dict, metadata={
         "help": "Max admitted groups per run for a bucket label, keyed 'FIELD:LABEL' "
                 "(e.g. {'difficulty:easy': 100}); groups past a cap are decided capped (by group_id order)."})
+    truncation: Literal["score_zero", "filter", "soft_penalty"] = field(default="score_zero", metadata={
+        "help": "How a response cut by a length limit (stop_reason max_length) is scored (truncation.py): "
+                "score_zero = its recorded reward 0 counts in the baseline; filter = excluded (reason "
+                "truncated), never in a baseline; soft_penalty = DAPO's overlong penalty added to every valid "
+                "reward by response length (needs overlong_max_len and overlong_interval)."})
+    overlong_max_len: int = field(default=0, metadata={"ge": 0,
+        "help": "soft_penalty: L_max, the length limit in response tokens (the rollout's max_total_tokens)."})
+    overlong_interval: int = field(default=0, metadata={"ge": 0,
+        "help": "soft_penalty: L_cache, the interval below L_max over which the penalty ramps from 0 to -1."})
     quality: bool = field(default=True, metadata={
         "help": "Run the great-expectations suites (from schemas/) on candidates and on the snapshot."})
     batch_rows: int = field(default=65536, metadata={"ge": 1,
@@ -122,6 +131,12 @@ class AdmissionConfig:
                 raise ConfigError(f"{name} must be strictly increasing")
         if self.batch_rows < 1:
             raise ConfigError("batch_rows must be >= 1")
+        if self.truncation not in ("score_zero", "filter", "soft_penalty"):
+            raise ConfigError(f"truncation {self.truncation!r}: expected score_zero, filter or soft_penalty")
+        if self.truncation == "soft_penalty" and not (0 < self.overlong_interval <= self.overlong_max_len):
+            raise ConfigError(f"truncation=soft_penalty needs 0 < overlong_interval <= overlong_max_len, got "
+                              f"{self.overlong_interval} and {self.overlong_max_len}",
+                              hint="e.g. overlong_max_len=<the rollout's max_total_tokens> overlong_interval=16")
 
     @property
     def gates(self) -> tuple[Gate, ...]:
@@ -141,6 +156,12 @@ class AdmissionConfig:
         d.pop("batch_rows")
         if self.drop_zero_variance:  # the default: hashes stay those of configs written before the field existed
             d.pop("drop_zero_variance")
+        if self.truncation == "score_zero":     # likewise; the interval only matters to soft_penalty
+            for k in ("truncation", "overlong_max_len", "overlong_interval"):
+                d.pop(k)
+        elif self.truncation == "filter":
+            d.pop("overlong_max_len")
+            d.pop("overlong_interval")
         return d
 
 

@@ -126,6 +126,20 @@ def _previous_baseline(lake, cfg: AdmissionConfig) -> float | None:
 
 
 def _quality(cands: pa.Table, cfg: AdmissionConfig) -> tuple[pa.Table, dict[str, Any]]:
+    """Member exclusions decided before the engines' rules: rows failing the
+    great-expectations suite (``quality:*``), then, under ``truncation=filter``,
+    truncated rows (``truncated``)."""
+    from pipeline.admission.truncation import truncated_rejects
+
+    rejects, summary = _quality_suite(cands, cfg)
+    trunc = truncated_rejects(cands, cfg)
+    if trunc.num_rows:
+        trunc = trunc.filter(pc.invert(pc.is_in(trunc.column("trajectory_id"), value_set=rejects.column("trajectory_id"))))
+        rejects = pa.concat_tables([rejects, trunc]).sort_by("trajectory_id")
+    return rejects, summary
+
+
+def _quality_suite(cands: pa.Table, cfg: AdmissionConfig) -> tuple[pa.Table, dict[str, Any]]:
     empty = pa.table({"trajectory_id": pa.array([], pa.string()), "reason": pa.array([], pa.string())})
     if not cfg.quality or cands.num_rows == 0:
         return empty, {"skipped": not cfg.quality}

@@ -119,7 +119,10 @@ def _rollout(args: argparse.Namespace) -> None:
         + f"\n  verdict: {', '.join(f'{k} {v}' for k, v in sorted(r['verdicts'].items()))}"
         + f"\n  reward mean {_fmt(r['reward_mean'])}, success {_fmt(r['success_rate'])}"
         + f"\n  {r['generated_tokens']} generated tokens, {r['tokens_per_s']:.0f} tokens/s "
-          f"({r['rollout_seconds']:.1f}s rolling out, {r['seconds']:.1f}s in total), {r['tool_executions']} tool calls"))
+          f"({r['rollout_seconds']:.1f}s rolling out, {r['seconds']:.1f}s in total), {r['tool_executions']} tool calls"
+        + (f", {r['tools_abandoned']} past their deadline" if r["tools_abandoned"] else "")
+        + (f"\n  retries: {r['retries']} run, {r['retries_denied']} denied (budget spent or policy moved on)"
+           if r["retries"] or r["retries_denied"] else "")))
 
 
 def _fmt(x: float | None) -> str:

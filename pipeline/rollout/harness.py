@@ -28,7 +28,7 @@ Terminal outcomes (status / verdict / stop_reason / reward):
 - per-turn or total token limit                 REJECTED / FAIL / max_length / 0.0
 - turn limit (a tool call on the last turn)     REJECTED / FAIL / max_steps / 0.0
 - wall-clock limit                              EXPIRED / UNKNOWN / wall_clock / null
-- tool timeout (injected or real)               INFRA_FAILED / ENV_ERROR / env_timeout / null
+- tool timeout (injected, or past the deadline) INFRA_FAILED / ENV_ERROR / env_timeout / null
 - environment crash                             INFRA_FAILED / ENV_ERROR / stop_sequence / null
 - verifier error or UNKNOWN                     INFRA_FAILED / UNKNOWN / eos / null
 
@@ -38,6 +38,14 @@ reward. It exists for the gate ablations in benchmarks/bench_gates.py.)
 
 A null reward is "no valid evaluation" and never 0.0: admission drops those
 members from group baselines instead of counting them as policy failures.
+
+Tools run under a deadline and concurrently: the wave's tool calls run in
+daemon threads, at most ``Limits.tool_concurrency`` at once, each bounded by
+``Limits.tool_timeout_s`` (else the environment's ``tool_timeout_s``, else
+30s). A call past its deadline ends its episode INFRA_FAILED / env_timeout
+and its thread is abandoned, so a hung tool never stalls the wave or keeps the
+worker alive. Outcomes are recorded in episode order, whatever order the calls
+finish in.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ import json
 import os
 import random
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -56,6 +65,7 @@ from pipeline.rollout.engine import Engine, Request, Sampling, derive_seed
 from pipeline.rollout.envs import Environment, Task, ToolError, ToolTimeout, Verification
 
 HARNESS_VERSION = "harness/1"
+DEFAULT_TOOL_TIMEOUT_S = 30.0
 TERMINAL_STATES = ("ACCEPTED", "REJECTED", "INFRA_FAILED", "EXPIRED")
 
 
@@ -65,6 +75,8 @@ class Limits:
     max_tokens_per_turn: int = 16
     max_total_tokens: int = 64       # response tokens, policy + observation
     wall_clock_s: float = 120.0      # per trajectory
+    tool_timeout_s: float = 0.0      # per tool call (0: the environment's tool_timeout_s, else 30s)
+    tool_concurrency: int = 8        # tool calls of a wave running at once
 
 
 @dataclass(frozen=True)
@@ -164,6 +176,7 @@ class Harness:
         self._rng = random.Random(derive_seed(faults.seed, worker_id))
         self._executed = 0
         self.tool_executions = 0
+        self.tools_abandoned = 0          # tool threads left behind past their deadline
 
     # -- events ------------------------------------------------------------------------
     def _event(self, ep: Episode, event_type: str, *, step: int, action_id: str = "", state: str | None = None,
@@ -184,12 +197,12 @@ class Harness:
 
     # -- the wave ------------------------------------------------------------------------
     def new_episode(self, *, episode_id: str, group_id: str, group_size: int, task: Task, seed: int,
-                    policy_version: int) -> Episode:
+                    policy_version: int, extra: dict[str, Any] | None = None) -> Episode:
         ep = Episode(episode_id, group_id, group_size, task, seed, self.codec.prompt(task.prompt),
                      policy_version=policy_version)
         self._event(ep, "CREATED", step=0, state="CREATED", payload={
             "task_id": task.task_id, "prompt_ids": ep.prompt_ids, "seed": seed, "group_size": group_size,
-            "difficulty": task.difficulty})
+            "difficulty": task.difficulty} | (extra or {}))
         return ep
 
     def run(self, episodes: list[Episode]) -> list[Episode]:
@@ -286,6 +299,7 @@ class Harness:
                 "output" not in e.pending and (self.env.idempotent or not e.pending.get("unconfirmed")) for e in eps):
             self.before_tools()
         executed: list[Episode] = []
+        calls: list[tuple[Episode, Exception | None]] = []   # (episode, injected fault or None), in order
         for ep in eps:
             p = ep.pending
             if "output" in p:          # executed before a crash: use the recorded output
@@ -295,27 +309,29 @@ class Harness:
                 self._terminal(ep, "INFRA_FAILED", "ENV_ERROR", "stop_sequence", None, None,
                                {"error": "tool outcome unknown after a restart; the tool is not idempotent"})
                 continue
-            try:
-                if self._rng.random() < self.faults.tool_timeout:
-                    raise ToolTimeout("injected tool timeout")
-                if self._rng.random() < self.faults.env_crash:
-                    raise ToolError("injected environment crash")
-                out = self.env.step(ep.task, p["text"], key=f"{ep.episode_id}/{p['action_id']}")
-                self.tool_executions += 1
-            except ToolTimeout as exc:
+            fault: Exception | None = None     # drawn here, in episode order: the same faults at any concurrency
+            if self._rng.random() < self.faults.tool_timeout:
+                fault = ToolTimeout("injected tool timeout")
+            elif self._rng.random() < self.faults.env_crash:
+                fault = ToolError("injected environment crash")
+            calls.append((ep, fault))
+        for ep, out in self._run_tools(calls):
+            p = ep.pending
+            if isinstance(out, ToolTimeout):
                 if getattr(self.env, "infra_failure_reward", None) is not None:
                     # ablation only (benchmarks/bench_gates.py): the naive harness that scores a
                     # timeout as the policy's failure instead of recording "no valid evaluation"
                     v = self.env.verify(ep.task, None, ep.tool_calls)
                     self._terminal(ep, "REJECTED", "FAIL", "env_timeout", float(self.env.infra_failure_reward),
-                                   v.components, {"error": str(exc)})
+                                   v.components, {"error": str(out)})
                     continue
-                self._terminal(ep, "INFRA_FAILED", "ENV_ERROR", "env_timeout", None, None, {"error": str(exc)})
+                self._terminal(ep, "INFRA_FAILED", "ENV_ERROR", "env_timeout", None, None, {"error": str(out)})
                 continue
-            except Exception as exc:  # noqa: BLE001 - any environment failure is an infra failure
+            if isinstance(out, BaseException):   # any environment failure is an infra failure
                 self._terminal(ep, "INFRA_FAILED", "ENV_ERROR", "stop_sequence", None, None,
-                               {"error": f"{type(exc).__name__}: {exc}"})
+                               {"error": f"{type(out).__name__}: {out}"})
                 continue
+            self.tool_executions += 1
             p["output"] = out
             self._event(ep, "ACTION_EXECUTED", step=p["step"], action_id=p["action_id"], state="TOOL_WAITING",
                         payload={"output": out})
@@ -345,6 +361,76 @@ class Harness:
             elif len(ep.response_ids) >= self.limits.max_total_tokens:
                 self._reject(ep, "max_length", {})
         self.spool.sync()
+
+    def _tool_timeout(self) -> float:
+        """The per-call deadline: the run's ``tool_timeout_s`` when set (> 0), else the
+        environment's declared ``tool_timeout_s``, else none."""
+        return float(self.limits.tool_timeout_s or getattr(self.env, "tool_timeout_s", 0) or DEFAULT_TOOL_TIMEOUT_S)
+
+    def _run_tools(self, calls: list[tuple[Episode, Exception | None]]):
+        """Run the wave's tool calls, at most ``tool_concurrency`` at once, each in a
+        daemon thread under the deadline; yield ``(episode, output or exception)``
+        in episode order, each as soon as it and every earlier call are resolved
+        (so the caller records them in a fixed order). A call past its deadline
+        yields ``ToolTimeout`` and its thread is abandoned (a thread cannot be
+        killed; it is a daemon, so it never keeps the worker alive, and it stops
+        holding a concurrency slot): a hung tool costs one episode, not the wave.
+        The crash-test faults (kill/hold after the Nth execution) run the calls one
+        at a time so the crash point is exact."""
+        if not calls:
+            return
+        deadline_s = self._tool_timeout()
+        bound = max(1, int(self.limits.tool_concurrency))
+        if self.faults.kill_after_executed or self.faults.hold_after_executed:
+            bound = 1
+        cond = threading.Condition()
+        results: dict[int, Any] = {}
+        started: dict[int, float] = {}
+        running: set[int] = set()
+        nxt = emitted = 0
+
+        def work(i: int, ep: Episode) -> None:
+            p = ep.pending
+            try:
+                out: Any = self.env.step(ep.task, p["text"], key=f"{ep.episode_id}/{p['action_id']}")
+            except BaseException as exc:  # noqa: BLE001 - handed to the harness as the call's outcome
+                out = exc
+            with cond:
+                if i in running:          # not abandoned: its result counts
+                    results[i] = out
+                    running.discard(i)
+                cond.notify_all()
+
+        while emitted < len(calls):
+            with cond:
+                while nxt < len(calls) and len(running) < bound:
+                    ep, fault = calls[nxt]
+                    if fault is not None:
+                        results[nxt] = fault
+                    else:
+                        running.add(nxt)
+                        started[nxt] = time.monotonic()
+                        threading.Thread(target=work, args=(nxt, ep), name=f"tool-{ep.episode_id}",
+                                         daemon=True).start()
+                    nxt += 1
+                if emitted not in results:
+                    wait = None
+                    if deadline_s > 0 and running:
+                        wait = max(0.0, min(started[i] for i in running) + deadline_s - time.monotonic())
+                    cond.wait(wait)
+                    now = time.monotonic()
+                    for i in list(running):
+                        if deadline_s > 0 and now - started[i] >= deadline_s:
+                            running.discard(i)            # abandoned: a late answer is ignored
+                            self.tools_abandoned += 1
+                            results[i] = ToolTimeout(f"tool call exceeded its deadline of {deadline_s:g}s "
+                                                     f"(harness tool_timeout_s)")
+                ready = []
+                while emitted in results:
+                    ready.append((calls[emitted][0], results.pop(emitted)))
+                    emitted += 1
+            for item in ready:      # recorded outside the lock, in order (may SIGKILL: crash tests)
+                yield item
 
     def _verify(self, eps: list[Episode]) -> None:
         for ep in eps:

@@ -71,6 +71,16 @@ class RolloutConfig:
     max_tokens_per_turn: int = field(default=16, metadata={"ge": 1, "help": "tokens per model turn (max_length)"})
     max_total_tokens: int = field(default=64, metadata={"ge": 1, "help": "response tokens in total (max_length)"})
     wall_clock_s: float = field(default=120.0, metadata={"gt": 0, "help": "per trajectory (EXPIRED, wall_clock)"})
+    tool_timeout_s: float = field(default=0.0, metadata={"ge": 0, "help":
+        "deadline per tool call, enforced by the harness (the call runs in a thread; past the deadline the episode "
+        "ends INFRA_FAILED / env_timeout and the worker moves on); 0 = the environment's declared tool_timeout_s, "
+        "else 30s"})
+    tool_concurrency: int = field(default=8, metadata={"ge": 1, "help": "tool calls of a wave running at once"})
+    retry_group_budget: int = field(default=0, metadata={"ge": 0, "help":
+        "resample up to this many INFRA_FAILED / UNKNOWN members per group (new trajectory ids <group>-r<n>, same "
+        "group, only while the group's policy version is still the one served); 0 = no retries"})
+    retry_run_budget: int = field(default=64, metadata={"ge": 0, "help":
+        "retries in the whole run (split across workers); once spent, failed members stay failed"})
     groups_per_wave: int = field(default=32, metadata={"ge": 1, "help": "groups advanced together (one engine batch)"})
     flush_rows: int = field(default=256, metadata={"ge": 1, "help": "ship the spool after this many finished trajectories"})
     flush_seconds: float = field(default=10.0, metadata={"ge": 0, "help": "... or after this many seconds"})
@@ -115,6 +125,9 @@ class RolloutSummary:
     rollout_seconds: float = 0.0                # time in the harness (generation, tools, verification, spool)
     tokens_per_s: float = 0.0                   # generated (policy) tokens / rollout_seconds
     tool_executions: int = 0
+    tools_abandoned: int = 0                    # tool calls past their deadline (threads left behind)
+    retries: int = 0                            # retry episodes started by this invocation
+    retries_denied: int = 0                     # failed members not retried: a budget was spent or the policy moved on
     resumed: int = 0
     workers: int = 1
 
@@ -231,14 +244,20 @@ def run_worker(lake, cfg: RolloutConfig, worker: int, *, guard=None) -> RolloutS
     durable = cfg.ship_before_tools == "always" or (cfg.ship_before_tools == "auto" and not env.idempotent)
     harness = Harness(env, holder, spool, run_id=cfg.run_id, worker_id=worker_id,
                       sampling=Sampling(cfg.temperature, cfg.top_p, cfg.max_tokens_per_turn),
-                      limits=Limits(cfg.max_turns, cfg.max_tokens_per_turn, cfg.max_total_tokens, cfg.wall_clock_s),
+                      limits=Limits(cfg.max_turns, cfg.max_tokens_per_turn, cfg.max_total_tokens, cfg.wall_clock_s,
+                                    cfg.tool_timeout_s, cfg.tool_concurrency),
                       faults=Faults(cfg.tool_timeout_p, cfg.env_crash_p, cfg.verifier_error_p,
                                     cfg.kill_after_executed, cfg.seed, cfg.hold_after_executed, cfg.hold_file),
                       follow_every_turn=cfg.follow_latest and cfg.follow_every_turn,
                       before_tools=_ship if durable else None)
     groups = plan(cfg, env, worker)
     tasks = {eid: (task, gid, cfg.group_size) for _, gid, task, members in groups for eid, _ in members}
+    for _, gid, task, _ in groups:         # possible retries: known ids, so a restart resumes them too
+        tasks.update({retry_id(gid, n): (task, gid, cfg.group_size) for n in range(cfg.retry_group_budget)})
     state = reconcile(lake, cfg, tasks, spool.records())
+    run_budget = _worker_share(cfg.retry_run_budget, cfg.workers, worker)
+    run_budget -= sum(1 for _, gid, _, _ in groups for n in range(cfg.retry_group_budget)
+                      if retry_id(gid, n) in state)
     finished: list = []
     last_ship = time.monotonic()
     unshipped = 0
@@ -246,6 +265,11 @@ def run_worker(lake, cfg: RolloutConfig, worker: int, *, guard=None) -> RolloutS
         guard()
         wave = []
         for _, gid, task, members in groups[w0:w0 + cfg.groups_per_wave]:
+            for n in range(cfg.retry_group_budget):     # retries started before a restart
+                rid = retry_id(gid, n)
+                if rid in state and state[rid] is not None:
+                    wave.append(state[rid])
+                    summary.resumed += 1
             for eid, seed in members:
                 if eid in state and state[eid] is None:
                     continue                       # finished before a restart
@@ -263,6 +287,16 @@ def run_worker(lake, cfg: RolloutConfig, worker: int, *, guard=None) -> RolloutS
             for w in wave]
         t_run = time.perf_counter()
         harness.run(eps)
+        # retries: resample failed members of this wave's groups, within the budgets, until none is left
+        index = {gid: (k, task) for k, gid, task, _ in groups[w0:w0 + cfg.groups_per_wave]}
+        last = eps
+        while True:
+            extra, run_budget = _retries(cfg, harness, holder, index, state, last, eps, run_budget, summary)
+            if not extra:
+                break
+            guard()
+            harness.run(extra)
+            eps, last = eps + extra, extra
         summary.rollout_seconds += time.perf_counter() - t_run
         finished += eps
         unshipped += len(eps)
@@ -286,9 +320,58 @@ def run_worker(lake, cfg: RolloutConfig, worker: int, *, guard=None) -> RolloutS
     summary.generated_tokens = sum(sum(e.mask) for e in finished)
     summary.policy_versions = sorted(holder.versions)
     summary.tool_executions = harness.tool_executions
+    summary.tools_abandoned = harness.tools_abandoned
     summary.seconds = time.perf_counter() - t0
     summary.tokens_per_s = summary.generated_tokens / summary.rollout_seconds if summary.rollout_seconds else 0.0
     return summary
+
+
+def retry_id(group_id: str, n: int) -> str:
+    """The trajectory id of a group's ``n``-th retry (deterministic: a restart finds it)."""
+    return f"{group_id}-r{n}"
+
+
+def _worker_share(total: int, workers: int, worker: int) -> int:
+    return total // workers + (1 if worker < total % workers else 0)
+
+
+def needs_retry(ep) -> bool:
+    """A member without a valid evaluation for infrastructure reasons (INFRA_FAILED, or verdict UNKNOWN)."""
+    return ep.status == "INFRA_FAILED" or ep.verdict == "UNKNOWN"
+
+
+def _retries(cfg: RolloutConfig, harness, holder, index, state, last, wave, budget: int, summary):
+    """New episodes for the failed members of ``last`` (this wave's previous round):
+    one per failed member while its group has retries left (``retry_group_budget``,
+    counting those already on record) and the worker's share of ``retry_run_budget``
+    lasts, and only while the served policy is still the group's version (a retry
+    from a newer policy would not be comparable with its group). Their CREATED
+    event says ``retry_of`` (the failed trajectory) and ``retry`` (n)."""
+    if cfg.retry_group_budget <= 0:     # retries off
+        return [], budget
+    ids = {e.episode_id for e in wave}
+    used = {gid: sum(1 for n in range(cfg.retry_group_budget)      # every retry id on record or run counts
+                     if retry_id(gid, n) in state or retry_id(gid, n) in ids) for gid in index}
+    _, version = holder()
+    out = []
+    for e in last:
+        if not needs_retry(e):
+            continue
+        gid = e.group_id
+        group_version = min((m.policy_version for m in wave if m.group_id == gid), default=version)
+        if used.get(gid, 0) >= cfg.retry_group_budget or budget <= 0 or version != group_version:
+            summary.retries_denied += 1
+            continue
+        n = used[gid]
+        used[gid] = n + 1
+        budget -= 1
+        k, task = index[gid]
+        ep = harness.new_episode(episode_id=retry_id(gid, n), group_id=gid, group_size=cfg.group_size, task=task,
+                                 seed=derive_seed(cfg.seed, "retry", k, n), policy_version=version,
+                                 extra={"retry_of": e.episode_id, "retry": n})
+        out.append(ep)
+        summary.retries += 1
+    return out, budget
 
 
 def _add_ship(summary: RolloutSummary, rep) -> None:
@@ -451,7 +534,7 @@ def _merge(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: float) -> R
     pass_n = judged = 0
     for p in parts:
         for k in ("trajectories", "landed", "events", "quarantined", "generated_tokens", "tool_executions", "resumed",
-                  "rollout_seconds"):
+                  "rollout_seconds", "tools_abandoned", "retries", "retries_denied"):
             setattr(s, k, getattr(s, k) + p[k])
         for k in ("statuses", "verdicts"):
             for name, v in p[k].items():

@@ -56,14 +56,22 @@ class TrainConfig:
         "help": "Dr.GRPO constant normalizer for seq-mean-token-sum-norm (0 = longest response of the snapshot)"})
     kl_kind: Literal["k1", "k2", "k3"] = field(default="k3", metadata={"help": "KL estimator (k3: e^u - u - 1)"})
     kl_coef: float = field(default=0.0, metadata={"ge": 0, "help": "KL penalty coefficient (0 = no reference policy)"})
-    kl_reference: str = field(default="parent", metadata={
-        "help": "frozen reference policy: 'parent' (the starting weights), a policy version or checkpoint id"})
+    kl_reference: str = field(default="initial", metadata={
+        "help": "frozen reference policy: 'initial' (policy version 0, the warm start: one fixed anchor for the "
+                "whole training), 'parent' (this update's starting weights: an anchor that moves every "
+                "iteration, a weaker KL), a policy version or a checkpoint id"})
     entropy_coef: float = field(default=0.0, metadata={"ge": 0, "help": "entropy bonus coefficient"})
     old_logprobs: Literal["recompute", "rollout"] = field(default="recompute", metadata={
         "help": "recompute: old log-probs from the frozen starting weights (+ truncated IS vs the rollout's); "
                 "rollout: the rollout engine's log-probs"})
     tis_cap: float = field(default=2.0, metadata={"ge": 0,
         "help": "truncated importance-sampling cap for the engine/trainer mismatch (recompute mode; 0 = off)"})
+    # -- freshness at use -----------------------------------------------------
+    max_train_lag: int | None = field(default=2, metadata={"ge": 0,
+        "help": "refuse a snapshot whose oldest sampled token is more than this many versions behind the policy "
+                "it would update (parent version - oldest token version); null = no limit. Admission bounds the "
+                "lag when it decides (max_policy_lag, default 1); this bounds it when the data is used, after the "
+                "queue (default 2: admitted at the limit, then one more publication while it waited)"})
     # -- memory / data ------------------------------------------------------
     logprob_chunk: int = field(default=1024, metadata={"ge": 1, "help": "rows per chunk of the log-prob head"})
     vocab_chunk: int = field(default=0, metadata={"ge": 0, "help": "vocabulary columns per chunk (0 = whole vocabulary)"})
@@ -102,6 +110,8 @@ class TrainConfig:
             raise ConfigError(f"clip_low={self.clip_low}, clip_high={self.clip_high}: need 0 <= clip_low < 1, clip_high >= 0")
         if self.lr <= 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if self.max_train_lag is not None and self.max_train_lag < 0:
+            raise ConfigError(f"max_train_lag must be >= 0 or null, got {self.max_train_lag}")
         if self.kl_coef < 0 or self.entropy_coef < 0 or self.tis_cap < 0:
             raise ConfigError("kl_coef, entropy_coef and tis_cap must be >= 0")
 
@@ -109,14 +119,17 @@ class TrainConfig:
 # How a run reports itself, not what it computes: changing these names the same
 # run (same checkpoint id, resumable state) and the same weights.
 OBSERVABILITY = ("metrics_every_steps", "metrics_every_s", "trackers", "tracker_dir")
+# Whether a run may start, not what it computes: a run that passes the gate trains
+# the same weights under any bound, so the bound is not part of its identity either.
+ADMISSION_GATES = ("max_train_lag",)
 
 
 def identity_hash(cfg: TrainConfig) -> str:
-    """sha256 of the config without the OBSERVABILITY fields (the run identity's part)."""
+    """sha256 of the config without the OBSERVABILITY and ADMISSION_GATES fields (the run identity's part)."""
     import hashlib
     import json
 
     from pipeline.config import config_dict
 
-    d = {k: v for k, v in config_dict(cfg).items() if k not in OBSERVABILITY}
+    d = {k: v for k, v in config_dict(cfg).items() if k not in OBSERVABILITY + ADMISSION_GATES}
     return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()

@@ -51,6 +51,7 @@ class Members:
     # filled by the pre-pass: per member, [R_i] float32 (0 off the mask)
     old_logprobs: list[np.ndarray | None] = field(default_factory=list)
     ref_logprobs: list[np.ndarray | None] = field(default_factory=list)
+    policy_version: np.ndarray | None = None     # [N] int64: the version that started each member
 
     def __len__(self) -> int:
         return len(self.trajectory_id)
@@ -93,6 +94,7 @@ def members_from_table(table: pa.Table) -> Members:
         rollout_logprobs=_lists(t.column("response_logprobs"), np.float32),  # type: ignore[arg-type]
         loss_mask=_lists(t.column("loss_mask"), np.int8),              # type: ignore[arg-type]
         token_versions=_lists(t.column("token_policy_versions"), np.int32),
+        policy_version=t.column("policy_version").to_numpy().astype(np.int64),
     )
 
 

@@ -242,6 +242,10 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
                                 policy_name=f"v{parent.policy_version} ({parent.checkpoint_id})")
         lineage_cfg = {"tokenizer_rev": parent_tok, "prompt_template_revs": sorted(
             set(parent_cfg.get("prompt_template_revs") or []) | revs["prompt_template_rev"])}
+        consumed_at = datetime.now(timezone.utc)
+        freshness = check_freshness(members, parent.policy_version, cfg.max_train_lag, snapshot_id)
+        freshness["consumed_at"] = consumed_at.isoformat()
+        freshness["snapshot_wait_ms"] = _snapshot_wait_ms(lake, snapshot_id, consumed_at)
         lm = load_causal_lm(parent.hf_dir, activation_checkpointing=cfg.activation_checkpointing,
                             ds_config=ds_config(zero_stage=cfg.zero_stage, precision=cfg.precision,
                                                 offload=cfg.offload, max_grad_norm=cfg.max_grad_norm))
@@ -333,7 +337,7 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
             _crash_while_publishing(strategy, final, client_state, train_config, lm, parent)
         ck.write_final(strategy, final, client_state=client_state, train_config=train_config, lm=lm,
                        parent_hf=parent.hf_dir)
-        summary = _summary(rows)
+        summary = _summary(rows) | freshness
         result = None
         if rank == 0:
             result = _publish(lake, checkpoint_id=checkpoint_id, parent=parent, snapshot_id=snapshot_id, cfg=cfg,
@@ -392,6 +396,65 @@ def _carry_optimizer(strategy, cfg: TrainConfig, lake, parent, world_size: int) 
     return parent.checkpoint_id
 
 
+def kl_reference_spec(kl_reference: str, parent) -> str:
+    """What ``kl_reference`` names for this update: ``"parent"`` (reuse the starting
+    weights) or a policy version / checkpoint id to load. ``initial`` is policy
+    version 0, the same frozen anchor at every iteration; it is the parent itself
+    when the parent is version 0 or an unpublished directory (version -1)."""
+    if kl_reference == "initial":
+        return "parent" if parent.policy_version <= 0 else "0"
+    if kl_reference in (parent.checkpoint_id, str(parent.policy_version)):
+        return "parent"
+    return kl_reference
+
+
+def _snapshot_wait_ms(lake, snapshot_id: str, consumed_at: datetime) -> int | None:
+    """How long the snapshot waited between its publication and its use (ms);
+    with the members' ``queue_wait_ms`` (finish -> landing) this measures the
+    queue to the point of use. None when the snapshots table has no row for it."""
+    import pyarrow.dataset as ds
+
+    if not lake.exists("snapshots"):
+        return None
+    rows = lake.read("snapshots", columns=["created_at"], filter=ds.field("snapshot_id") == snapshot_id).to_pylist()
+    if not rows:
+        return None
+    return max(0, int((consumed_at - rows[0]["created_at"]).total_seconds() * 1000))
+
+
+def check_freshness(members, parent_version: int, max_train_lag: int | None, snapshot_id: str) -> dict[str, Any]:
+    """Freshness at use: the lag between the snapshot's data and the policy this
+    update starts from, ``parent_version - oldest sampled token version`` per
+    member (the version that started it when the row has no per-token versions).
+    Raises StaleSnapshotError beyond ``max_train_lag``; returns the figures
+    recorded with the checkpoint (``train_lag_max``, ``train_lag_mean``)."""
+    import numpy as np
+
+    from pipeline.errors import StaleSnapshotError
+
+    if parent_version < 0 or len(members) == 0:      # an unpublished directory has no version to compare
+        return {"train_lag_max": None, "train_lag_mean": None, "parent_version": parent_version}
+    oldest = []
+    started = members.policy_version
+    for i, tv in enumerate(members.token_versions):
+        sampled = tv[tv >= 0] if tv is not None else np.zeros(0)
+        oldest.append(int(sampled.min()) if sampled.size else
+                      (int(started[i]) if started is not None else None))
+    lags = np.array([parent_version - o if o is not None else np.nan for o in oldest], np.float64)
+    known = lags[~np.isnan(lags)]
+    worst = int(known.max()) if known.size else None
+    if max_train_lag is not None and worst is not None and worst > max_train_lag:
+        i = int(np.nanargmax(lags))
+        raise StaleSnapshotError(
+            f"snapshot {snapshot_id} is stale at use: trajectory {members.trajectory_id[i]} was sampled by policy "
+            f"version {oldest[i]}, {worst} versions behind the policy it would update (version {parent_version}; "
+            f"max_train_lag={max_train_lag})",
+            hint="admit fresher data (pipeline admit) and train on that snapshot, or raise --set max_train_lag=N "
+                 "(null: no limit) if this off-policy lag is intended")
+    return {"train_lag_max": worst, "train_lag_mean": float(known.mean()) if known.size else None,
+            "parent_version": parent_version}
+
+
 def _prepass(strategy, members, cfg: TrainConfig, lake, parent) -> None:
     """Old log-probs (recompute mode) and reference log-probs (kl_coef > 0) of
     every member under frozen weights, once, before the first update. Every
@@ -428,15 +491,16 @@ def _prepass(strategy, members, cfg: TrainConfig, lake, parent) -> None:
     if need_old:
         run(strategy.module, members.old_logprobs)
     if need_ref:
-        if cfg.kl_reference == "parent" and need_old:
+        spec = kl_reference_spec(cfg.kl_reference, parent)
+        if spec == "parent" and need_old:
             members.ref_logprobs = members.old_logprobs
-        elif cfg.kl_reference == "parent":
+        elif spec == "parent":
             run(strategy.module, members.ref_logprobs)
         else:
             from pipeline.policy_store import resolve_policy
             from pipeline.train.model import PolicyLogprobs, load_causal_lm
 
-            ref = resolve_policy(lake, cfg.kl_reference)
+            ref = resolve_policy(lake, spec)
             # the same ZeRO stage as the policy, inference only: under ZeRO-3 partitioned, not a second full copy
             ref_lm = load_causal_lm(ref.hf_dir, ds_config=strategy.inference_config)
             ref_engine = strategy.inference_engine(PolicyLogprobs(ref_lm, chunk=cfg.logprob_chunk,
@@ -560,7 +624,8 @@ def _publish(lake, *, checkpoint_id: str, parent, snapshot_id: str, cfg: TrainCo
     published = publish_checkpoint(lake, checkpoint_id=checkpoint_id, policy_version=None,
                        parent_checkpoint_id=parent.checkpoint_id if parent.policy_version >= 0 else None,
                        snapshot_ids=[snapshot_id],
-                       train_config=config_dict(cfg) | {"snapshot_id": snapshot_id, "parent": parent.checkpoint_id}
+                       train_config=config_dict(cfg) | {"snapshot_id": snapshot_id, "parent": parent.checkpoint_id,
+                                                        "consumed_at": summary.get("consumed_at")}
                        | (extra_config or {}),
                        train_config_hash=config_hash(cfg), seed=cfg.seed, world_size=world_size,
                        global_step=global_step, samples_seen=samples_seen, metrics=summary, command="pipeline train")

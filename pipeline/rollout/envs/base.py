@@ -13,6 +13,11 @@ An environment is three methods and a few version strings:
   must return the recorded result when called again with a key it has seen,
   and declare ``idempotent = False`` if it cannot (the harness then never
   re-runs an action whose outcome is unknown after a crash).
+  The harness runs a wave's tool calls concurrently (``tool_concurrency``
+  threads: ``step`` must be thread-safe, or run with ``tool_concurrency=1``)
+  and each under a deadline: an environment may declare ``tool_timeout_s``
+  (its own deadline, used unless the run sets one); a call past it ends the
+  episode INFRA_FAILED / env_timeout and is abandoned, not waited for.
 - ``verify(task, answer, num_tool_calls)`` -> ``Verification``: the verdict
   (PASS / FAIL / UNKNOWN) and the reward, with named components.
 
