@@ -207,13 +207,14 @@ def list_min_nonneg(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
         vals = vals.fill_null(-1)
     values = vals.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]  # [T] int32, no copy
     offsets = offsets - offsets[0]
-    big = np.iinfo(values.dtype).max
-    v = np.where(values >= 0, values, big)                               # [T]
+    # viewed as unsigned, every negative (observation tokens carry -1) sorts above every
+    # version: the unsigned min is the smallest version >= 0, without copying the tokens
+    v = values.astype(np.int32, copy=False).view(np.uint32)              # [T]
     lens = np.diff(offsets)
     nonempty = lens > 0
     if v.size and nonempty.any():
         mins = np.minimum.reduceat(v, offsets[:-1][nonempty]).astype(np.int64)
-        out[nonempty] = np.where(mins == big, -1, mins)
+        out[nonempty] = np.where(mins >= 2**31, -1, mins)
     if arr.null_count:
         out[np.asarray(arr.is_null())] = -1
     return out

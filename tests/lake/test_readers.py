@@ -94,3 +94,20 @@ def test_filtered_reads_find_rows_despite_long_strings_nulls_and_non_finite_floa
     lake.append("metrics", pa.Table.from_pylist([full], schema=schema), command="t")
     if "loss" in schema.names:
         assert lake.read("metrics", columns=["loss"], filter=ds.field("loss") > 1.0).num_rows == 1
+
+
+def test_oldest_version_is_the_smallest_sampled_version_computed_at_landing(make_traj):
+    """oldest_version (admission's freshness input) = min over response tokens' versions >= 0
+    (observation tokens carry -1), policy_version when there is none; by hand."""
+    import pyarrow as pa
+
+    from pipeline.lake.ingest import list_min_nonneg, stamp_derived
+
+    tpv = pa.array([[3, -1, 2], [-1, -1], [], None, [0, 5], [7]], pa.list_(pa.int32()))
+    assert list_min_nonneg(tpv).tolist() == [2, -1, -1, -1, 0, 7]
+    t = make_traj(2, seed=5, median_len=4, sigma=0.1, policy_version=9)
+    t = t.set_column(t.schema.get_field_index("token_policy_versions"), "token_policy_versions",
+                     pa.array([None, [-1] * len(t.column("response_ids")[1].as_py())], pa.list_(pa.int32())))
+    d = stamp_derived(t, "x")
+    assert d.column("oldest_version").to_pylist() == [9, 9]
+    assert d.column("response_len").to_pylist() == [len(r) for r in t.column("response_ids").to_pylist()]
