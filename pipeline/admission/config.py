@@ -17,6 +17,8 @@ from pipeline.errors import ConfigError
 GATE_RE = re.compile(r"^\s*(min|max|mean)\s*\(\s*([A-Za-z_][A-Za-z0-9_]*)\s*\)\s*(>=|<=|>|<|==)\s*"
                      r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
 BUCKET_FIELDS = ("difficulty", "length_bucket", "tool_call_bucket", "reward_std_bucket")
+# the configuration one snapshot holds (docs/admission-rules.md, "Per snapshot")
+BATCH_FIELDS = ("tokenizer_rev", "prompt_template_rev", "env_version", "verifier_version")
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,11 @@ class AdmissionConfig:
     bucket_caps: dict[str, int] = field(default_factory=dict, metadata={
         "help": "Max admitted groups per run for a bucket label, keyed 'FIELD:LABEL' "
                 "(e.g. {'difficulty:easy': 100}); groups past a cap are decided capped (by group_id order)."})
+    mix_batch_fields: tuple[str, ...] = field(default=(), metadata={
+        "help": "Explicit opt-in to mix configurations in one snapshot: the fields among tokenizer_rev, "
+                "prompt_template_rev, env_version, verifier_version whose values may differ across the admitted "
+                "groups. Default (): a snapshot holds one configuration; groups of any other are decided "
+                "batch_config_mismatch."})
     quality: bool = field(default=True, metadata={
         "help": "Run the great-expectations suites (from schemas/) on candidates and on the snapshot."})
     batch_rows: int = field(default=65536, metadata={"ge": 1,
@@ -120,6 +127,10 @@ class AdmissionConfig:
                             ("reward_std_edges", self.reward_std_edges)):
             if list(edges) != sorted(set(edges)):
                 raise ConfigError(f"{name} must be strictly increasing")
+        for f in self.mix_batch_fields:
+            if f not in BATCH_FIELDS:
+                raise ConfigError(f"mix_batch_fields: {f!r} is not a batch configuration field",
+                                  hint=f"choose among {', '.join(BATCH_FIELDS)}")
         if self.batch_rows < 1:
             raise ConfigError("batch_rows must be >= 1")
 
@@ -141,6 +152,8 @@ class AdmissionConfig:
         d.pop("batch_rows")
         if self.drop_zero_variance:  # the default: hashes stay those of configs written before the field existed
             d.pop("drop_zero_variance")
+        if not self.mix_batch_fields:  # likewise
+            d.pop("mix_batch_fields")
         return d
 
 
