@@ -135,6 +135,18 @@ def component_tags(env: Any) -> dict[str, str]:
     return tags
 
 
+def declared_component_tags() -> list[dict[str, str]]:
+    """(env_version, component, tag) of every registered environment (built-ins
+    included): the ``component_tags`` view of ``pipeline sql``."""
+    from pipeline.rollout import envs as _builtins  # noqa: F401  (registers the built-ins)
+
+    rows = []
+    for cls in _REGISTRY.values():
+        for comp, tag in sorted(component_tags(cls).items()):
+            rows.append({"env_version": str(cls.env_version), "component": comp, "tag": tag})
+    return sorted(rows, key=lambda r: (r["env_version"], r["component"]))
+
+
 def split_of(text: str, eval_fraction: int = 10) -> Split:
     """Deterministic train/eval split of a task by its content: 1 in ``eval_fraction``
     tasks is held out for evaluation."""
