@@ -214,9 +214,6 @@ def run_demo(lake, cfg: DemoConfig, *, out=print) -> dict[str, Any]:
 
 
 def _run_sync(lake, cfg: DemoConfig, lines: list[IterationLine], out) -> dict[str, Any]:
-    from pipeline.admission.run import admit
-    from pipeline.rollout.run import run_rollout
-
     from pipeline.admission.run import plan_next_rollout
 
     idle = busy = 0.0
