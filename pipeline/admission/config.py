@@ -87,7 +87,7 @@ class AdmissionConfig:
         "help": "Max admitted groups per run for a bucket label, keyed 'FIELD:LABEL' "
                 "(e.g. {'difficulty:easy': 100}); groups past a cap are decided capped (by group_id order)."})
     mix_batch_fields: tuple[str, ...] = field(default=(), metadata={
-        "help": "Explicit opt-in to mix configurations in one snapshot: the fields among tokenizer_rev, "
+        "help": "Explicit opt-in to mix configurations in one snapshot: the fields among "
                 "prompt_template_rev, env_version, verifier_version whose values may differ across the admitted "
                 "groups. Default (): a snapshot holds one configuration; groups of any other are decided "
                 "batch_config_mismatch."})
@@ -128,6 +128,10 @@ class AdmissionConfig:
             if list(edges) != sorted(set(edges)):
                 raise ConfigError(f"{name} must be strictly increasing")
         for f in self.mix_batch_fields:
+            if f == "tokenizer_rev":
+                raise ConfigError("mix_batch_fields: tokenizer_rev cannot mix (token ids of two tokenizers mean "
+                                  "different text; the snapshot's tokenizer scope holds first)",
+                                  hint="mix prompt_template_rev, env_version or verifier_version only")
             if f not in BATCH_FIELDS:
                 raise ConfigError(f"mix_batch_fields: {f!r} is not a batch configuration field",
                                   hint=f"choose among {', '.join(BATCH_FIELDS)}")

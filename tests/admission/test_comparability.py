@@ -80,9 +80,9 @@ def test_mixing_is_an_explicit_opt_in(tmp_path):
     res = admit(lake, cfg, now=NOW)
     rec = _receipts(lake)
     assert rec["a"]["decision"] == rec["c"]["decision"] == "admit" and res.counts == {"admit": 2}
-    # the other fields still hold: a tokenizer change is refused even with verifiers mixing
+    # the other fields still hold: an environment change is refused even with verifiers mixing
     lake2 = Lake(tmp_path / "2")
-    land(lake2, _group("a") + _group("a2") + _group("c", tokenizer_rev="tok-2", verifier_version="ver-2"))
+    land(lake2, _group("a") + _group("a2") + _group("c", env_version="env-2", verifier_version="ver-2"))
     admit(lake2, cfg, now=NOW)
     assert _receipts(lake2)["c"]["decision"] == "batch_config_mismatch"
     # the opt-in changes the config hash; the default keeps the hash of configs written before it existed
@@ -92,6 +92,8 @@ def test_mixing_is_an_explicit_opt_in(tmp_path):
     assert "mix_batch_fields" not in AdmissionConfig().decision_dict()
     with pytest.raises(ConfigError):
         AdmissionConfig(mix_batch_fields=("temperature",))
+    with pytest.raises(ConfigError):  # token ids of two tokenizers never share a step
+        AdmissionConfig(mix_batch_fields=("tokenizer_rev",))
 
 
 def test_sim_gate_follows_the_wider_key_and_the_batch_rule():
