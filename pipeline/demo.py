@@ -49,6 +49,14 @@ class DemoConfig:
     max_policy_lag: int = field(default=1, metadata={"ge": 0, "help": "admission freshness gate"})
     infra_fault_p: float = field(default=0.02, metadata={"ge": 0, "le": 1, "help": "injected tool-timeout probability (shows "
                                                                    "infra failures kept out of baselines)"})
+    target_groups: int | None = field(default=None, metadata={"ge": 1, "help":
+        "sync: dynamic sampling as a loop: admitted groups wanted per iteration; admission's shortfall "
+        "(--target-groups report) sizes further rollout rounds and the next iteration's first round; "
+        "null = sample `groups` once per iteration"})
+    max_groups: int = field(default=128, metadata={"ge": 1, "help": "sync, with target_groups: most groups "
+                                                                   "one rollout round may sample"})
+    max_rounds: int = field(default=3, metadata={"ge": 1, "help": "sync, with target_groups: most rollout "
+                                                               "rounds per iteration"})
     async_min_groups: int = field(default=16, metadata={"ge": 1, "help": "async: admitted groups to wait for per step"})
     async_timeout_s: float = field(default=120.0, metadata={"gt": 0, "help": "async: give up waiting for fresh groups"})
     report: bool = field(default=True, metadata={"help": "write the HTML health report at the end"})
@@ -69,6 +77,7 @@ class IterationLine:
     seconds: float
     snapshot_id: str | None = None
     checkpoint_id: str | None = None
+    groups_sampled: list[int] = field(default_factory=list)  # per rollout round of this iteration
 
     def text(self) -> str:
         r = "   -  " if self.reward_mean is None else f"{self.reward_mean:6.3f}"
@@ -135,7 +144,7 @@ def _evaluate(lake, cfg: DemoConfig) -> tuple[int, float]:
     return ref.policy_version, float(ev["success_rate"])
 
 
-def _line(k, lake, cfg, a, traj, reward, t0, version, heldout, train_result) -> IterationLine:
+def _line(k, lake, cfg, a, traj, reward, t0, version, heldout, train_result, rounds=()) -> IterationLine:
     stale, infra = _group_reasons(a.receipts) if a is not None else (0, 0)
     lag = None
     if a is not None and a.members is not None and a.members.num_rows:
@@ -146,7 +155,7 @@ def _line(k, lake, cfg, a, traj, reward, t0, version, heldout, train_result) -> 
         admitted=(a.counts.get("admit", 0) if a else 0), zero_variance=(a.counts.get("zero_variance", 0) if a else 0),
         stale=stale, infra_failed=infra, reward_mean=reward, heldout_success=heldout, policy_lag=lag,
         seconds=time.perf_counter() - t0, snapshot_id=a.snapshot_id if a else None,
-        checkpoint_id=train_result.checkpoint_id if train_result else None)
+        checkpoint_id=train_result.checkpoint_id if train_result else None, groups_sampled=list(rounds))
 
 
 def run_demo(lake, cfg: DemoConfig, *, out=print) -> dict[str, Any]:
@@ -205,17 +214,17 @@ def run_demo(lake, cfg: DemoConfig, *, out=print) -> dict[str, Any]:
 
 
 def _run_sync(lake, cfg: DemoConfig, lines: list[IterationLine], out) -> dict[str, Any]:
-    from pipeline.admission.run import admit
-    from pipeline.rollout.run import run_rollout
+    from pipeline.admission.run import plan_next_rollout
 
     idle = busy = 0.0
     lags: Counter = Counter()
+    groups, offset = cfg.groups, 0
     for k in range(1, cfg.iterations + 1):
         t0 = time.perf_counter()
-        s = run_rollout(lake, env=cfg.env, engine=cfg.engine, groups=cfg.groups, group_size=cfg.group_size,
-                        seed=cfg.seed * 1000 + k, group_offset=(k - 1) * cfg.groups, run_id=f"demo-{cfg.seed}",
-                        tool_timeout_p=cfg.infra_fault_p, policy="latest")
-        a = admit(lake, _admission_cfg(cfg), command="pipeline demo")
+        s = sample_to_target(lake, cfg, k, groups, offset)
+        a, offset, rounds = s.admission, s.offset, s.rounds
+        if cfg.target_groups is not None:  # the next iteration's first round, from this one's admit rate
+            groups = plan_next_rollout(a.target, default=cfg.groups, max_groups=cfg.max_groups, fresh=True)
         t1 = time.perf_counter()
         idle += t1 - t0  # the trainer waits for rollouts and admission
         r = None
@@ -225,10 +234,58 @@ def _run_sync(lake, cfg: DemoConfig, lines: list[IterationLine], out) -> dict[st
                 lags.update(a.members.column("policy_lag").to_pylist())
         busy += time.perf_counter() - t1
         version, heldout = _evaluate(lake, cfg)
-        line = _line(k, lake, cfg, a, s.trajectories, s.reward_mean, t0, version, heldout, r)
+        line = _line(k, lake, cfg, a, s.trajectories, s.reward_mean, t0, version, heldout, r, rounds)
         lines.append(line)
-        out(line.text())
+        out(line.text() + (f"  rounds {rounds}" if len(rounds) > 1 else ""))
     return {"trainer_idle_fraction": idle / max(idle + busy, 1e-9), "lag_distribution": dict(sorted(lags.items()))}
+
+
+@dataclass
+class Sampled:
+    """What one sync iteration sampled and admitted (``sample_to_target``)."""
+
+    admission: Any                      # the AdmissionResult that decided the iteration's groups
+    trajectories: int
+    reward_mean: float | None
+    offset: int                         # the next free group index
+    rounds: list[int]                   # groups sampled per rollout round
+    probes: list[dict]                  # the dry-run target report after each round that was followed by another
+
+
+def sample_to_target(lake, cfg: DemoConfig, k: int, groups: int, offset: int) -> Sampled:
+    """One sync iteration's rollouts and admission. Without ``target_groups``: one
+    round of ``groups``, then admit. With it, dynamic sampling as a loop: after
+    each round a dry-run admission reports the shortfall against the target,
+    and ``plan_next_rollout`` turns it into the next round's group count, until
+    the target is met or ``max_rounds`` rounds ran; then one admission decides
+    every group into one snapshot."""
+    from pipeline.admission.run import admit, plan_next_rollout
+    from pipeline.rollout.run import run_rollout
+
+    acfg = _admission_cfg(cfg)
+    rounds: list[int] = []
+    probes: list[dict] = []
+    n_traj, reward_sum, total = 0, 0.0, 0
+    n = groups
+    for r in range(cfg.max_rounds if cfg.target_groups is not None else 1):
+        s = run_rollout(lake, env=cfg.env, engine=cfg.engine, groups=n, group_size=cfg.group_size,
+                        seed=cfg.seed * 1000 + k + 100 * r, group_offset=offset, run_id=f"demo-{cfg.seed}",
+                        tool_timeout_p=cfg.infra_fault_p, policy="latest")
+        offset += n
+        rounds.append(n)
+        total += s.trajectories
+        if s.reward_mean is not None:
+            reward_sum += s.reward_mean * s.trajectories
+            n_traj += s.trajectories
+        if cfg.target_groups is None or r == cfg.max_rounds - 1:
+            break
+        probe = admit(lake, acfg, dry_run=True, target_groups=cfg.target_groups, command="pipeline demo")
+        if probe.target is None or probe.target["missing_groups"] == 0:
+            break
+        probes.append(probe.target)
+        n = plan_next_rollout(probe.target, default=cfg.groups, max_groups=cfg.max_groups)
+    a = admit(lake, acfg, target_groups=cfg.target_groups, command="pipeline demo")
+    return Sampled(a, total, reward_sum / n_traj if n_traj else None, offset, rounds, probes)
 
 
 def _run_async(lake, cfg: DemoConfig, lines: list[IterationLine], out) -> dict[str, Any]:

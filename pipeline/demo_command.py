@@ -20,6 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", choices=["sync", "async"], default=None, help="sync (default) or async")
     p.add_argument("--groups", type=int, default=None, help="groups per iteration (default 32)")
     p.add_argument("--seed", type=int, default=None, help="seed of the policy init, rollouts and training (default 0)")
+    p.add_argument("--target-groups", type=int, default=None, metavar="N",
+                   help="dynamic sampling: admitted groups wanted per iteration (sync; default: sample --groups once)")
     add_config_options(p)
     p.set_defaults(handler=_demo)
 
@@ -40,7 +42,7 @@ def _demo(args: argparse.Namespace):
     from pipeline.lake.delta import Lake
 
     overrides = parse_set(args.set)
-    for key in ("iterations", "engine", "mode", "groups", "seed"):
+    for key in ("iterations", "engine", "mode", "groups", "seed", "target_groups"):
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)
     cfg = load_config(DemoConfig, args.config, overrides)

@@ -21,6 +21,10 @@ consumed snapshot), so a start after the lease expired is still safe.
 The token ``{slot}`` in args becomes the minute of the run (a fresh rollout
 seed per scheduled run); ``{next_snapshot}`` resolves to the oldest snapshot that no
 published checkpoint has trained on; with none, the job does nothing.
+``{dynamic_groups:DEFAULT:MAX}`` is dynamic sampling as a loop: the group count
+the newest admission's ``--target-groups`` report asks for
+(pipeline.admission.run.plan_next_rollout: the shortfall over the observed
+admit rate, clamped to MAX), DEFAULT when no admission recorded a target.
 """
 
 from __future__ import annotations
@@ -134,6 +138,21 @@ def resolve_args(lake, spec: JobSpec, *, now: float | None = None) -> list[str] 
     the same one for a double start of the same run) and ``{next_snapshot}``."""
     slot = str(int((now if now is not None else time.time()) // 60))
     args = [a.replace("{slot}", slot) for a in spec.args]
+    if any("{dynamic_groups" in a for a in args):
+        import re
+
+        from pipeline.admission.run import last_target, plan_next_rollout
+
+        target = last_target(lake) if lake.exists("receipts") else None
+
+        def groups(m: re.Match) -> str:
+            return str(plan_next_rollout(target, default=int(m.group(1)), max_groups=int(m.group(2))))
+
+        args = [re.sub(r"\{dynamic_groups:(\d+):(\d+)\}", groups, a) for a in args]
+        bad = [a for a in args if "{dynamic_groups" in a]
+        if bad:
+            raise ConfigError(f"job {spec.name}: {bad[0]!r}: expected {{dynamic_groups:DEFAULT:MAX}}",
+                              hint="e.g. --groups '{dynamic_groups:16:64}'")
     if any("{next_snapshot}" in a for a in args):
         snap = next_untrained_snapshot(lake)
         if snap is None:

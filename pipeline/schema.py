@@ -74,6 +74,7 @@ class ColumnSpec:
     non_empty: bool = False
     unique: bool = False
     ingest: str = "required"  # "required" (per `required`), "optional" (computed if absent), "derived"
+    hashed: bool = True  # false: an ingest column outside content_hash (recorded metadata; hash version unchanged)
 
     @property
     def arrow_type(self) -> pa.DataType:
@@ -141,7 +142,7 @@ class TableSpec:
 
 def _column(raw: dict[str, Any], table: str) -> ColumnSpec:
     known = {"name", "type", "required", "description", "enum", "enum_values", "min", "max",
-             "finite", "non_empty", "unique", "ingest"}
+             "finite", "non_empty", "unique", "ingest", "hashed"}
     extra = set(raw) - known
     if extra:
         raise ValueError(f"schemas/{table}.yaml column {raw.get('name')}: unknown keys {sorted(extra)}")
@@ -159,6 +160,7 @@ def _column(raw: dict[str, Any], table: str) -> ColumnSpec:
         non_empty=bool(raw.get("non_empty", False)),
         unique=bool(raw.get("unique", False)),
         ingest=raw.get("ingest", "required"),
+        hashed=bool(raw.get("hashed", True)),
     )
 
 
@@ -226,6 +228,8 @@ def markdown(names: tuple[str, ...] = TABLES) -> str:
                 rules.append("optional on ingest")
             if c.ingest == "derived":
                 rules.append("derived by the lake")
+            if not c.hashed and c.ingest != "derived":
+                rules.append("not in content_hash")
             req = "yes" if c.required else "no"
             out.append(f"| {c.name} | `{c.type_text}` | {req} | {'; '.join(rules)} | {c.description} |")
         if spec.invariants:

@@ -42,6 +42,9 @@ def make_trajectories(n: int, *, seed: int = 0, group_size: int = 4, run_id: str
     logp = np.where(mask == 1, -rng.exponential(1.0, total).astype(np.float32), np.float32(0.0)).astype(np.float32)
     tpv = np.where(mask == 1, policy_version, -1).astype(np.int32)
     prompt = rng.integers(3, 30000, n * prompt_len, dtype=np.int32)
+    # a GRPO group samples one prompt G times: every member carries its group's first member's prompt
+    first = (np.arange(n) // max(group_size, 1)) * max(group_size, 1)
+    prompt = prompt.reshape(n, prompt_len)[first].ravel()
     poff = np.arange(0, (n + 1) * prompt_len, prompt_len, dtype=np.int32)
 
     def lst(values, offs=offsets):
@@ -86,6 +89,7 @@ def make_trajectories(n: int, *, seed: int = 0, group_size: int = 4, run_id: str
         "response_ids": lst(resp),
         "response_logprobs": lst(logp),
         "loss_mask": lst(mask),
+        "tool_schema_version": pa.nulls(n, pa.string()),
     }
     spec = table_spec("trajectories")
     fields = [c.arrow_field() for c in spec.ingest_columns if c.name != "content_hash"]

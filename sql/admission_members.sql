@@ -7,7 +7,8 @@
 -- finished more than $group_timeout_s before $now.
 -- Rules (docs/admission-rules.md), first matching reason wins:
 --   quality:*  > infra_failed > expired > no_reward (UNKNOWN/ENV_ERROR verdict or null reward)
---   > policy_/tokenizer_/template_/env_/verifier_/temperature_mismatch (first field that
+--   > policy_/tokenizer_/template_/env_/verifier_/temperature_/top_p_/task_version_/harness_/
+--     tool_schema_/prompt_mismatch (first field that
 --     differs from the group's reference configuration: the most common tuple among
 --     members left after the exclusions; ties -> higher policy_version, then the
 --     lexicographically smaller tuple)
@@ -40,7 +41,8 @@ m AS (
 ),
 cfg AS (
     SELECT group_id, policy_version, tokenizer_rev, prompt_template_rev, env_version,
-           verifier_version, temperature, count(*) AS n
+           verifier_version, temperature, top_p, task_version, harness_version, tool_schema_version,
+           prompt_hash, count(*) AS n
     FROM m WHERE member_reason IS NULL
     GROUP BY ALL
 ),
@@ -49,7 +51,8 @@ ref AS (
         SELECT *, row_number() OVER (
             PARTITION BY group_id
             ORDER BY n DESC, policy_version DESC, tokenizer_rev, prompt_template_rev, env_version,
-                     verifier_version, temperature) AS rk
+                     verifier_version, temperature, top_p, task_version, harness_version,
+                     tool_schema_version, prompt_hash) AS rk
         FROM cfg)
     WHERE rk = 1
 )
@@ -63,12 +66,19 @@ SELECT m.trajectory_id, m.group_id, m.group_size, m.content_hash, m.reward, m.qu
                 WHEN m.env_version <> r.env_version THEN 'env_mismatch'
                 WHEN m.verifier_version <> r.verifier_version THEN 'verifier_mismatch'
                 WHEN m.temperature <> r.temperature THEN 'temperature_mismatch'
+                WHEN m.top_p <> r.top_p THEN 'top_p_mismatch'
+                WHEN m.task_version <> r.task_version THEN 'task_version_mismatch'
+                WHEN m.harness_version <> r.harness_version THEN 'harness_mismatch'
+                WHEN m.tool_schema_version <> r.tool_schema_version THEN 'tool_schema_mismatch'
+                WHEN m.prompt_hash <> r.prompt_hash THEN 'prompt_mismatch'
                 WHEN CAST($current_policy_version AS BIGINT) - m.oldest_version > $max_policy_lag THEN 'stale_policy'
                 WHEN $max_queue_wait_ms IS NOT NULL AND m.queue_wait_ms > $max_queue_wait_ms THEN 'stale_wait'
            END) AS reason,
        r.policy_version AS ref_policy_version, r.tokenizer_rev AS ref_tokenizer_rev,
        r.prompt_template_rev AS ref_prompt_template_rev, r.env_version AS ref_env_version,
-       r.verifier_version AS ref_verifier_version, r.temperature AS ref_temperature
+       r.verifier_version AS ref_verifier_version, r.temperature AS ref_temperature,
+       r.top_p AS ref_top_p, r.task_version AS ref_task_version, r.harness_version AS ref_harness_version,
+       r.tool_schema_version AS ref_tool_schema_version, r.prompt_hash AS ref_prompt_hash
        /*COMPONENTS*/
 FROM m LEFT JOIN ref r USING (group_id)
 ORDER BY m.group_id, m.trajectory_id

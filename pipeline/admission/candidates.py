@@ -5,7 +5,9 @@ reduced to scalars once, when the row landed (pipeline/lake/ingest.py
 ``stamp_derived``): ``oldest_version`` = min over the response tokens'
 sampling versions that are >= 0 (observation tokens carry -1), falling back to
 ``policy_version`` when there is none; ``response_len`` = number of response
-tokens. Reward components the config gates or caps on become plain
+tokens; ``prompt_hash`` = the prompt's identity. Unrecorded
+``tool_schema_version`` and ``prompt_hash`` (null) become "" here, once, for
+every engine. Reward components the config gates or caps on become plain
 ``comp_<name>`` columns, and ``reward`` is the capped reward, shaped by the
 run's truncation policy (truncation.py: soft_penalty).
 
@@ -25,9 +27,12 @@ SCALARS = (
     "trajectory_id", "group_id", "group_size", "task_id", "run_id", "policy_version",
     "tokenizer_rev", "prompt_template_rev", "env_version", "verifier_version", "temperature",
     "status", "verdict", "reward", "difficulty", "num_tool_calls", "finished_at", "queue_wait_ms",
-    "content_hash", "stop_reason",
+    "content_hash", "stop_reason", "top_p", "task_version", "harness_version", "tool_schema_version",
 )
-DERIVED = ("oldest_version", "response_len")  # stored per row at landing
+DERIVED = ("oldest_version", "response_len", "prompt_hash")  # stored per row at landing
+# comparability fields that may be null (unrecorded, or rows landed before the
+# column existed): compared as "" so that unrecorded equals unrecorded
+NULLABLE_KEYS = ("tool_schema_version", "prompt_hash")
 
 
 def source_columns(cfg: AdmissionConfig) -> list[str]:
@@ -44,6 +49,9 @@ def candidate_schema(cfg: AdmissionConfig) -> pa.Schema:
     fields = [spec.column(c).arrow_field() for c in SCALARS]
     fields.insert(SCALARS.index("policy_version") + 1, pa.field("oldest_version", pa.int64(), False))
     fields.append(pa.field("response_len", pa.int64(), False))
+    fields.append(pa.field("prompt_hash", pa.string(), False))
+    i = [f.name for f in fields].index("tool_schema_version")
+    fields[i] = fields[i].with_nullable(False)
     fields += [pa.field(f"comp_{c}", pa.float64()) for c in cfg.components]
     return pa.schema(fields)
 
@@ -74,6 +82,9 @@ def extract(batch: pa.Table | pa.RecordBatch, cfg: AdmissionConfig,
     cols = {c: t.column(c) for c in SCALARS}
     cols["oldest_version"] = t.column("oldest_version")
     cols["response_len"] = pc.cast(t.column("response_len"), pa.int64())
+    cols["prompt_hash"] = t.column("prompt_hash")
+    for name in NULLABLE_KEYS:
+        cols[name] = pc.cast(cols[name], pa.string()).fill_null("")
     reward = t.column("reward")
     for name in cfg.components:
         comp = _component(t.column("reward_components"), name)

@@ -56,6 +56,9 @@ CHECKS: tuple[CheckSpec, ...] = (
               "drop_zero_variance=false admits such groups with advantage 0)"),
     CheckSpec("update_if", _always, "error", "gated",
               "every reward-decomposition gate holds over the valid members"),
+    CheckSpec("batch_config", _always, "error", "batch_config_mismatch",
+              "the group's tokenizer/template/env/verifier versions are the snapshot's configuration (the most "
+              "common among the groups admitted otherwise), unless mix_batch_fields opts in to mixing"),
     CheckSpec("bucket_cap", _always, "warning", "capped",
               "the group's bucket labels are under their per-run caps"),
 )
@@ -132,6 +135,7 @@ def group_outcomes(cfg: AdmissionConfig, *, group_baseline: bool, excluded_group
     else:
         out["reward_spread"] = np.full(n, "skip", dtype=object)
     out["update_if"] = gate_outcomes(cfg, gate_values, n)
+    out["batch_config"] = np.full(n, "skip", dtype=object)
     out["bucket_cap"] = np.full(n, "skip", dtype=object)
     return out
 
@@ -145,3 +149,33 @@ def decide(cfg: AdmissionConfig, outcomes: dict[str, np.ndarray]) -> np.ndarray:
             failed = np.array([o.startswith("fail") for o in outcomes[spec.name]], bool)
             decision[failed] = spec.decision
     return decision
+
+
+def batch_config_outcomes(cfg: AdmissionConfig, configs: dict[str, list], admit: np.ndarray) -> np.ndarray:
+    """``batch_config`` outcome per group. ``configs[field]`` holds each group's
+    reference value of every BATCH_FIELDS field; ``admit`` marks the groups every
+    other check admits. Among those, the snapshot's configuration is the most
+    common tuple of the fields not opted in to mixing (ties: the lexicographically
+    smaller tuple); an admitted group with another is ``fail:<field> <value> !=
+    <snapshot value>``, others ``pass``; groups not admitted otherwise ``skip``.
+    Every field opted in: ``skip`` for all."""
+    from collections import Counter
+
+    from pipeline.admission.config import BATCH_FIELDS
+
+    n = len(admit)
+    out = np.full(n, "skip", dtype=object)
+    fields = [f for f in BATCH_FIELDS if f not in cfg.mix_batch_fields]
+    idx = np.flatnonzero(admit)
+    if not fields or len(idx) == 0:
+        return out
+    keys = {int(i): tuple(configs[f][i] for f in fields) for i in idx}
+    counts = Counter(keys.values())
+    ref = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[0][0]
+    for i, key in keys.items():
+        if key == ref:
+            out[i] = "pass"
+        else:
+            j = next(k for k in range(len(fields)) if key[k] != ref[k])
+            out[i] = f"fail:{fields[j]} {key[j]} != {ref[j]}"
+    return out

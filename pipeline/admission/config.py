@@ -17,6 +17,8 @@ from pipeline.errors import ConfigError
 GATE_RE = re.compile(r"^\s*(min|max|mean)\s*\(\s*([A-Za-z_][A-Za-z0-9_]*)\s*\)\s*(>=|<=|>|<|==)\s*"
                      r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
 BUCKET_FIELDS = ("difficulty", "length_bucket", "tool_call_bucket", "reward_std_bucket")
+# the configuration one snapshot holds (docs/admission-rules.md, "Per snapshot")
+BATCH_FIELDS = ("tokenizer_rev", "prompt_template_rev", "env_version", "verifier_version")
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,11 @@ class AdmissionConfig:
         "help": "soft_penalty: L_max, the length limit in response tokens (the rollout's max_total_tokens)."})
     overlong_interval: int = field(default=0, metadata={"ge": 0,
         "help": "soft_penalty: L_cache, the interval below L_max over which the penalty ramps from 0 to -1."})
+    mix_batch_fields: tuple[str, ...] = field(default=(), metadata={
+        "help": "Explicit opt-in to mix configurations in one snapshot: the fields among "
+                "prompt_template_rev, env_version, verifier_version whose values may differ across the admitted "
+                "groups. Default (): a snapshot holds one configuration; groups of any other are decided "
+                "batch_config_mismatch."})
     quality: bool = field(default=True, metadata={
         "help": "Run the great-expectations suites (from schemas/) on candidates and on the snapshot."})
     batch_rows: int = field(default=65536, metadata={"ge": 1,
@@ -129,6 +136,14 @@ class AdmissionConfig:
                             ("reward_std_edges", self.reward_std_edges)):
             if list(edges) != sorted(set(edges)):
                 raise ConfigError(f"{name} must be strictly increasing")
+        for f in self.mix_batch_fields:
+            if f == "tokenizer_rev":
+                raise ConfigError("mix_batch_fields: tokenizer_rev cannot mix (token ids of two tokenizers mean "
+                                  "different text; the snapshot's tokenizer scope holds first)",
+                                  hint="mix prompt_template_rev, env_version or verifier_version only")
+            if f not in BATCH_FIELDS:
+                raise ConfigError(f"mix_batch_fields: {f!r} is not a batch configuration field",
+                                  hint=f"choose among {', '.join(BATCH_FIELDS)}")
         if self.batch_rows < 1:
             raise ConfigError("batch_rows must be >= 1")
         if self.truncation not in ("score_zero", "filter", "soft_penalty"):
@@ -162,6 +177,8 @@ class AdmissionConfig:
         elif self.truncation == "filter":
             d.pop("overlong_max_len")
             d.pop("overlong_interval")
+        if not self.mix_batch_fields:  # likewise
+            d.pop("mix_batch_fields")
         return d
 
 

@@ -21,11 +21,16 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.admission.advantages import ESTIMATORS, compute_advantages, running_baseline
-from pipeline.admission.checks import CHECK_NAMES, decide, group_outcomes
+from pipeline.admission.checks import CHECK_NAMES, batch_config_outcomes, decide, group_outcomes
 from pipeline.admission.config import AdmissionConfig
 
 REF_FIELDS = ("policy_version", "tokenizer_rev", "prompt_template_rev", "env_version", "verifier_version",
-              "temperature")
+              "temperature", "top_p", "task_version", "harness_version", "tool_schema_version", "prompt_hash")
+MISMATCH_REASONS = ("policy_mismatch", "tokenizer_mismatch", "template_mismatch", "env_mismatch",
+                    "verifier_mismatch", "temperature_mismatch", "top_p_mismatch", "task_version_mismatch",
+                    "harness_mismatch", "tool_schema_mismatch", "prompt_mismatch")
+_S, _F = pa.string(), pa.float64()
+REF_TYPES = (pa.int64(), _S, _S, _S, _S, _F, _F, _S, _S, _S, _S)
 
 
 def bucket_label(value, edges) -> str | None:
@@ -124,6 +129,12 @@ def finalize(members: pa.Table, groups: pa.Table, cfg: AdmissionConfig, *, confi
         "reward_std_bucket": bucket_labels(np.where(has, std, np.nan), cfg.reward_std_edges),
     }
     decision = decide(cfg, outcomes)
+    # one configuration per snapshot, among the groups every per-group check admits
+    from pipeline.admission.config import BATCH_FIELDS
+
+    outcomes["batch_config"] = batch_config_outcomes(
+        cfg, {f: groups.column(f"ref_{f}").to_pylist() for f in BATCH_FIELDS}, decision == "admit")
+    decision = decide(cfg, outcomes)
     if cfg.bucket_caps:  # in group_id order, per run
         outcomes["bucket_cap"] = np.full(n_groups, "pass", dtype=object)
         used: dict[str, int] = {}
@@ -200,7 +211,7 @@ def member_schema(cfg: AdmissionConfig) -> pa.Schema:
          ("reward", pa.float64()), ("queue_wait_ms", pa.int64()), ("response_len", pa.int64()),
          ("num_tool_calls", pa.int32()), ("difficulty", s), ("run_id", s), ("task_id", s),
          ("policy_lag", pa.int64()), ("reason", s)]
-        + [(f"ref_{f}", t) for f, t in zip(REF_FIELDS, (pa.int64(), s, s, s, s, pa.float64()))]
+        + [(f"ref_{f}", t) for f, t in zip(REF_FIELDS, REF_TYPES)]
         + [(f"comp_{c}", pa.float64()) for c in cfg.components])
 
 
@@ -208,7 +219,7 @@ def group_schema(cfg: AdmissionConfig) -> pa.Schema:
     s = pa.string()
     return pa.schema(
         [("group_id", s), ("run_id", s), ("task_id", s), ("difficulty", s)]
-        + [(f"ref_{f}", t) for f, t in zip(REF_FIELDS, (pa.int64(), s, s, s, s, pa.float64()))]
+        + [(f"ref_{f}", t) for f, t in zip(REF_FIELDS, REF_TYPES)]
         + [("group_size", pa.int32()), ("arrived_members", pa.int32()), ("max_response_len", pa.int64()),
            ("max_tool_calls", pa.int32()), ("n_valid", pa.int32()), ("min_valid_ok", pa.bool_()),
            ("spread_ok", pa.bool_()), ("policy_lag", pa.int64()), ("max_queue_wait_ms", pa.int64())]

@@ -32,7 +32,7 @@ import pyarrow as pa
 
 from pipeline.admission import candidates as cand
 from pipeline.admission.config import AdmissionConfig
-from pipeline.admission.decide import REF_FIELDS, conform, group_schema, member_schema
+from pipeline.admission.decide import MISMATCH_REASONS, REF_FIELDS, conform, group_schema, member_schema
 from pipeline.errors import ConfigError, PipelineError
 
 SCHEDULER_ENV = "PIPELINE_DASK_SCHEDULER"
@@ -144,15 +144,14 @@ def decide_partition(df: pd.DataFrame, cfg: AdmissionConfig, current_policy_vers
     cfgs = rest.groupby(["group_id", *REF_FIELDS], sort=False).size().rename("n").reset_index()
     cfgs["neg_pv"] = -cfgs["policy_version"]
     cfgs = cfgs.sort_values(["group_id", "n", "neg_pv", *REF_FIELDS[1:]],
-                            ascending=[True, False, True, True, True, True, True, True])
+                            ascending=[True, False, True] + [True] * (len(REF_FIELDS) - 1))
     ref = cfgs.drop_duplicates("group_id", keep="first")[["group_id", *REF_FIELDS]]
     ref = ref.rename(columns={f: f"ref_{f}" for f in REF_FIELDS})
     df = df.merge(ref, on="group_id", how="left")
     lag = int(current_policy_version) - df["oldest_version"].astype("int64")
     df["policy_lag"] = lag
     conds, why = [], []
-    for f, reason in zip(REF_FIELDS, ("policy_mismatch", "tokenizer_mismatch", "template_mismatch",
-                                     "env_mismatch", "verifier_mismatch", "temperature_mismatch")):
+    for f, reason in zip(REF_FIELDS, MISMATCH_REASONS):
         conds.append((df[f] != df[f"ref_{f}"]).to_numpy())
         why.append(reason)
     conds.append((lag > cfg.max_policy_lag).to_numpy())          # 3. freshness

@@ -18,7 +18,10 @@ from pipeline.admission.config import AdmissionConfig
 
 MISMATCH = (("policy_version", "policy_mismatch"), ("tokenizer_rev", "tokenizer_mismatch"),
             ("prompt_template_rev", "template_mismatch"), ("env_version", "env_mismatch"),
-            ("verifier_version", "verifier_mismatch"), ("temperature", "temperature_mismatch"))
+            ("verifier_version", "verifier_mismatch"), ("temperature", "temperature_mismatch"),
+            ("top_p", "top_p_mismatch"), ("task_version", "task_version_mismatch"),
+            ("harness_version", "harness_mismatch"), ("tool_schema_version", "tool_schema_mismatch"),
+            ("prompt_hash", "prompt_mismatch"))
 REF = tuple(f for f, _ in MISMATCH)
 
 
@@ -37,8 +40,13 @@ def _capped_reward(row: dict, cfg: AdmissionConfig):
     return r
 
 
+def _key(row: dict, f: str):
+    v = row.get(f)
+    return "" if v is None and f in ("tool_schema_version", "prompt_hash") else v  # unrecorded == unrecorded
+
+
 def _ref_config(rows: list[dict]) -> tuple | None:
-    counts = Counter(tuple(r[f] for f in REF) for r in rows)
+    counts = Counter(tuple(_key(r, f) for f in REF) for r in rows)
     if not counts:
         return None
     # most common; ties -> higher policy_version, then the lexicographically smaller tuple
@@ -81,7 +89,7 @@ def reference_members_groups(rows: list[dict], cfg: AdmissionConfig, *, current_
             if reason[tid] is not None:
                 continue
             for (f, why), ref_value in zip(MISMATCH, ref):
-                if r[f] != ref_value:
+                if _key(r, f) != ref_value:
                     reason[tid] = why
                     break
             else:  # 3. freshness

@@ -155,6 +155,7 @@ def _quality_suite(cands: pa.Table, cfg: AdmissionConfig) -> tuple[pa.Table, dic
 
 STATE_VERSION = "pipeline.trajectories_version"  # receipts commit metadata: what the run read
 STATE_PENDING = "pipeline.pending_after"         # ... and its pending bound (ISO time)
+STATE_TARGET = "pipeline.target"                 # ... and its --target-groups report (JSON), when asked
 
 
 def _previous_state(lake, rv: int) -> tuple[int, datetime] | None:
@@ -293,9 +294,12 @@ def _admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: 
             timings["materialize_s"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         pending = now - timedelta(microseconds=round(cfg.group_timeout_s * 1e6))
+        meta = {"pipeline.admission_run_id": run_id} | (
+            {} if scoped else {STATE_VERSION: str(tv), STATE_PENDING: pending.isoformat()})
+        if target is not None:  # the next rollout reads it (plan_next_rollout; jobs' {dynamic_groups})
+            meta[STATE_TARGET] = json.dumps(target, sort_keys=True)
         res = lake.append("receipts", receipts, command=command, config_hash=chash, app_id=LOCK_APP,
-                          txn_version=rv + 1, extra_metadata={"pipeline.admission_run_id": run_id} | (
-                              {} if scoped else {STATE_VERSION: str(tv), STATE_PENDING: pending.isoformat()}))
+                          txn_version=rv + 1, extra_metadata=meta)
         timings["receipts_s"] = time.perf_counter() - t1
         if not res.landed or not _landed(lake, run_id, res.version):
             continue  # lost the race: reread, decide what is left
@@ -401,3 +405,36 @@ def _target_report(target: int | None, admitted: int, decided: int) -> dict[str,
     return {"target_groups": int(target), "admitted_groups": admitted, "missing_groups": missing,
             "observed_admit_rate": rate,
             "groups_to_sample": (math.ceil(missing / rate) if rate else None) if missing else 0}
+
+
+def plan_next_rollout(target: dict[str, Any] | None, *, default: int, max_groups: int, fresh: bool = False) -> int:
+    """Dynamic sampling as a loop: the group count of the next rollout from an
+    admission's target report (``AdmissionResult.target``). A shortfall asks for
+    ``groups_to_sample`` (the missing groups over the observed admit rate); a
+    met target asks for ``ceil(target_groups / rate)``, what the next batch is
+    expected to need; no report, or no observed rate, falls back to
+    ``default`` (nothing admitted at all: ``max_groups``). Clamped to
+    [1, max_groups]. ``fresh``: size a whole new batch (ceil(target_groups /
+    rate)) whatever this one's shortfall."""
+    if target is None:
+        n = default
+    else:
+        rate = target.get("observed_admit_rate")
+        if target.get("missing_groups", 0) > 0 and not fresh:
+            n = target.get("groups_to_sample") or (max_groups if rate == 0 else default)
+        else:
+            n = math.ceil(target["target_groups"] / rate) if rate else default
+    return max(1, min(int(max_groups), int(n)))
+
+
+def last_target(lake, *, lookback: int = 50) -> dict[str, Any] | None:
+    """The target report of the newest admission commit that recorded one
+    (``--target-groups``), looking back at most ``lookback`` receipts versions."""
+    v = lake.version("receipts")
+    if v is None:
+        return None
+    for version in range(v, max(-1, v - lookback), -1):
+        raw = lake.commit_metadata("receipts", version).get(STATE_TARGET)
+        if raw:
+            return json.loads(raw)
+    return None

@@ -36,7 +36,7 @@ _HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 def hashed_columns(table_name: str = "trajectories") -> list[ColumnSpec]:
-    return [c for c in table_spec(table_name).ingest_columns if c.name != "content_hash"]
+    return [c for c in table_spec(table_name).ingest_columns if c.name != "content_hash" and c.hashed]
 
 
 def _header_field(col: pa.ChunkedArray | pa.Array, spec: ColumnSpec) -> tuple[np.ndarray, np.ndarray]:

@@ -246,8 +246,10 @@ class Lake:
         return DeltaTable.is_deltatable(self.table_uri(name), storage_options=self.storage_options)
 
     def ensure(self, name: str) -> None:
-        """Create table ``name`` from its spec if it does not exist (race-safe)."""
+        """Create table ``name`` from its spec if it does not exist (race-safe);
+        an existing table gets the spec's columns it lacks (``evolve``)."""
         if self.exists(name):
+            self.evolve(name)
             return
         spec = table_spec(name)
         try:
@@ -265,6 +267,32 @@ class Lake:
         except Exception:
             if not self.exists(name):  # another process created it first: fine
                 raise
+
+    def evolve(self, name: str) -> list[str]:
+        """Add the columns ``schemas/<name>.yaml`` declares (new columns go at the
+        end) and the existing table lacks, as nullable Delta columns: rows
+        written before read them as null. Checked once per table per Lake
+        object; a concurrent evolution of the same columns is fine. Returns the
+        columns added."""
+        done = self.__dict__.setdefault("_evolved", set())
+        if name in done:
+            return []
+        from deltalake.schema import Field
+
+        dt = DeltaTable(self.table_uri(name), storage_options=self.storage_options)
+        have = {f.name for f in dt.schema().fields}
+        missing = [f for f in table_spec(name).arrow_schema() if f.name not in have]
+        if missing:
+            try:
+                dt.alter.add_columns([Field.from_arrow(f.with_nullable(True)) for f in missing],
+                                     commit_properties=CommitProperties(
+                                         custom_metadata=_metadata("schema: add columns", None)))
+            except Exception:
+                dt = DeltaTable(self.table_uri(name), storage_options=self.storage_options)
+                if {f.name for f in missing} - {f.name for f in dt.schema().fields}:
+                    raise  # not a concurrent evolution of the same columns
+        done.add(name)
+        return [f.name for f in missing]
 
     def table(self, name: str, version: int | str | datetime | None = None) -> DeltaTable:
         """The DeltaTable at ``version`` (int, ISO timestamp or datetime); latest when None."""

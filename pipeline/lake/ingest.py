@@ -221,11 +221,12 @@ def list_min_nonneg(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
 
 
 def stamp_derived(valid: pa.Table, ingest_id: str) -> pa.Table:
-    """Add the lake-derived columns: created_day, ingest_id, row_key, and the two
+    """Add the lake-derived columns: created_day, ingest_id, row_key, and the
     per-trajectory scalars admission needs from the token lists (computed once
     here so admission never reads token payload): oldest_version = min sampled
     version over the response tokens (>= 0; observation tokens carry -1),
-    policy_version when there is none; response_len = len(response_ids)."""
+    policy_version when there is none; response_len = len(response_ids);
+    prompt_hash = the prompt's identity (``prompt_hashes``)."""
     from pipeline.lake.delta import row_keys
     from pipeline.schema import ROW_KEY, table_spec
 
@@ -237,7 +238,27 @@ def stamp_derived(valid: pa.Table, ingest_id: str) -> pa.Table:
     pv = np.asarray(valid.column("policy_version").to_numpy(zero_copy_only=False), np.int64)
     t = t.append_column("oldest_version", pa.array(np.where(tpv >= 0, tpv, pv), pa.int64()))
     lens = pc.list_value_length(valid.column("response_ids")).fill_null(0)
-    return t.append_column("response_len", pc.cast(lens, pa.int32()))
+    t = t.append_column("response_len", pc.cast(lens, pa.int32()))
+    return t.append_column("prompt_hash", prompt_hashes(valid.column("prompt_ids")))
+
+
+def prompt_hashes(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """Per list of prompt token ids: hex of the first 16 bytes of sha256 over the
+    ids as little-endian int32 (the prompt identity admission compares); a null
+    list hashes as an empty one."""
+    import hashlib
+
+    arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+    if len(arr) == 0:
+        return pa.array([], pa.string())
+    offsets = np.asarray(arr.offsets, np.int64)
+    vals = arr.values.fill_null(0) if arr.values.null_count else arr.values
+    buf = np.ascontiguousarray(np.asarray(vals.to_numpy(zero_copy_only=False), dtype="<i4")).tobytes()
+    out = [hashlib.sha256(buf[4 * a:4 * b]).hexdigest()[:32] for a, b in zip(offsets[:-1], offsets[1:])]
+    if arr.null_count:
+        empty = hashlib.sha256(b"").hexdigest()[:32]
+        out = [empty if null else h for h, null in zip(out, np.asarray(arr.is_null()))]
+    return pa.array(out, pa.string())
 
 
 def quarantine_rows(rejects: list[tuple[int, str, str, str | None]], *, raw: pa.Table, raw_lines: list[str] | None,

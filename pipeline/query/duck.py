@@ -77,7 +77,24 @@ def connect(lake, *, as_of: dict[str, int | datetime] | int | datetime | None = 
         if not (lake.is_local and _parquet_view(con, name, dt)):
             con.register(f"__ds_{name}", lake.arrow_dataset(name, dt))
             con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT * FROM "__ds_{name}"')
+    if tables is None or "component_tags" in tables:
+        _component_tags_view(con)
     return con
+
+
+def _component_tags_view(con: duckdb.DuckDBPyConnection) -> None:
+    """View ``component_tags(env_version, component, tag)``: each registered
+    environment's declaration of its reward components as ``fact`` or
+    ``heuristic`` (pipeline/rollout/envs/base.py), for the diagnostics."""
+    import pyarrow as pa
+
+    from pipeline.rollout.envs.base import declared_component_tags
+
+    s = pa.string()
+    t = pa.Table.from_pylist(declared_component_tags(),
+                             schema=pa.schema([("env_version", s), ("component", s), ("tag", s)]))
+    con.register("__component_tags", t)
+    con.execute('CREATE OR REPLACE VIEW component_tags AS SELECT * FROM "__component_tags"')
 
 
 _DUCK_TYPES = {"string": "VARCHAR", "date32": "DATE", "int32": "INTEGER", "int64": "BIGINT"}
@@ -175,7 +192,7 @@ def query(lake, sql: str, *, params: dict[str, Any] | None = None,
     """Run ``sql`` over the lake's views; returns an Arrow table."""
     stripped = _strip_comments(sql)
     # open only the tables the query names: each costs a Delta log load
-    named = {t for t in TABLES + EXTRA_TABLES if re.search(rf"\b{t}\b", stripped, re.I)}
+    named = {t for t in TABLES + EXTRA_TABLES + ("component_tags",) if re.search(rf"\b{t}\b", stripped, re.I)}
     con = connect(lake, as_of=as_of, tables=named)
     try:
         used = set(re.findall(r"\$([A-Za-z_][A-Za-z0-9_]*)", stripped))

@@ -213,6 +213,8 @@ def _admit(rows: pa.Table, length: np.ndarray, spec: HealthLakeSpec):
         "decision": g.decision.to_numpy(dtype=object),
         "snapshot_id": [s if isinstance(s, str) else None for s in g.snap],
         "decided_at": [now + timedelta(hours=int(v)) for v in g.ver],
+        "ref_top_p": [1.0] * n, "ref_task_version": ["v1"] * n, "ref_harness_version": ["h-1"] * n,
+        "ref_tool_schema_version": [""] * n, "ref_prompt_hash": [None] * n,
     }
     schema = table_spec("receipts").arrow_schema()
     receipts = pa.Table.from_arrays([pa.array(list(rec[f.name]) if f.name == "max_queue_wait_ms" else rec[f.name],

@@ -63,6 +63,7 @@ from typing import Any, Callable
 from pipeline.rollout import codec as codecs, vocab
 from pipeline.rollout.engine import Engine, Request, Sampling, derive_seed
 from pipeline.rollout.envs import Environment, Task, ToolError, ToolTimeout, Verification
+from pipeline.rollout.envs.base import tool_schema_version
 
 HARNESS_VERSION = "harness/1"
 DEFAULT_TOOL_TIMEOUT_S = 30.0
@@ -477,6 +478,7 @@ class Harness:
             "created_at": ep.created_at.isoformat(), "finished_at": max(finished, ep.created_at).isoformat(),
             "queue_wait_ms": 0, "prompt_ids": list(ep.prompt_ids), "response_ids": list(ep.response_ids),
             "response_logprobs": list(ep.logprobs), "loss_mask": list(ep.mask),
+            "tool_schema_version": tool_schema_version(self.env),
         }
 
 

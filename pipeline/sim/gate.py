@@ -5,8 +5,10 @@ versions, terminal statuses, rewards and queue waits, in the order docs/admissio
 gives (failures, comparability, freshness, group checks). The simulated
 trajectories differ only in policy_version (tokenizer, template, env, verifier
 and temperature are constant in a simulation), so comparability reduces to the
-policy-version reference. ``--land`` replaces this gate with the real
-admission job over Delta tables (lake_mode.py).
+policy-version reference unless ``configs`` gives each member the rest of the
+comparability key (CONFIG_FIELDS order). ``batch_config`` is the per-snapshot
+rule over the groups of one decision round. ``--land`` replaces this gate with
+the real admission job over Delta tables (lake_mode.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ from typing import Protocol, Sequence
 ACCEPTED, INFRA_FAILED, EXPIRED = "ACCEPTED", "INFRA_FAILED", "EXPIRED"
 
 VALID = ""  # member reason for a member that passed every member check
+
+# the comparability key after policy_version, with each field's mismatch reason (docs/admission-rules.md)
+CONFIG_FIELDS = (("tokenizer_rev", "tokenizer_mismatch"), ("prompt_template_rev", "template_mismatch"),
+                 ("env_version", "env_mismatch"), ("verifier_version", "verifier_mismatch"),
+                 ("temperature", "temperature_mismatch"), ("top_p", "top_p_mismatch"),
+                 ("task_version", "task_version_mismatch"), ("harness_version", "harness_mismatch"),
+                 ("tool_schema_version", "tool_schema_mismatch"), ("prompt_hash", "prompt_mismatch"))
+BATCH_FIELDS = ("tokenizer_rev", "prompt_template_rev", "env_version", "verifier_version")
 
 
 @dataclass(frozen=True)
@@ -48,8 +58,10 @@ class Gate(Protocol):
 
 
 def decide_group(versions: Sequence[int], statuses: Sequence[str], rewards: Sequence[float | None],
-                 waits_ms: Sequence[float], current_version: int, rules: GateRules) -> Decision:
-    """One group, docs/admission-rules.md steps 1-5. ``rewards`` use None for "no valid evaluation"."""
+                 waits_ms: Sequence[float], current_version: int, rules: GateRules,
+                 configs: Sequence[tuple] | None = None) -> Decision:
+    """One group, docs/admission-rules.md steps 1-5. ``rewards`` use None for "no valid evaluation";
+    ``configs[i]``, when given, is member i's CONFIG_FIELDS tuple."""
     n = len(versions)
     reasons = [VALID] * n
     # 1. failures never count as policy failures and never enter a baseline
@@ -60,13 +72,16 @@ def decide_group(versions: Sequence[int], statuses: Sequence[str], rewards: Sequ
             reasons[i] = "expired"
         elif rewards[i] is None or (isinstance(rewards[i], float) and math.isnan(rewards[i])):
             reasons[i] = "no_reward"
-    # 2. reference configuration: the most common policy_version, ties to the higher one
-    counts = Counter(versions[i] for i in range(n) if reasons[i] == VALID)
+    # 2. reference configuration: the most common key, ties to the higher policy_version,
+    #    then the lexicographically smaller rest of the key
+    keys = [(versions[i], *(tuple(configs[i]) if configs is not None else ())) for i in range(n)]
+    counts = Counter(keys[i] for i in range(n) if reasons[i] == VALID)
     if counts:
-        ref = max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
+        ref = sorted(counts.items(), key=lambda kv: (-kv[1], -kv[0][0], kv[0][1:]))[0][0]
+        why = ("policy_mismatch",) + tuple(r for _, r in CONFIG_FIELDS)
         for i in range(n):
-            if reasons[i] == VALID and versions[i] != ref:
-                reasons[i] = "policy_mismatch"
+            if reasons[i] == VALID and keys[i] != ref:
+                reasons[i] = why[next(k for k in range(len(ref)) if keys[i][k] != ref[k])]
     # 3. freshness
     for i in range(n):
         if reasons[i] != VALID:
@@ -87,6 +102,22 @@ def decide_group(versions: Sequence[int], statuses: Sequence[str], rewards: Sequ
     if std < rules.min_reward_std:
         return Decision("zero_variance", tuple(reasons))
     return Decision("admit", tuple(reasons))
+
+
+def batch_config(decisions: Sequence[Decision], group_configs: Sequence[dict], *,
+                 mix_fields: Sequence[str] = ()) -> list[Decision]:
+    """Per snapshot (docs/admission-rules.md): among the admitted groups, the
+    most common BATCH_FIELDS tuple (fields in ``mix_fields`` left out; ties to
+    the lexicographically smaller) is the snapshot's configuration; an admitted
+    group with another becomes ``batch_config_mismatch``."""
+    fields = [f for f in BATCH_FIELDS if f not in mix_fields]
+    keys = [tuple(c[f] for f in fields) for c in group_configs]
+    counts = Counter(k for k, d in zip(keys, decisions) if d.decision == "admit")
+    if not fields or not counts:
+        return list(decisions)
+    ref = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[0][0]
+    return [Decision("batch_config_mismatch", d.reasons) if d.decision == "admit" and k != ref else d
+            for d, k in zip(decisions, keys)]
 
 
 class FreshnessGate:

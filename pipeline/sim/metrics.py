@@ -19,6 +19,40 @@ from pipeline.config import config_dict, config_hash
 from pipeline.sim.gate import ACCEPTED, EXPIRED, INFRA_FAILED, VALID
 
 STALE = ("stale_policy", "stale_wait")
+STARVING_IDLE = 0.5  # trainer idle share above which an under-loaded trainer is flagged starving
+
+
+def littles_law(*, duration_s: float, end: np.ndarray, decided_at: np.ndarray, admitted: int, trained: int,
+                trainer_train_s: float, trainer_idle_fraction: float) -> dict[str, Any]:
+    """Little's law on the admission queue, and the trainer's load.
+
+    The queue holds a trajectory from its finish (``end``) until its group is
+    decided (``decided_at``; the end of simulated time when never decided).
+    lambda = finished trajectories / duration (arrival rate); W = mean time in
+    the queue; L = lambda * W, the time-average number of trajectories waiting
+    (equal to the integral of the queue length over time / duration, reported
+    as ``queue_l_measured``). mu = trained trajectories per second of trainer
+    training time (its service rate); rho = (admitted / duration) / mu, the
+    trainer's load: rho > 1 is a backlog (admitted data arrives faster than
+    the trainer can consume it, so it ages), rho <= 1 with the trainer idle
+    more than STARVING_IDLE of the time is starvation (rollouts cannot keep
+    the trainer busy); otherwise balanced."""
+    fin = ~np.isnan(end)
+    leave = np.where(np.isnan(decided_at), duration_s, np.minimum(decided_at, duration_s))
+    sojourn = (leave - end)[fin]                                                    # [finished]
+    lam = float(fin.sum()) / duration_s
+    w = float(sojourn.mean()) if sojourn.size else None
+    mu = trained / trainer_train_s if trainer_train_s > 0 and trained else None
+    rho = (admitted / duration_s) / mu if mu else None
+    if rho is not None and rho > 1.0:
+        state = "backlog"
+    elif trainer_idle_fraction > STARVING_IDLE:
+        state = "starvation"
+    else:
+        state = "balanced"
+    return {"lambda_per_s": lam, "queue_w_s": w, "queue_l": (lam * w) if w is not None else None,
+            "queue_l_measured": float(sojourn.sum()) / duration_s, "mu_per_s": mu, "rho": rho,
+            "load_state": state}
 
 
 def _pct(values: np.ndarray, q: float) -> float | None:
@@ -130,6 +164,9 @@ def summarize(sim) -> dict[str, Any]:
         "final_policy_version": sim.policy_version,
         "admission_runs": sim.admission_runs,
         "pending_groups": int(sum(1 for d in sim.g_decision if d is None)),
+        **littles_law(duration_s=dur, end=end, decided_at=t_decided_at, admitted=int(admitted.sum()),
+                      trained=int(trained.sum()), trainer_train_s=sim.trainer_train_s,
+                      trainer_idle_fraction=sim.trainer_idle_s / dur),
         "config": config_dict(cfg),
         "config_hash": config_hash(cfg),
     }
@@ -150,6 +187,8 @@ SUMMARY_FIELDS = (
     ("queue_age_p95_s", "qage p95 s", "{:.0f}"),
     ("policy_lag_p95", "lag p95", "{:.0f}"),
     ("steps", "steps", "{:d}"),
+    ("rho", "rho", "{:.2f}"),
+    ("load_state", "load", "{}"),
 )
 
 
@@ -178,6 +217,9 @@ def render_text(s: dict[str, Any]) -> str:
     lines.append(f"  queue age p50 {fmt(s['queue_age_p50_s'], '{:.0f}')} s, p95 {fmt(s['queue_age_p95_s'], '{:.0f}')} s; "
                  f"policy lag at decision {_kv(s['policy_lag_hist'], ': ')}")
     lines.append(f"  group decisions {_kv(s['group_decisions'])}; pending groups {s['pending_groups']}")
+    lines.append(f"  Little's law: lambda {s['lambda_per_s']:.3f}/s, W {fmt(s['queue_w_s'], '{:.0f}')} s, "
+                 f"L = lambda*W {fmt(s['queue_l'], '{:.1f}')} trajectories waiting; trainer mu "
+                 f"{fmt(s['mu_per_s'], '{:.3f}')}/s, load rho {fmt(s['rho'], '{:.2f}')}: {s['load_state'].upper()}")
     for name, pc in s["per_class"].items():
         reasons = _kv(pc["reasons"])
         lines.append(f"  {name}: decided {pc['decided']:,}, admitted {pc['admitted']:,}, "

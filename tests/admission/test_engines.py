@@ -49,6 +49,11 @@ def member(draw, tid, gid, group_size):
                env_version=draw(st.sampled_from(["env-a", "env-a", "env-b"])),
                verifier_version=draw(st.sampled_from(["ver-1", "ver-1", "ver-2"])),
                temperature=draw(st.sampled_from([1.0, 1.0, 0.7])),
+               top_p=draw(st.sampled_from([1.0, 1.0, 1.0, 0.9])),
+               task_version=draw(st.sampled_from(["v1"] * 5 + ["v2"])),
+               harness_version=draw(st.sampled_from(["h-1"] * 5 + ["h-2"])),
+               tool_schema_version=draw(st.sampled_from([None, None, "calc/1", "calc/2"])),
+               prompt_ids=draw(st.sampled_from([[1, 2]] * 5 + [[1, 3]])),
                difficulty=draw(st.sampled_from([None, "easy", "hard"])),
                num_tool_calls=draw(st.integers(0, 20)), queue_wait_ms=draw(st.sampled_from([10, 800, 3000])),
                age_s=draw(st.sampled_from([30.0, 300.0, 900.0])), response_len=n)
@@ -74,6 +79,7 @@ def lakes(draw):
         component_caps=draw(st.sampled_from([{}, {"format": 0.2}])),
         advantage=draw(st.sampled_from(["grpo", "dr_grpo", "rloo"])),
         bucket_caps=draw(st.sampled_from([{}, {"difficulty:easy": 1}])),
+        mix_batch_fields=draw(st.sampled_from([(), (), ("verifier_version", "env_version")])),
     )
     quality = {r["trajectory_id"]: "quality:expect_column_values_to_be_in_set(status)"
                for r in rows if draw(st.integers(0, 9)) == 0}

@@ -22,6 +22,8 @@ HEALTH_QUERIES = (
     "quality", "quality_over_time", "quality_components", "quality_pass_at_k",
     "freshness", "freshness_lag", "freshness_rejections", "lineage", "lineage_summary", "lineage_trajectory",
     "receipts_latest", "training", "eval_curve", "rollout_lengths", "rollout_throughput", "success_by_difficulty",
+    "diag_component_variance", "diag_group_diversity", "diag_quantiles", "diag_token_shares", "diag_truncation",
+    "diag_advantage_extremes",
 )
 KEYS = ["run_id", "policy_version"]
 

@@ -57,6 +57,8 @@ class ArithmeticTool:
     env_version = "arithmetic-tool/1"
     verifier_version = "arithmetic-verifier/1"
     prompt_template_rev = "expr=/1"
+    tool_schema_version = "calc/1"
+    component_tags = {"task_success": "fact", "format": "heuristic", "tool_cost": "heuristic"}
     multi_turn = True
     idempotent = True          # the calculator is a pure function of its input
 

@@ -52,6 +52,14 @@ a complete environment in 25 lines::
             ok = answer == task.answer
             return Verification("PASS" if ok else "FAIL", float(ok), {"task_success": float(ok), "format": 1.0})
 
+Two optional declarations (read with ``tool_schema_version(env)`` and
+``component_tags(env)``; environments without them still work):
+``tool_schema_version`` names the tool interface the policy is shown (the
+harness records it per trajectory; admission compares it); ``component_tags``
+maps each reward component to ``fact`` (observed from the environment, e.g.
+the task really succeeded) or ``heuristic`` (a shaping term, e.g. format), so
+diagnostics (sql/diag_component_variance.sql) separate the two.
+
 The answer the harness hands to ``verify`` is the text between ``<ans>`` and
 ``<eos>`` of the final turn, or None when the final turn is not
 ``<ans>…<eos>`` (a hard format failure; ``answer_format`` below).
@@ -111,6 +119,37 @@ class Environment(Protocol):
     def step(self, task: Task, action: str, *, key: str) -> str: ...
 
     def verify(self, task: Task, answer: str | None, num_tool_calls: int) -> Verification: ...
+
+
+COMPONENT_TAGS = ("fact", "heuristic")
+
+
+def tool_schema_version(env: Any) -> str | None:
+    """The environment's declared tool-schema version (None when it declares none)."""
+    v = getattr(env, "tool_schema_version", None)
+    return None if v is None else str(v)
+
+
+def component_tags(env: Any) -> dict[str, str]:
+    """Reward component -> ``fact`` | ``heuristic`` as the environment declares them."""
+    tags = dict(getattr(env, "component_tags", None) or {})
+    bad = {k: v for k, v in tags.items() if v not in COMPONENT_TAGS}
+    if bad:
+        raise ConfigError(f"environment {getattr(env, 'name', env)!r}: component_tags {bad} are not fact/heuristic",
+                          hint="tag each reward component 'fact' (observed) or 'heuristic' (shaping)")
+    return tags
+
+
+def declared_component_tags() -> list[dict[str, str]]:
+    """(env_version, component, tag) of every registered environment (built-ins
+    included): the ``component_tags`` view of ``pipeline sql``."""
+    from pipeline.rollout import envs as _builtins  # noqa: F401  (registers the built-ins)
+
+    rows = []
+    for cls in _REGISTRY.values():
+        for comp, tag in sorted(component_tags(cls).items()):
+            rows.append({"env_version": str(cls.env_version), "component": comp, "tag": tag})
+    return sorted(rows, key=lambda r: (r["env_version"], r["component"]))
 
 
 def split_of(text: str, eval_fraction: int = 10) -> Split:

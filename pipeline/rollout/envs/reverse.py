@@ -19,6 +19,7 @@ class ReverseDigits:
     env_version = "reverse-digits/1"
     verifier_version = "reverse-verifier/1"
     prompt_template_rev = "r:digits=/1"
+    component_tags = {"task_success": "fact", "format": "heuristic"}
     multi_turn = False
     idempotent = True
 
