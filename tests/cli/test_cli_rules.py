@@ -113,8 +113,12 @@ def test_third_party_noise_is_silenced_unless_verbose(capsys, monkeypatch):
     dist.addHandler(handler)
     # importing distributed earlier in the session (a Dask test) sets its loggers' levels from
     # dask's config: start from levels that let a warning through, as in a fresh process
-    for lg, level in ((ds, logging.NOTSET), (dist, logging.WARNING), (shuffle, logging.NOTSET)):
-        monkeypatch.setattr(lg, "level", level)
+    chain = [ds, dist, logging.getLogger("distributed.shuffle"), shuffle]
+    for lg in chain:  # dask's logging config may also have disabled them or cut propagation
+        monkeypatch.setattr(lg, "level", logging.WARNING if lg is dist else logging.NOTSET)
+        monkeypatch.setattr(lg, "disabled", False)
+        monkeypatch.setattr(lg, "propagate", True)
+        monkeypatch.setattr(lg, "filters", [])
     try:
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
