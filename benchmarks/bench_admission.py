@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/run.py --only admission            # 1M trajectories (env BENCH_ADMISSION_N)
     .venv/bin/python benchmarks/run.py --only admission --quick    # 12k, short responses (< 1 min)
 
-The lake holds trajectories with realistic token arrays (pipeline.synth:
+The lake holds trajectories with realistic token arrays (pipeline.testing.trajectories:
 response lengths lognormal, median ~1,000, tail to 16k), written in chunks of
 50k via lake.append, three policy versions (so the freshness gate rejects a
 third of the groups) and random binary rewards (zero-variance groups). It is
@@ -45,7 +45,7 @@ def build(n: int, median: int) -> Path:
     """Create (or reuse) the benchmark lake."""
     from pipeline.lake.delta import Lake
     from pipeline.lake.ingest import stamp_derived
-    from pipeline.synth import make_trajectories
+    from pipeline.testing.trajectories import make_trajectories
 
     root = _lake_dir(n, median)
     done = root / "BUILT"

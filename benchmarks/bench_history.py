@@ -33,7 +33,7 @@ CHUNK = 100_000
 
 
 def _batch(n: int, seed: int, prefix: str, start: datetime):
-    from pipeline.synth import make_trajectories
+    from pipeline.testing.trajectories import make_trajectories
 
     return make_trajectories(n, seed=seed, median_len=32, sigma=0.5, max_len=512, prompt_len=32,
                              id_prefix=prefix, group_size=8, start=start, run_id=f"run-{seed % 4}")
@@ -82,7 +82,7 @@ import os, sys, time
 sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
 from pipeline.lake.delta import Lake
 from pipeline.lake.ingest import stamp_derived
-from pipeline.synth import make_trajectories
+from pipeline.testing.trajectories import make_trajectories
 lake = Lake(sys.argv[1]); w = int(sys.argv[2]); start = sys.argv[3]
 tables = [stamp_derived(make_trajectories({rows}, seed=w * 1000 + k, median_len=32, id_prefix=f"w{{w}}-{{k}}-"), "w")
           for k in range({batches})]
@@ -101,7 +101,7 @@ for k, t in enumerate(tables):
         assert p.wait() == 0
     t_many = time.perf_counter() - t0
     assert many.read("trajectories", columns=["trajectory_id"]).num_rows == procs * batches * rows
-    from pipeline.synth import make_trajectories
+    from pipeline.testing.trajectories import make_trajectories
     import pyarrow as pa
 
     one = Lake(root / "one")

@@ -24,7 +24,7 @@ CHUNK = 10_000
 
 
 def _make_inputs(root: Path, n: int) -> list[Path]:
-    from pipeline.synth import make_trajectories
+    from pipeline.testing.trajectories import make_trajectories
 
     files = []
     for k in range(0, n, CHUNK):

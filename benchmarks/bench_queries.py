@@ -11,7 +11,7 @@ partition columns from the hive-style paths), running the same SQL; both
 create views only for the tables the query names. The ratio is the views'
 overhead (reading the Delta log, mapping partition values); target <= 1.5x.
 
-The lake: pipeline.report.synth with SHORT token arrays (4-8 response tokens,
+The lake: pipeline.testing.health_lake with SHORT token arrays (4-8 response tokens,
 2 prompt tokens): the queries never read token values, only list lengths
 (efficiency, quality), so long arrays would only measure Parquet decoding of
 payload the queries do not touch. Trajectories land in 200k-row appends;
@@ -41,7 +41,7 @@ HIVE_TYPES = {"run_id": "VARCHAR", "created_day": "DATE"}
 
 def _lake(n: int, events: int):
     from pipeline.lake.delta import Lake
-    from pipeline.report.synth import HealthLakeSpec, build_health_lake
+    from pipeline.testing.health_lake import HealthLakeSpec, build_health_lake
 
     root = Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / f"bench_queries_{n}_{events}"
     lake = Lake(root / "lake")

@@ -122,7 +122,7 @@ def bench_step(quick: bool) -> Result:
 def bench_packing(quick: bool) -> Result:
     import numpy as np
 
-    from pipeline.synth import response_lengths
+    from pipeline.testing.trajectories import response_lengths
     from pipeline.train.packing import naive_batches, pack_by_length, padding_ratio
 
     n = 2000 if quick else 20000
@@ -138,7 +138,7 @@ def bench_packing(quick: bool) -> Result:
 def bench_demo_call(quick: bool) -> Result:
     from pipeline.lake.delta import Lake
     from pipeline.train.config import TrainConfig
-    from pipeline.train.fixtures import publish_synthetic_snapshot, publish_tiny_policy
+    from pipeline.testing.train_fixtures import publish_synthetic_snapshot, publish_tiny_policy
     from pipeline.train.run import train_snapshot
 
     n = 128 if quick else 320

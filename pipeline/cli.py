@@ -1,7 +1,7 @@
 """`pipeline ...`: parse, call one stage, print.
 
-Each stage registers its subcommands in a light ``command`` module
-(``pipeline/<stage>/command.py`` exposing ``register(subparsers)``); heavy
+Each verb registers its parser in its own light module
+(``pipeline/commands/<verb>.py`` exposing ``register(subparsers)``); heavy
 imports happen inside the handlers, so ``pipeline --help`` stays fast.
 Every command takes ``--lake URI``, ``--json`` and ``--verbose``; a handler
 returns an int exit code or None, and writes its result with :func:`emit` /
@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import importlib
 import io
-import importlib.util
 import json
 import logging
 import os
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
 from pipeline import __version__
+from pipeline.commands import VERBS
 from pipeline.errors import InputFileError, NotFoundError, PipelineError
 
 # Exit codes (documented in README "Exit codes and output").
@@ -64,20 +64,8 @@ QUIET_LOGGERS = ("DeepSpeed", "deepspeed", "transformers", "vllm", "distributed"
 # Where results go while a handler runs (the real stdout); see stdout_for_results.
 _RESULT: TextIO | None = None
 
-# Stage command modules, in --help order. A module that does not exist yet is
-# skipped (stages land one issue at a time); an error inside one is not.
-COMMAND_MODULES = (
-    "pipeline.demo_command",
-    "pipeline.rollout.command",
-    "pipeline.lake.command",
-    "pipeline.admission.command",
-    "pipeline.train.command",
-    "pipeline.query.command",
-    "pipeline.lineage_command",
-    "pipeline.report.command",
-    "pipeline.jobs_command",
-    "pipeline.sim.command",
-)
+# One module per verb (pipeline/commands/<verb>.py), in --help order.
+COMMAND_MODULES = tuple(f"pipeline.commands.{verb}" for verb in VERBS)
 
 
 def common(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -269,6 +257,26 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
                         help="override one config key (repeatable)")
 
 
+def config_keys_epilog(module: str, cls: str) -> str:
+    """The ``--help`` epilog listing the config keys of ``module.cls`` (imported only when help is shown)."""
+    from pipeline.config import keys_epilog
+
+    return keys_epilog(getattr(importlib.import_module(module), cls))
+
+
+def config_overrides(args: argparse.Namespace, mapping: dict[str, str]) -> dict[str, Any]:
+    """``--set k=v`` overrides plus the dedicated flags: ``mapping`` is {args attribute: config key};
+    a flag left at None does not override."""
+    from pipeline.config import parse_set
+
+    out = parse_set(getattr(args, "set", []))
+    for attr, key in mapping.items():
+        v = getattr(args, attr, None)
+        if v is not None:
+            out[key] = v
+    return out
+
+
 def emit(result: dict[str, Any] | None, args: argparse.Namespace, text: Callable[[dict[str, Any]], str] | None = None) -> None:
     """Write the command's result: one JSON document with --json, else ``text(result)``
     (or ``key: value`` lines)."""
@@ -318,8 +326,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pipeline {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name in COMMAND_MODULES:
-        if importlib.util.find_spec(name) is None:
-            continue
         importlib.import_module(name).register(sub)
     _describe_all(parser)
     return parser

@@ -8,7 +8,7 @@
     before: [[policy, init, --if-missing]]   # optional: command lines run first (bootstrap), each must succeed
 
 `pipeline jobs run NAME` runs one job once under a lease in the lake
-(pipeline/lease.py, name ``job-NAME`` under ``<lake>/_locks/``: generation
+(pipeline/lake/lease.py, name ``job-NAME`` under ``<lake>/_locks/``: generation
 objects created with an exclusive create, a hard link on a local lake, a
 conditional PUT (If-None-Match) on S3; docs/leases.md), so a double start — a
 Kubernetes CronJob may start a job twice — yields one run, and of any number
@@ -88,7 +88,7 @@ def load_jobs(jobs_dir: str | Path | None = None) -> dict[str, JobSpec]:
 
 # -- the lease lock ---------------------------------------------------------------------
 class JobLock:
-    """The job's lease (pipeline/lease.py, name ``job-<name>``). ``acquire``
+    """The job's lease (pipeline/lake/lease.py, name ``job-<name>``). ``acquire``
     returns False when another live holder has it (``held_by`` then says who);
     an expired lease is taken over by exactly one of any number of racers."""
 
@@ -99,7 +99,7 @@ class JobLock:
         self.held_by: dict[str, Any] | None = None
 
     def acquire(self) -> bool:
-        from pipeline.lease import try_acquire
+        from pipeline.lake.lease import try_acquire
 
         self.lease, self.held_by = try_acquire(
             self.lake, self.lease_name, ttl=self.lease_s,
@@ -107,7 +107,7 @@ class JobLock:
         return self.lease is not None
 
     def holder(self) -> dict[str, Any] | None:
-        from pipeline.lease import holder
+        from pipeline.lake.lease import holder
 
         return holder(self.lake, self.lease_name)
 
@@ -175,7 +175,7 @@ def run_job(lake, spec: JobSpec) -> dict[str, Any]:
 def _run_job(lake, spec: JobSpec, started: datetime) -> dict[str, Any]:
     lock = JobLock(lake, spec.name, spec.lease)
     if not lock.acquire():
-        from pipeline.lease import describe_holder
+        from pipeline.lake.lease import describe_holder
 
         return {"job": spec.name, "status": "skipped",
                 "reason": f"already running ({describe_holder(lock.lease_name, lock.held_by)})",

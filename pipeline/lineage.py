@@ -467,7 +467,7 @@ def _read_where(lake, name: str, columns: list[str] | None, column: str, values:
 def walk(lake, checkpoint_id: str, *, with_trajectories: bool = True, max_ancestors: int = 100) -> dict[str, Any]:
     """checkpoint -> parent chain; -> snapshots (row + manifest) -> member
     trajectories -> the versions they were produced with (counts)."""
-    from pipeline.admission.snapshot import open_snapshot, read_snapshot_table
+    from pipeline.snapshots.format import open_snapshot, read_snapshot_table
     from pipeline.errors import NotFoundError
 
     if not lake.exists("checkpoints"):

@@ -31,8 +31,8 @@ def lake(tmp_path):
 
 @pytest.fixture
 def make_traj():
-    """Factory for synthetic trajectories in the ingest contract (pipeline.synth)."""
-    from pipeline.synth import make_trajectories
+    """Factory for synthetic trajectories in the ingest contract (pipeline.testing.trajectories)."""
+    from pipeline.testing.trajectories import make_trajectories
 
     return make_trajectories
 

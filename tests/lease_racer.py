@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from pipeline.lake.delta import Lake
-from pipeline.lease import holder, try_acquire
+from pipeline.lake.lease import holder, try_acquire
 
 
 def main() -> None:

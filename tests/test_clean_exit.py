@@ -29,7 +29,7 @@ from pathlib import Path
 
 from pipeline.admission.config import AdmissionConfig
 from pipeline.admission.run import admit
-from pipeline.admission.snapshot import read_snapshot_table
+from pipeline.snapshots.format import read_snapshot_table
 from pipeline.lake import Lake, ingest_files
 from pipeline.query.duck import query
 

@@ -67,7 +67,7 @@ def test_double_start_yields_one_run(lake, tmp_path):
     d = _job(tmp_path, "slow", ["sql", slow, "--json"])
     first = subprocess.Popen([sys.executable, "-m", "pipeline", "jobs", "run", "slow", "--jobs-dir", str(d),
                               "--lake", lake.uri, "--json"], stdout=subprocess.PIPE, text=True)
-    from pipeline.lease import holder
+    from pipeline.lake.lease import holder
 
     for _ in range(600):
         if holder(lake, "job-slow") is not None or first.poll() is not None:
@@ -99,7 +99,7 @@ def test_breaking_an_expired_lease_never_deletes_a_fresh_one(lake):
     """Two starters both saw the old lease expired: the one that takes it over
     holds the job; the late one finds the fresh lease and backs off, and the
     fresh lease is still there (tests/test_leases.py races many at once)."""
-    from pipeline.lease import holder
+    from pipeline.lake.lease import holder
 
     dead = JobLock(lake, "k", lease_s=-1)
     assert dead.acquire()                    # a holder that died: its lease is over
@@ -147,7 +147,7 @@ def test_admission_job_runs_on_the_dask_cluster_infra_starts():
     assert worker["command"][:3] == ["dask", "worker", addr]
     assert "admit" in load_jobs()["admission"].args and "--engine" not in load_jobs()["admission"].args
 
-    from pipeline.admission.command import resolve_engine
+    from pipeline.commands.admit import resolve_engine
 
     assert resolve_engine("auto", addr) == ("dask", addr)
     assert resolve_engine("auto", None)[0] in ("duckdb", "dask")  # dask only if the env names a cluster

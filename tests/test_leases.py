@@ -1,4 +1,4 @@
-"""The lease (pipeline/lease.py, docs/leases.md): exclusive, renewable,
+"""The lease (pipeline/lake/lease.py, docs/leases.md): exclusive, renewable,
 releasable, and when a crashed holder left an expired lease, of many processes
 taking it over at the same instant exactly one gets it, on a local lake and on
 S3 (a moto server honouring If-None-Match)."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.lease import LeaseHeldError, LeaseLostError, acquire, holder, require, try_acquire
+from pipeline.lake.lease import LeaseHeldError, LeaseLostError, acquire, holder, require, try_acquire
 
 RACER = Path(__file__).with_name("lease_racer.py")
 RACERS, TRIALS = 8, 5
@@ -60,7 +60,7 @@ def test_expired_lease_is_taken_over_and_the_old_holder_has_lost_it(any_lake):
 def test_a_racer_with_an_old_listing_backs_off(lake, monkeypatch):
     """A racer that listed before a newer generation appeared creates a stale,
     lower generation; it must see the newer one and give its own up."""
-    import pipeline.lease as L
+    import pipeline.lake.lease as L
 
     acquire(lake, "job-z", owner="crashed", ttl=-1)         # generation 1, expired
     assert acquire(lake, "job-z", owner="winner", ttl=60).generation == 2
@@ -138,7 +138,7 @@ def test_simultaneous_takeover_of_an_expired_lease_has_exactly_one_winner(kind, 
 def test_a_retried_put_that_had_landed_is_still_ours(any_lake, monkeypatch):
     """A PUT retried after an ambiguous failure is refused (412) although its
     first attempt created the object: the lease compares tokens, not outcomes."""
-    import pipeline.lease as L
+    import pipeline.lake.lease as L
 
     real = L.objects.put_if_absent
 

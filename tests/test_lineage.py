@@ -13,9 +13,9 @@ import pytest
 @pytest.fixture
 def trained(lake, tmp_path):
     from pipeline.lake.ingest import ingest_files
-    from pipeline.synth import make_trajectories
+    from pipeline.testing.trajectories import make_trajectories
     from pipeline.train.config import TrainConfig
-    from pipeline.train.fixtures import publish_synthetic_snapshot, publish_tiny_policy
+    from pipeline.testing.train_fixtures import publish_synthetic_snapshot, publish_tiny_policy
     from pipeline.train.run import train_snapshot
 
     # the trajectories table holds the snapshot's members (same generator, same ids)
@@ -61,7 +61,7 @@ def test_failed_run_emits_fail_with_the_start_run_id(lake):
     from pipeline.lineage import read_events
     from pipeline.train.config import TrainConfig
     from pipeline.train.data import TrainDataError
-    from pipeline.train.fixtures import publish_synthetic_snapshot, publish_tiny_policy
+    from pipeline.testing.train_fixtures import publish_synthetic_snapshot, publish_tiny_policy
     from pipeline.train.run import train_snapshot
 
     publish_tiny_policy(lake, checkpoint_id="tiny-v0", vocab_size=64)

@@ -61,9 +61,9 @@ def test_full_loop_events_validate_and_join(lake, tmp_path, validator):
     from pipeline.lake.ingest import ingest_files
     from pipeline.lake.maintain import maintain
     from pipeline.lineage import read_events
-    from pipeline.synth import make_trajectories
+    from pipeline.testing.trajectories import make_trajectories
     from pipeline.train.config import TrainConfig
-    from pipeline.train.fixtures import publish_tiny_policy
+    from pipeline.testing.train_fixtures import publish_tiny_policy
     from pipeline.train.run import train_snapshot
 
     publish_tiny_policy(lake, vocab_size=30000, hidden_size=16, intermediate_size=32)

@@ -24,7 +24,7 @@ def test_whole_loop_on_object_storage(s3_env, tmp_path, make_traj):
 
     from pipeline.admission.config import AdmissionConfig
     from pipeline.admission.run import admit
-    from pipeline.admission.snapshot import verify_snapshot
+    from pipeline.snapshots.format import verify_snapshot
     from pipeline.cli import main
     from pipeline.lake.delta import Lake
     from pipeline.lake.ingest import ingest_files

@@ -85,7 +85,7 @@ def test_snapshot_and_checkpoint_files_survive_a_full_vacuum_of_every_table(demo
     directory that the log does not reference) cannot touch them."""
     from deltalake import DeltaTable
 
-    from pipeline.admission.snapshot import verify_snapshot
+    from pipeline.snapshots.format import verify_snapshot
     from pipeline.policy_store import resolve_policy
     from pipeline.schema import TABLES
 

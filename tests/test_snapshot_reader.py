@@ -8,7 +8,7 @@ import pytest
 
 @pytest.fixture
 def snap_lake(lake):
-    from pipeline.train.fixtures import publish_synthetic_snapshot
+    from pipeline.testing.train_fixtures import publish_synthetic_snapshot
 
     return lake, publish_synthetic_snapshot(lake, 12, seed=3, median_len=10, prompt_len=4)
 
@@ -17,7 +17,7 @@ def test_open_verifies_and_reads_members(snap_lake):
     import torch
 
     import pipeline.snapshots
-    from pipeline.admission.snapshot import read_snapshot_table
+    from pipeline.snapshots.format import read_snapshot_table
 
     lake, sid = snap_lake
     snap = pipeline.snapshots.open(lake, sid)

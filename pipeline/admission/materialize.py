@@ -22,7 +22,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.admission.snapshot import Snapshot, write_snapshot_stream
+from pipeline.snapshots.format import Snapshot
+
+from pipeline.snapshots.publish import write_snapshot_stream
 from pipeline.errors import IntegrityError
 
 SOURCE = ("trajectory_id", "content_hash", "run_id", "task_id", "group_size", "policy_version",

@@ -46,7 +46,7 @@ import pyarrow.compute as pc
 from pipeline.admission import candidates as cand
 from pipeline.admission.config import AdmissionConfig, admission_config_hash
 from pipeline.admission.decide import conform, finalize, group_schema, member_schema
-from pipeline.admission.snapshot import compute_snapshot_id, snapshot_dir
+from pipeline.snapshots.format import compute_snapshot_id, snapshot_dir
 from pipeline.errors import IntegrityError, PipelineError
 from pipeline.schema import table_spec
 
@@ -115,7 +115,7 @@ def _pause_point(attempt: int) -> None:
 def _previous_baseline(lake, cfg: AdmissionConfig) -> float | None:
     if cfg.advantage != "reinforce_batch_norm" or cfg.baseline_momentum is None or not lake.exists("snapshots"):
         return None
-    from pipeline.admission.snapshot import open_snapshot
+    from pipeline.snapshots.format import open_snapshot
 
     rows = lake.read("snapshots", columns=["snapshot_id", "advantage_estimator", "created_at"]).to_pylist()
     rows = [r for r in rows if r["advantage_estimator"] == "reinforce_batch_norm"]

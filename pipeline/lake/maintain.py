@@ -106,7 +106,7 @@ def _maintain(lake, *, retention_hours: int = 168, dry_run: bool = False,
             "kept_versions": kept,
         }
     report["snapshot_temp_dirs_removed"] = remove_snapshot_temps(lake, min_age_s=age, dry_run=dry_run)
-    from pipeline.admission.snapshot import remove_unpublished_payloads  # object stores' unpublished payloads
+    from pipeline.snapshots.publish import remove_unpublished_payloads  # object stores' unpublished payloads
 
     report["snapshot_temp_dirs_removed"] += remove_unpublished_payloads(lake, min_age_s=age, dry_run=dry_run)
     if keep_checkpoints:

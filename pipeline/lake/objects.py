@@ -2,8 +2,8 @@
 create-if-absent, read, list one level, delete. Paths are relative to the lake
 root (``_locks/job-x/lease.00000000000000000001``).
 
-``put_if_absent`` is the one atomic primitive the lease (pipeline/lease.py) and
-snapshot publication (pipeline/admission/snapshot.py) build on:
+``put_if_absent`` is the one atomic primitive the lease (pipeline/lake/lease.py) and
+snapshot publication (pipeline/snapshots/) build on:
 
 - local lake: the bytes go to a private temporary file that is then hard-linked
   to the target name; ``link`` fails if the name exists, so of N racers exactly

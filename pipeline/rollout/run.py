@@ -11,7 +11,7 @@ seeds are functions of ``(run_id, seed, group, member)``, so a restarted
 run knows exactly which episodes it owes.
 
 One owner per run. ``run_rollout`` holds a lease in the lake
-(``rollout-<run_id>`` in pipeline/lease.py, the jobs' lease: put-if-absent
+(``rollout-<run_id>`` in pipeline/lake/lease.py, the jobs' lease: put-if-absent
 generations, renewed in the background); a second invocation with the same ``run_id`` refuses while
 it is fresh and naming its owner, and takes the run over once it expired (at
 once when the owner provably died on this host). Workers die with the owner:
@@ -447,7 +447,7 @@ def _lock_name(run_id: str) -> str:
 
 
 class RunOwner:
-    """The run lease (``rollout-<run_id>``, pipeline/lease.py): taken before anything is
+    """The run lease (``rollout-<run_id>``, pipeline/lake/lease.py): taken before anything is
     written, renewed by a background thread every ``lease_s / 4``, released at
     the end. Losing it (the owner stalled past its lease and another invocation
     took the run over) calls ``on_lost`` and makes ``check`` raise."""
@@ -470,7 +470,7 @@ class RunOwner:
         import threading
 
         from pipeline.errors import ConflictError
-        from pipeline.lease import try_acquire
+        from pipeline.lake.lease import try_acquire
 
         self.lease, held = try_acquire(
             self.lake, self.name, ttl=self.cfg.lease_s,
@@ -491,7 +491,7 @@ class RunOwner:
         self._thread.start()
 
     def _beat(self) -> None:
-        from pipeline.lease import LeaseLostError
+        from pipeline.lake.lease import LeaseLostError
 
         renewed = time.monotonic()
         while not self._stop.wait(self.cfg.lease_s / 4):

@@ -14,5 +14,5 @@ trajectories in a lake and lets the real admission job decide them.
     sweep.py    --sweep key=v1,v2 grids, the printed table
     plot.py     the sweep plot (the only module importing matplotlib)
     lake_mode.py  trajectory rows in the ingest contract + the real admission gate
-    command.py  `pipeline simulate`
+    (the `pipeline simulate` verb is pipeline/commands/simulate.py)
 """

@@ -20,10 +20,12 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from pipeline.admission.snapshot import PUBLISH_BARRIER_ENV, compute_snapshot_id, write_snapshot_files
+from pipeline.snapshots.format import compute_snapshot_id
+
+from pipeline.snapshots.publish import PUBLISH_BARRIER_ENV, write_snapshot_files
 from pipeline.lake.delta import Lake
 from pipeline.schema import arrow_schema
-from pipeline.train.fixtures import synthetic_payload
+from pipeline.testing.train_fixtures import synthetic_payload
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import pytest
 from dask_cluster import Cluster
 from pipeline.admission.config import AdmissionConfig
 from pipeline.admission.run import admit
-from pipeline.admission.snapshot import verify_snapshot
+from pipeline.snapshots.format import verify_snapshot
 from pipeline.lake.ingest import stamp_derived
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 
 from pipeline.admission.config import AdmissionConfig
 from pipeline.admission.run import CRASH_ENV, PAUSE_ENV, admit
-from pipeline.admission.snapshot import verify_snapshot
+from pipeline.snapshots.format import verify_snapshot
 from pipeline.lake.delta import Lake
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from pyarrow.fs import FileSelector
 
-from pipeline.admission.snapshot import open_snapshot, verify_snapshot
+from pipeline.snapshots.format import open_snapshot, verify_snapshot
 
 RACER = Path(__file__).with_name("snapshot_racer.py")
 TRIALS = 3
@@ -76,9 +76,11 @@ def test_racing_publications_of_one_snapshot_id(kind, lake, tmp_path, request):
 def test_a_retried_manifest_put_that_had_landed_is_our_publication(s3_lake, monkeypatch):
     import pyarrow as pa
 
-    from pipeline.admission.snapshot import compute_snapshot_id, write_snapshot_files
+    from pipeline.snapshots.format import compute_snapshot_id
+
+    from pipeline.snapshots.publish import write_snapshot_files
     from pipeline.lake import objects
-    from pipeline.train.fixtures import synthetic_payload
+    from pipeline.testing.train_fixtures import synthetic_payload
 
     real = objects.put_if_absent
 
@@ -103,10 +105,12 @@ def test_maintain_removes_unpublished_payloads_on_s3(s3_lake, tmp_path):
     `lake maintain` removes them once old enough, never the published one."""
     import pyarrow as pa
 
-    from pipeline.admission.snapshot import compute_snapshot_id, snapshot_dir, write_snapshot_files
+    from pipeline.snapshots.format import compute_snapshot_id, snapshot_dir
+
+    from pipeline.snapshots.publish import write_snapshot_files
     from pipeline.lake import objects
     from pipeline.lake.maintain import maintain
-    from pipeline.train.fixtures import synthetic_payload
+    from pipeline.testing.train_fixtures import synthetic_payload
 
     def payload(seed):
         p = synthetic_payload(8, seed=seed)

@@ -10,7 +10,7 @@ import pytest
 from admission_rows import NOW, land, traj
 from pipeline.admission.config import AdmissionConfig
 from pipeline.admission.run import admit
-from pipeline.admission.snapshot import read_snapshot_table, verify_snapshot
+from pipeline.snapshots.format import read_snapshot_table, verify_snapshot
 from pipeline.cli import main
 from pipeline.errors import IntegrityError
 from pipeline.lake.delta import Lake
@@ -41,7 +41,7 @@ def test_snapshot_survives_append_compact_vacuum_and_copy(tmp_path, make_traj, c
     assert out["ok"] and out["snapshot_id"] == sid and out["members"] == first.admitted_members
     assert read_snapshot_table(moved, sid).equals(before)
     # the same members and config still hash to the same id
-    from pipeline.admission.snapshot import compute_snapshot_id
+    from pipeline.snapshots.format import compute_snapshot_id
 
     assert compute_snapshot_id(zip(before.column("trajectory_id").to_pylist(),
                                    before.column("content_hash").to_pylist()),

@@ -119,7 +119,7 @@ def _synth_lake(lake, tmp_path, n=32, **kw):
     import pyarrow.parquet as pq
 
     from pipeline.lake.ingest import ingest_files
-    from pipeline.synth import make_trajectories
+    from pipeline.testing.trajectories import make_trajectories
 
     t = make_trajectories(n, seed=2, median_len=12, prompt_len=4, **kw)
     f = tmp_path / f"t-{kw.get('run_id', 'run-0')}.parquet"
@@ -130,7 +130,7 @@ def _synth_lake(lake, tmp_path, n=32, **kw):
 
 def test_foreign_tokenizer_snapshot_is_refused(lake, qwen2_dir, tmp_path):
     from pipeline.admission.run import admit
-    from pipeline.train.fixtures import publish_tiny_policy
+    from pipeline.testing.train_fixtures import publish_tiny_policy
 
     publish_tiny_policy(lake, vocab_size=30000, hidden_size=16, intermediate_size=32)   # v0, tokenizer "tok-1"
     _synth_lake(lake, tmp_path)
@@ -149,12 +149,12 @@ def test_prompt_template_revision_the_policy_was_not_trained_with(lake, tmp_path
     from pipeline.errors import PipelineError
     from pipeline.policy_store import resolve_policy
     from pipeline.train.data import check_comparable
-    from pipeline.train.fixtures import publish_tiny_policy
+    from pipeline.testing.train_fixtures import publish_tiny_policy
 
     import pyarrow.parquet as pq
 
     from pipeline.lake.ingest import ingest_files
-    from pipeline.synth import make_trajectories
+    from pipeline.testing.trajectories import make_trajectories
 
     publish_tiny_policy(lake, vocab_size=30000, hidden_size=16, intermediate_size=32)
     t = make_trajectories(32, seed=2, median_len=12, prompt_len=4)
@@ -179,8 +179,8 @@ def test_admission_keeps_one_tokenizer_and_scopes(lake, tmp_path):
     from pipeline.admission.run import admit
     from pipeline.admission.scope import Scope
     from pipeline.lake.ingest import ingest_files
-    from pipeline.synth import make_trajectories
-    from pipeline.train.fixtures import publish_tiny_policy
+    from pipeline.testing.trajectories import make_trajectories
+    from pipeline.testing.train_fixtures import publish_tiny_policy
 
     publish_tiny_policy(lake, vocab_size=30000, hidden_size=16, intermediate_size=32)   # tokenizer "tok-1"
     a = make_trajectories(24, seed=2, median_len=12, prompt_len=4, run_id="run-a", id_prefix="a")
@@ -216,7 +216,7 @@ def test_checkpoint_retention_keeps_hf_and_newest_states(lake):
     from pipeline.lake.maintain import maintain
     from pipeline.lineage import walk
     from pipeline.policy_store import local_checkpoint_dir, publish_checkpoint, resolve_policy, retired_files
-    from pipeline.train.fixtures import publish_tiny_policy
+    from pipeline.testing.train_fixtures import publish_tiny_policy
 
     publish_tiny_policy(lake, hidden_size=16, intermediate_size=32)
     parent = "tiny-v0"

@@ -226,7 +226,7 @@ def test_snapshots_show_refuses_path_traversal(tmp_path, capsys):
 
 def test_deleted_or_unparseable_manifest_is_a_clear_error(tmp_path, capsys):
     from pipeline.lake.delta import Lake
-    from pipeline.train.fixtures import publish_synthetic_snapshot
+    from pipeline.testing.train_fixtures import publish_synthetic_snapshot
 
     lake = Lake(tmp_path / "lake")
     sid = publish_synthetic_snapshot(lake, 8, median_len=6, prompt_len=4)

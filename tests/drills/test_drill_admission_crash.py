@@ -24,7 +24,7 @@ import pytest
 
 from pipeline.admission.config import AdmissionConfig
 from pipeline.admission.run import admit
-from pipeline.admission.snapshot import verify_snapshot
+from pipeline.snapshots.format import verify_snapshot
 from pipeline.lake.delta import Lake
 from pipeline.lake.ingest import stamp_derived
 
@@ -80,7 +80,7 @@ def base(tmp_path_factory, make_traj_module):
 
 @pytest.fixture(scope="module")
 def make_traj_module():
-    from pipeline.synth import make_trajectories
+    from pipeline.testing.trajectories import make_trajectories
 
     return make_trajectories
 

@@ -172,7 +172,7 @@ def test_parent_killed_then_two_reruns_with_other_workers(lake, tool_policy, tmp
         ep, action = key.rsplit("/", 1)
         if (ep, action, "ACTION_EXECUTED") in events:
             assert (ep, action, "OBSERVATION_PERSISTED") in events
-    from pipeline.lease import holder
+    from pipeline.lake.lease import holder
 
     assert holder(lake, f"rollout-{run_id}") is None, "the owner releases its lease"
 

@@ -12,7 +12,7 @@ from deltalake import DeltaTable, write_deltalake
 from pipeline.lake.delta import Lake
 from pipeline.lake.ingest import stamp_derived
 from pipeline.schema import table_spec
-from pipeline.synth import make_trajectories
+from pipeline.testing.trajectories import make_trajectories
 
 NEW = ("prompt_hash", "tool_schema_version")
 

@@ -235,7 +235,7 @@ def test_ingest_killed_at_each_commit_boundary_converges_on_rerun(lake, tmp_path
 def test_maintain_killed_after_writing_compacted_files_loses_and_duplicates_nothing(lake, tmp_path, make_traj):
     from pipeline.admission.config import AdmissionConfig
     from pipeline.admission.run import admit
-    from pipeline.admission.snapshot import verify_snapshot
+    from pipeline.snapshots.format import verify_snapshot
 
     expected = _small_files_lake(lake, make_traj, 6)
     a = admit(lake, AdmissionConfig(quality=False), current_policy_version=0)

@@ -14,7 +14,7 @@ import sys
 
 def batch(app_id: str, k: int, rows: int, seed: int):
     from pipeline.lake.ingest import stamp_derived
-    from pipeline.synth import make_trajectories
+    from pipeline.testing.trajectories import make_trajectories
 
     t = make_trajectories(rows, seed=seed * 100_000 + k, median_len=8, sigma=0.3, id_prefix=f"{app_id}-b{k}-")
     return stamp_derived(t, f"writer-{app_id}")

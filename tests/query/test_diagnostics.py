@@ -34,7 +34,7 @@ def diag(tmp_path_factory):
     from pipeline.lake.delta import Lake
     from pipeline.lake.ingest import stamp_derived
     from pipeline.schema import table_spec
-    from pipeline.synth import make_trajectories
+    from pipeline.testing.trajectories import make_trajectories
 
     lake = Lake(tmp_path_factory.mktemp("diag") / "lake")
     rng = np.random.default_rng(7)

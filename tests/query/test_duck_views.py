@@ -79,7 +79,7 @@ def test_time_travel_and_compaction(lake, make_traj):
 @pytest.mark.parametrize("table", ["receipts", "checkpoints", "events", "snapshot_members"])
 def test_unpartitioned_tables_match(tmp_path, table):
     from pipeline.lake.delta import Lake
-    from pipeline.report.synth import HealthLakeSpec, build_health_lake
+    from pipeline.testing.health_lake import HealthLakeSpec, build_health_lake
 
     lake = Lake(tmp_path / "lake")
     build_health_lake(lake, HealthLakeSpec(trajectories_per_version=40, versions=2, event_episodes=10))

@@ -38,7 +38,7 @@ def _edge_rows() -> pa.Table:
     variance, all correct), one with a single valid member, 8-member groups
     with infra failures for pass@k with uneven n."""
     from pipeline.lake.contenthash import content_hashes
-    from pipeline.synth import make_trajectories
+    from pipeline.testing.trajectories import make_trajectories
 
     t = make_trajectories(40, seed=11, group_size=8, run_id="run-a", policy_version=1, id_prefix="edge-",
                           median_len=20, reward_p=0.4, with_hash=False)
@@ -75,7 +75,7 @@ def _edge_rows() -> pa.Table:
 def health(tmp_path_factory):
     from pipeline.lake.delta import Lake
     from pipeline.lake.ingest import stamp_derived
-    from pipeline.report.synth import HealthLakeSpec, build_health_lake
+    from pipeline.testing.health_lake import HealthLakeSpec, build_health_lake
 
     lake = Lake(tmp_path_factory.mktemp("health") / "lake")
     build_health_lake(lake, HealthLakeSpec(trajectories_per_version=160, versions=3, runs=("run-a", "run-b"),

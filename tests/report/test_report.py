@@ -49,7 +49,7 @@ def pixel_std(png: Path) -> float:
 @pytest.fixture(scope="module")
 def full_lake(tmp_path_factory):
     from pipeline.lake.delta import Lake
-    from pipeline.report.synth import HealthLakeSpec, build_health_lake
+    from pipeline.testing.health_lake import HealthLakeSpec, build_health_lake
 
     lake = Lake(tmp_path_factory.mktemp("report") / "lake")
     build_health_lake(lake, HealthLakeSpec(trajectories_per_version=120, versions=3, event_episodes=150))
@@ -135,7 +135,7 @@ def test_report_on_an_empty_lake_says_no_data_yet(lake, tmp_path):
 def test_report_with_trajectories_only(lake, tmp_path):
     """Rollouts landed, admission and training have not run yet."""
     from pipeline.lake.ingest import stamp_derived
-    from pipeline.report.synth import HealthLakeSpec, make_version_batch
+    from pipeline.testing.health_lake import HealthLakeSpec, make_version_batch
 
     spec = HealthLakeSpec()
     for v in range(2):
@@ -167,7 +167,7 @@ def test_alerts_say_in_words_what_is_wrong(tmp_path):
 
     from pipeline.lake.delta import Lake
     from pipeline.report.build import build_report
-    from pipeline.report.synth import HealthLakeSpec, build_health_lake
+    from pipeline.testing.health_lake import HealthLakeSpec, build_health_lake
     from pipeline.schema import table_spec
 
     lake = Lake(tmp_path / "lake")
@@ -194,7 +194,7 @@ def test_bucket_follows_the_span_of_the_data(lake):
 
     from pipeline.lake.ingest import ingest_table
     from pipeline.report.build import choose_bucket
-    from pipeline.synth import make_trajectories
+    from pipeline.testing.trajectories import make_trajectories
 
     assert choose_bucket(lake) == "hour"                                 # no data: the old default
     t = make_trajectories(8, seed=1)

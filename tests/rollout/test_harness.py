@@ -190,7 +190,7 @@ def test_follow_latest_between_turns_records_per_token_versions(lake, policy_dir
 
 def test_shipping_is_exactly_once_and_quarantines_bad_rows(lake, tmp_path):
     from pipeline.rollout.spool import Spool, ship
-    from pipeline.synth import make_trajectories
+    from pipeline.testing.trajectories import make_trajectories
 
     t = make_trajectories(4, seed=1, group_size=2).drop_columns(["content_hash"])
     recs = t.to_pylist()

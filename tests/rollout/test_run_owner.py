@@ -34,9 +34,9 @@ def test_a_second_owner_is_refused_naming_the_live_one(lake):
 
 def test_a_dead_owner_on_this_host_is_taken_over_at_once(lake):
     # a real process takes the lease for an hour and dies without releasing it
-    from pipeline.lease import holder
+    from pipeline.lake.lease import holder
 
-    code = ("import sys; from pipeline.lake.delta import Lake; from pipeline.lease import try_acquire; "
+    code = ("import sys; from pipeline.lake.delta import Lake; from pipeline.lake.lease import try_acquire; "
             "assert try_acquire(Lake(sys.argv[1]), 'rollout-dead', ttl=3600, info={'pid_bound': True})[0]")
     subprocess.run([sys.executable, "-c", code, lake.uri], check=True, timeout=120)
     gen = sorted((Path(lake.uri) / "_locks" / "rollout-dead").iterdir())[-1]
@@ -51,7 +51,7 @@ def test_a_dead_owner_on_this_host_is_taken_over_at_once(lake):
 def test_an_expired_lease_of_another_host_is_taken_over_a_fresh_one_is_not(lake, monkeypatch):
     import socket
 
-    from pipeline.lease import try_acquire
+    from pipeline.lake.lease import try_acquire
 
     with monkeypatch.context() as m:     # an owner on another machine: only its expiry can end its lease
         m.setattr(socket, "gethostname", lambda: "elsewhere")
@@ -69,7 +69,7 @@ def test_the_lease_is_renewed_and_a_lost_lease_stops_the_owner(lake):
     lost = []
     owner = RunOwner(lake, RolloutConfig(run_id="beat", lease_s=0.4), on_lost=lambda: lost.append(1))
     owner.acquire()
-    from pipeline.lease import holder
+    from pipeline.lake.lease import holder
 
     first = holder(lake, "rollout-beat")["expires"]
     deadline = time.time() + 30
@@ -103,7 +103,7 @@ def _spool_with(tmp_path, name, worker_id, trajs, events):
 
 
 def _records(n):
-    from pipeline.synth import make_trajectories
+    from pipeline.testing.trajectories import make_trajectories
 
     trajs = []
     for r in make_trajectories(n, seed=4, group_size=2).drop_columns(["content_hash"]).to_pylist():
@@ -213,7 +213,7 @@ def test_a_stalled_owner_stops_writing_before_its_lease_can_be_taken(lake):
     owner.check()
     owner._stop.set()                    # the renewals stop, as in a SIGSTOPped process
     owner._thread.join()
-    from pipeline.lease import holder
+    from pipeline.lake.lease import holder
 
     expires = holder(lake, "rollout-stall")["expires"]
     assert expires >= owner.valid_until.value

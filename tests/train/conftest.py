@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="session")
 def template_lake(tmp_path_factory):
     from pipeline.lake.delta import Lake
-    from pipeline.train.fixtures import publish_synthetic_snapshot, publish_tiny_policy
+    from pipeline.testing.train_fixtures import publish_synthetic_snapshot, publish_tiny_policy
 
     root = tmp_path_factory.mktemp("train-template") / "lake"
     lake = Lake(root)

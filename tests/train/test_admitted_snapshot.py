@@ -9,10 +9,10 @@ def test_train_on_an_admitted_snapshot(lake, tmp_path):
     from pipeline.admission.run import admit
     from pipeline.lake.ingest import ingest_files
     from pipeline.lineage import walk
-    from pipeline.synth import make_trajectories
+    from pipeline.testing.trajectories import make_trajectories
     from pipeline.train.config import TrainConfig
     from pipeline.train.data import receipt_counts
-    from pipeline.train.fixtures import publish_tiny_policy
+    from pipeline.testing.train_fixtures import publish_tiny_policy
     from pipeline.train.run import train_snapshot
 
     publish_tiny_policy(lake, vocab_size=30000, hidden_size=16, intermediate_size=32)   # synth ids < 30000

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pipeline.train.data import TrainDataError, check_members, collate, members_from_table
-from pipeline.train.fixtures import synthetic_payload
+from pipeline.testing.train_fixtures import synthetic_payload
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _publish_versions(lake, n: int) -> None:
-    from pipeline.train.fixtures import publish_tiny_policy
+    from pipeline.testing.train_fixtures import publish_tiny_policy
 
     for v in range(1, n + 1):
         publish_tiny_policy(lake, checkpoint_id=f"tiny-v{v}", seed=v)
@@ -63,7 +63,7 @@ def test_fresh_enough_snapshot_trains_and_records_consumption(tlake):
 
 
 def _publish_versions_from(lake, v: int) -> None:
-    from pipeline.train.fixtures import publish_tiny_policy
+    from pipeline.testing.train_fixtures import publish_tiny_policy
 
     publish_tiny_policy(lake, checkpoint_id=f"tiny-v{v}", seed=v)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.synth import response_lengths
+from pipeline.testing.trajectories import response_lengths
 from pipeline.train.packing import naive_batches, pack_by_length, padding_ratio, plan_steps
 
 

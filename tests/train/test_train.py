@@ -299,7 +299,7 @@ def test_cli_errors_say_what_to_do(tlake, capsys):
 
 
 def test_next_snapshot_continues_the_parents_optimizer(tlake, tlake2):
-    from pipeline.train.fixtures import publish_synthetic_snapshot
+    from pipeline.testing.train_fixtures import publish_synthetic_snapshot
 
     results = {}
     for name, (lake, sid), carry in (("carry", tlake, True), ("fresh", tlake2, False)):

@@ -36,7 +36,7 @@ def test_zero3_gathers_the_lm_head_only_around_the_chunked_call():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pipeline.train.ds_adapter import DeepSpeedStrategy, ds_config, single_process_env, zero3_init
-    from pipeline.train.fixtures import TINY
+    from pipeline.testing.train_fixtures import TINY
     from pipeline.train.logprobs import naive_token_logprobs
     from pipeline.train.model import PolicyLogprobs
 
@@ -114,7 +114,7 @@ def test_zero3_tied_qwen2_exports_what_zero0_exports(tmp_path):
 
     from pipeline.lake.delta import Lake
     from pipeline.policy_store import HF_SUBDIR, local_checkpoint_dir, next_policy_version, publish_checkpoint
-    from pipeline.train.fixtures import TINY, publish_synthetic_snapshot, tiny_tokenizer
+    from pipeline.testing.train_fixtures import TINY, publish_synthetic_snapshot, tiny_tokenizer
 
     out = {}
     for stage in (0, 3):

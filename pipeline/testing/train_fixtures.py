@@ -2,8 +2,8 @@
 
 ``publish_tiny_policy`` saves a random tiny Llama (+ a word-level tokenizer)
 as a published policy version; ``publish_synthetic_snapshot`` writes a
-snapshot in the admission format (pipeline.admission.snapshot) from
-``pipeline.synth.make_trajectories``, token ids folded into the model's
+snapshot in the admission format (pipeline.snapshots) from
+``pipeline.testing.trajectories.make_trajectories``, token ids folded into the model's
 vocabulary and GRPO advantages per group.
 """
 
@@ -30,7 +30,7 @@ def tiny_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
-# the tokenizer_rev pipeline.synth's trajectories declare: the tiny policy is the model they are made for
+# the tokenizer_rev pipeline.testing.trajectories's trajectories declare: the tiny policy is the model they are made for
 SYNTH_TOKENIZER_REV = "tok-1"
 
 
@@ -77,7 +77,7 @@ def synthetic_payload(n: int, *, seed: int = 0, vocab_size: int = 256, group_siz
                       snapshot_id: str = "") -> pa.Table:
     """Trajectories (ingest contract) turned into snapshot payload rows."""
     from pipeline.lake.contenthash import content_hashes
-    from pipeline.synth import make_trajectories
+    from pipeline.testing.trajectories import make_trajectories
 
     t = make_trajectories(n, seed=seed, group_size=group_size, median_len=median_len, prompt_len=prompt_len,
                           max_len=max_len, sigma=sigma, policy_version=policy_version)
@@ -105,7 +105,8 @@ def synthetic_payload(n: int, *, seed: int = 0, vocab_size: int = 256, group_siz
 def publish_payload_snapshot(lake, payload: pa.Table, *, config_hash: str = "test-admission",
                              estimator: str = "grpo", current_policy_version: int = 0) -> str:
     """Write ``payload`` as a snapshot (files + snapshots row); returns its id."""
-    from pipeline.admission.snapshot import compute_snapshot_id, write_snapshot_files
+    from pipeline.snapshots.format import compute_snapshot_id
+    from pipeline.snapshots.publish import write_snapshot_files
     from pipeline.schema import arrow_schema
 
     sid = compute_snapshot_id(zip(payload.column("trajectory_id").to_pylist(),

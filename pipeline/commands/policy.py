@@ -1,34 +1,12 @@
-"""CLI: ``pipeline rollout …``, ``pipeline policy init|eval``."""
+"""`pipeline policy init | import | list | eval`: policy versions."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pipeline.cli import add_config_options, common
-
-    p = common(sub.add_parser(
-        "rollout", help="run rollout workers for an environment and land trajectories + events",
-        description="Sample N groups of G trajectories from a policy on a verifiable environment; land\n"
-                    "trajectories and events in the lake with exactly-once batches. Rerun with the same\n"
-                    "--run-id to resume a crashed run. Creates the lake if it does not exist.\n"
-                    "Options below override the config key of the same name.",
-        epilog=lambda: _keys("pipeline.rollout.run", "RolloutConfig"), formatter_class=argparse.RawDescriptionHelpFormatter))
-    p.add_argument("--env", default=None, help="environment: arithmetic-tool | reverse-digits | module:Class")
-    p.add_argument("--engine", choices=["hf", "vllm"], default=None, help="generation engine (default hf)")
-    p.add_argument("--policy", default=None, metavar="PATH_OR_VERSION",
-                   help="policy version, checkpoint id, 'latest' (default) or an HF directory")
-    p.add_argument("--groups", type=int, default=None, metavar="N", help="groups to sample")
-    p.add_argument("--group-size", type=int, default=None, metavar="G", help="samples per group")
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="task and sampling seed")
-    p.add_argument("--workers", type=int, default=None, metavar="K", help="worker processes")
-    p.add_argument("--run-id", default=None, help="experiment id (same id = resume)")
-    p.add_argument("--follow-latest", action="store_true", default=None,
-                   help="switch to the newest published policy between waves")
-    add_config_options(p)
-    p.set_defaults(handler=_rollout)
+    from pipeline.cli import add_config_options, common, config_keys_epilog
 
     pol = sub.add_parser("policy", help="policy versions: init (version 0), import, list, eval")
     psub = pol.add_subparsers(dest="policy_command", metavar="ACTION")
@@ -38,7 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "warm start on synthetic demonstrations (20-40 s on a CPU; a progress bar on a terminal),\n"
                     "save it in HF format under <lake>/_checkpoints/ and publish it as policy version 0.\n"
                     "Idempotent for the same config. Creates the lake if it does not exist.",
-        epilog=lambda: _keys("pipeline.rollout.policy", "PolicyInitConfig"), formatter_class=argparse.RawDescriptionHelpFormatter))
+        epilog=lambda: config_keys_epilog("pipeline.rollout.policy", "PolicyInitConfig"), formatter_class=argparse.RawDescriptionHelpFormatter))
     i.add_argument("--seed", type=int, default=None, help="sets the seed key")
     i.add_argument("--warm-start-steps", type=int, default=None, help="sets the warm_start_steps key")
     i.add_argument("--if-missing", action="store_true",
@@ -79,65 +57,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     pol.set_defaults(handler=lambda a: pol.print_help())
 
 
-def _keys(module: str, cls: str) -> str:
-    import importlib
-
-    from pipeline.config import keys_epilog
-
-    return keys_epilog(getattr(importlib.import_module(module), cls))
-
-
-def _overrides(args: argparse.Namespace, mapping: dict[str, str]) -> dict[str, Any]:
-    from pipeline.config import parse_set
-
-    out = parse_set(getattr(args, "set", []))
-    for attr, key in mapping.items():
-        v = getattr(args, attr, None)
-        if v is not None:
-            out[key] = v
-    return out
-
-
-def _rollout(args: argparse.Namespace) -> None:
-    from pipeline.cli import emit, open_lake
-    from pipeline.config import load_config
-    from pipeline.rollout.run import RolloutConfig, run_rollout
-
-    over = _overrides(args, {"env": "env", "engine": "engine", "policy": "policy", "groups": "groups",
-                             "group_size": "group_size", "seed": "seed", "workers": "workers", "run_id": "run_id",
-                             "follow_latest": "follow_latest"})
-    if not args.json:
-        over.setdefault("progress", True)
-    cfg = load_config(RolloutConfig, args.config, over)
-    s = run_rollout(open_lake(args, create=True), cfg).as_dict()
-    emit(s, args, lambda r: (
-        f"rollout {r['run_id']}: {r['trajectories']} trajectories on {r['env']} ({r['engine']}, "
-        f"policy v{','.join(map(str, r['policy_versions']))}), {r['landed']} landed, {r['events']} events"
-        + (f", {r['quarantined']} quarantined" if r["quarantined"] else "")
-        + (f", {r['resumed']} resumed" if r["resumed"] else "")
-        + f"\n  status: {', '.join(f'{k} {v}' for k, v in sorted(r['statuses'].items()))}"
-        + f"\n  verdict: {', '.join(f'{k} {v}' for k, v in sorted(r['verdicts'].items()))}"
-        + f"\n  reward mean {_fmt(r['reward_mean'])}, success {_fmt(r['success_rate'])}"
-        + f"\n  {r['generated_tokens']} generated tokens, {r['tokens_per_s']:.0f} tokens/s "
-          f"({r['rollout_seconds']:.1f}s rolling out, {r['seconds']:.1f}s in total), {r['tool_executions']} tool calls"
-        + (f", {r['tools_abandoned']} past their deadline" if r["tools_abandoned"] else "")
-        + (f"\n  retries: {r['retries']} run, {r['retries_denied']} denied (budget spent or policy moved on)"
-           if r["retries"] or r["retries_denied"] else "")))
-
-
-def _fmt(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.3f}"
-
-
 def _init(args: argparse.Namespace) -> None:
     import sys
 
-    from pipeline.cli import emit, open_lake, progress_bar
+    from pipeline.cli import config_overrides, emit, open_lake, progress_bar
     from pipeline.config import load_config
     from pipeline.rollout.policy import PolicyInitConfig, init_policy
 
     cfg = load_config(PolicyInitConfig, args.config,
-                      _overrides(args, {"seed": "seed", "warm_start_steps": "warm_start_steps"}))
+                      config_overrides(args, {"seed": "seed", "warm_start_steps": "warm_start_steps"}))
     lake = open_lake(args, create=True)
     if args.if_missing:
         from pipeline.policy_store import latest_policy_version, resolve_policy

@@ -1,7 +1,7 @@
 """A synthetic lake with every table the health report reads, for tests,
 the query benchmark and report screenshots.
 
-Trajectories come from pipeline.synth.make_trajectories (one batch per policy
+Trajectories come from pipeline.testing.trajectories.make_trajectories (one batch per policy
 version, reward rising with the version), then get the faults a real fleet
 has: infrastructure failures with null reward, groups that mix environment or
 verifier versions, varied tool calls. Receipts, snapshot_members, checkpoints
@@ -52,7 +52,7 @@ def _ids(prefix: str, idx: np.ndarray) -> pa.Array:
 def make_version_batch(spec: HealthLakeSpec, run: str, version: int, offset: int, n: int) -> pa.Table:
     """``n`` trajectories of ``run`` at policy ``version`` with injected faults."""
     from pipeline.lake.contenthash import content_hashes
-    from pipeline.synth import make_trajectories
+    from pipeline.testing.trajectories import make_trajectories
 
     seed = spec.seed * 1000 + version * 37 + offset // max(spec.chunk, 1) + sum(run.encode()) % 7
     rng = np.random.default_rng(seed)

@@ -12,7 +12,7 @@
 ``open`` verifies before anything is read for training: every file's sha256
 against the manifest, the manifest against the ``snapshots`` table row that
 published it, and the snapshot id recomputed from the members (the format is
-pipeline/admission/snapshot.py; this module only reads it). A member is one
+pipeline/snapshots/format.py; this module only reads it). A member is one
 admitted trajectory: token ids (``prompt_ids``, ``response_ids``), the loss
 mask (1 = policy-sampled token; observation tokens are 0), the behaviour
 log-probs (``response_logprobs``, 0 where the mask is 0), the sequence
@@ -39,7 +39,7 @@ class SnapshotReader:
     """A verified snapshot. ``table``/``batches`` give Arrow, ``dataset`` torch."""
 
     def __init__(self, lake, snapshot_id: str, *, verify: bool = True) -> None:
-        from pipeline.admission.snapshot import open_snapshot, verify_snapshot
+        from pipeline.snapshots.format import open_snapshot, verify_snapshot
 
         self.lake = lake
         self.snapshot_id = snapshot_id
@@ -58,7 +58,7 @@ class SnapshotReader:
     def table(self, columns: list[str] | None = None) -> pa.Table:
         """The members (schemas/snapshot_payload.yaml), in snapshot order
         (group_id, trajectory_id). ``columns`` default: MEMBER_COLUMNS."""
-        from pipeline.admission.snapshot import read_snapshot_table
+        from pipeline.snapshots.format import read_snapshot_table
 
         cols = list(columns or MEMBER_COLUMNS)
         if self._table is None or not set(cols) <= set(self._table.column_names):

@@ -14,7 +14,7 @@ so generation numbers are never reused, and a winner that finds a newer
 generation than its own right after creating it (a racer that read an old
 listing) backs off.
 
-    from pipeline.lease import acquire
+    from pipeline.lake.lease import acquire
     lease = acquire(lake, "rollout-R1", owner="rollout on host-3", ttl=300)
     if lease is None: ...              # held: holder(lake, "rollout-R1") says by whom
     lease.renew()                      # heartbeat: extend by ttl (LeaseLostError if taken over)
@@ -38,7 +38,7 @@ from typing import Any
 
 from pipeline.errors import ConfigError, ConflictError, PipelineError
 from pipeline.lake import objects
-from pipeline.liveness import holder_is_dead, identity
+from pipeline.lake.liveness import holder_is_dead, identity
 
 LOCK_DIR = "_locks"
 _GEN = re.compile(r"^lease\.(\d{20})$")
@@ -95,7 +95,7 @@ def _read(lake, name: str, gen: int) -> dict[str, Any] | None:
 
 def _live(rec: dict[str, Any], now: float | None = None) -> bool:
     """Not released, not expired, and not provably dead (a holder on this host,
-    boot and pid namespace whose process is gone: pipeline/liveness.py)."""
+    boot and pid namespace whose process is gone: pipeline/lake/liveness.py)."""
     return not rec.get("released") and float(rec.get("expires", 0)) > (time.time() if now is None else now) \
         and not holder_is_dead(rec)
 
