@@ -1,4 +1,4 @@
-"""Declared admission checks: (name, blocking, severity, decision), separate from
+"""Declared admission checks: (name, blocking, decision), separate from
 how they run (the SQL in sql/admission_*.sql, the Dask and reference engines
 compute the per-group columns these read). The outcome of every check is data:
 the receipt's ``checks`` map holds ``pass``, ``fail:<detail>`` or ``skip`` for
@@ -24,7 +24,6 @@ OPS: dict[str, Callable[[float, float], bool]] = {
 class CheckSpec:
     name: str
     blocking: Callable[[AdmissionConfig], bool]
-    severity: str            # info | warning | error
     decision: str | None     # the decision when it blocks
     description: str
 
@@ -38,28 +37,28 @@ def _never(cfg: AdmissionConfig) -> bool:
 
 
 CHECKS: tuple[CheckSpec, ...] = (
-    CheckSpec("quality", _never, "error", None,
+    CheckSpec("quality", _never, None,
               "rows failing the great-expectations suite from schemas/ are excluded (reason quality:<expectation>)"),
-    CheckSpec("member_exclusions", _never, "info", None,
+    CheckSpec("member_exclusions", _never, None,
               "infra_failed / expired / no_reward (and, under truncation=filter, truncated) members leave the "
               "group baseline"),
-    CheckSpec("comparability", _never, "warning", None,
+    CheckSpec("comparability", _never, None,
               "members differing from the reference configuration are excluded (*_mismatch)"),
-    CheckSpec("freshness", _never, "warning", None,
+    CheckSpec("freshness", _never, None,
               "members with policy lag > max_policy_lag or queue wait > max_queue_wait_ms are excluded"),
-    CheckSpec("complete", lambda cfg: not cfg.admit_incomplete, "warning", "incomplete",
+    CheckSpec("complete", lambda cfg: not cfg.admit_incomplete, "incomplete",
               "all group_size members arrived (else the group timed out and is decided with what arrived)"),
-    CheckSpec("min_valid_members", _always, "error", "insufficient_valid",
+    CheckSpec("min_valid_members", _always, "insufficient_valid",
               "at least min_valid_members valid members"),
-    CheckSpec("reward_spread", lambda cfg: cfg.drop_zero_variance, "error", "zero_variance",
+    CheckSpec("reward_spread", lambda cfg: cfg.drop_zero_variance, "zero_variance",
               "max(reward) > min(reward) and population std >= min_reward_std (group estimators only; "
               "drop_zero_variance=false admits such groups with advantage 0)"),
-    CheckSpec("update_if", _always, "error", "gated",
+    CheckSpec("update_if", _always, "gated",
               "every reward-decomposition gate holds over the valid members"),
-    CheckSpec("batch_config", _always, "error", "batch_config_mismatch",
+    CheckSpec("batch_config", _always, "batch_config_mismatch",
               "the group's tokenizer/template/env/verifier versions are the snapshot's configuration (the most "
               "common among the groups admitted otherwise), unless mix_batch_fields opts in to mixing"),
-    CheckSpec("bucket_cap", _always, "warning", "capped",
+    CheckSpec("bucket_cap", _always, "capped",
               "the group's bucket labels are under their per-run caps"),
 )
 CHECK_NAMES = tuple(c.name for c in CHECKS)

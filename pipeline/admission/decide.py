@@ -33,15 +33,8 @@ _S, _F = pa.string(), pa.float64()
 REF_TYPES = (pa.int64(), _S, _S, _S, _S, _F, _F, _S, _S, _S, _S)
 
 
-def bucket_label(value, edges) -> str | None:
-    """``<e0``, ``e_i-e_{i+1}`` (half-open) or ``>=e_last``; None for a null value."""
-    if value is None or (isinstance(value, float) and np.isnan(value)):
-        return None
-    return bucket_labels(np.array([value], np.float64), edges)[0]
-
-
 def bucket_labels(values: np.ndarray, edges) -> np.ndarray:
-    """Vectorized ``bucket_label`` (NaN -> None)."""
+    """Per value: ``<e0``, ``e_i-e_{i+1}`` (half-open) or ``>=e_last``; ``all`` with no edges; NaN -> None."""
     values = np.asarray(values, np.float64)
     if not edges:
         labels = np.array(["all"], dtype=object)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
-from deltalake import CommitProperties, DeltaTable, Transaction, WriterProperties
+from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
 
 from pipeline import __version__
@@ -188,17 +188,6 @@ class AppendResult:
     txn_version: int
     duplicates: int = 0
     conflicts: pa.Table | None = None
-
-
-def _writer_properties(spec: TableSpec) -> WriterProperties:
-    from deltalake import ColumnProperties
-
-    # Dictionary encoding of token lists costs time and buys nothing
-    # (docs/dependency-notes.md: 1.7x faster writes with it off).
-    # Min/max statistics of token ids prune nothing and cost write time.
-    lists = {c.name: ColumnProperties(dictionary_enabled=False, statistics_enabled="NONE")
-             for c in spec.columns if c.is_list}
-    return WriterProperties(compression="ZSTD", compression_level=1, column_properties=lists or None)
 
 
 def resolve_lake_uri(uri: str | os.PathLike[str] | None = None) -> str:

@@ -45,10 +45,6 @@ class HealthLakeSpec:
     steps_per_checkpoint: int = 8
 
 
-def _ids(prefix: str, idx: np.ndarray) -> pa.Array:
-    return pa.array([f"{prefix}{i}" for i in idx.tolist()], pa.string())
-
-
 def make_version_batch(spec: HealthLakeSpec, run: str, version: int, offset: int, n: int) -> pa.Table:
     """``n`` trajectories of ``run`` at policy ``version`` with injected faults."""
     from pipeline.lake.contenthash import content_hashes
