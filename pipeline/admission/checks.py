@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 import numpy as np
 
+from pipeline.admission import rules
 from pipeline.admission.config import AdmissionConfig
 
 OPS: dict[str, Callable[[float, float], bool]] = {
@@ -86,10 +87,10 @@ def reason_details(group_index: np.ndarray, reasons: np.ndarray, n_groups: int) 
 
 
 MEMBER_REASONS = {
-    "quality": lambda r: r.startswith("quality:"),
-    "member_exclusions": lambda r: r in ("infra_failed", "expired", "no_reward", "truncated"),
-    "comparability": lambda r: r.endswith("_mismatch"),
-    "freshness": lambda r: r in ("stale_policy", "stale_wait"),
+    "quality": lambda r: r.startswith(rules.QUALITY_PREFIX),
+    "member_exclusions": lambda r: r in rules.EXCLUSION_REASONS,
+    "comparability": lambda r: r in rules.MISMATCH_REASONS,
+    "freshness": lambda r: r in rules.FRESHNESS_REASONS,
 }
 
 
@@ -150,6 +151,16 @@ def decide(cfg: AdmissionConfig, outcomes: dict[str, np.ndarray]) -> np.ndarray:
     return decision
 
 
+def first_blocking(failed: Collection[str], cfg: AdmissionConfig | None = None) -> str:
+    """One group's ``decide``: the decision of the first failing blocking check
+    among the check names in ``failed``, in declared order, else ``admit``.
+    ``cfg`` None: every check that has a decision blocks (the simulator's gate)."""
+    for spec in CHECKS:
+        if spec.decision and spec.name in failed and (cfg is None or spec.blocking(cfg)):
+            return spec.decision
+    return "admit"
+
+
 def batch_config_outcomes(cfg: AdmissionConfig, configs: dict[str, list], admit: np.ndarray) -> np.ndarray:
     """``batch_config`` outcome per group. ``configs[field]`` holds each group's
     reference value of every BATCH_FIELDS field; ``admit`` marks the groups every
@@ -158,19 +169,14 @@ def batch_config_outcomes(cfg: AdmissionConfig, configs: dict[str, list], admit:
     smaller tuple); an admitted group with another is ``fail:<field> <value> !=
     <snapshot value>``, others ``pass``; groups not admitted otherwise ``skip``.
     Every field opted in: ``skip`` for all."""
-    from collections import Counter
-
-    from pipeline.admission.config import BATCH_FIELDS
-
     n = len(admit)
     out = np.full(n, "skip", dtype=object)
-    fields = [f for f in BATCH_FIELDS if f not in cfg.mix_batch_fields]
+    fields = [f for f in rules.BATCH_FIELDS if f not in cfg.mix_batch_fields]
     idx = np.flatnonzero(admit)
     if not fields or len(idx) == 0:
         return out
     keys = {int(i): tuple(configs[f][i] for f in fields) for i in idx}
-    counts = Counter(keys.values())
-    ref = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[0][0]
+    ref = rules.snapshot_config(keys.values())
     for i, key in keys.items():
         if key == ref:
             out[i] = "pass"

@@ -23,12 +23,8 @@ import pyarrow as pa
 from pipeline.admission.advantages import ESTIMATORS, compute_advantages, running_baseline
 from pipeline.admission.checks import CHECK_NAMES, batch_config_outcomes, decide, group_outcomes
 from pipeline.admission.config import AdmissionConfig
+from pipeline.admission.rules import BATCH_FIELDS, REF_FIELDS
 
-REF_FIELDS = ("policy_version", "tokenizer_rev", "prompt_template_rev", "env_version", "verifier_version",
-              "temperature", "top_p", "task_version", "harness_version", "tool_schema_version", "prompt_hash")
-MISMATCH_REASONS = ("policy_mismatch", "tokenizer_mismatch", "template_mismatch", "env_mismatch",
-                    "verifier_mismatch", "temperature_mismatch", "top_p_mismatch", "task_version_mismatch",
-                    "harness_mismatch", "tool_schema_mismatch", "prompt_mismatch")
 _S, _F = pa.string(), pa.float64()
 REF_TYPES = (pa.int64(), _S, _S, _S, _S, _F, _F, _S, _S, _S, _S)
 
@@ -123,8 +119,6 @@ def finalize(members: pa.Table, groups: pa.Table, cfg: AdmissionConfig, *, confi
     }
     decision = decide(cfg, outcomes)
     # one configuration per snapshot, among the groups every per-group check admits
-    from pipeline.admission.config import BATCH_FIELDS
-
     outcomes["batch_config"] = batch_config_outcomes(
         cfg, {f: groups.column(f"ref_{f}").to_pylist() for f in BATCH_FIELDS}, decision == "admit")
     decision = decide(cfg, outcomes)

@@ -32,7 +32,9 @@ import pyarrow as pa
 
 from pipeline.admission import candidates as cand
 from pipeline.admission.config import AdmissionConfig
-from pipeline.admission.decide import MISMATCH_REASONS, REF_FIELDS, conform, group_schema, member_schema
+from pipeline.admission import rules
+from pipeline.admission.decide import conform, group_schema, member_schema
+from pipeline.admission.rules import MISMATCH_REASONS, REF_FIELDS
 from pipeline.errors import ConfigError, PipelineError
 
 SCHEDULER_ENV = "PIPELINE_DASK_SCHEDULER"
@@ -135,9 +137,10 @@ def decide_partition(df: pd.DataFrame, cfg: AdmissionConfig, current_policy_vers
     # 1. member exclusions
     q = df["trajectory_id"].map(quality) if quality else pd.Series([None] * len(df), dtype=object)
     member_reason = np.select(
-        [q.notna().to_numpy(), (df["status"] == "INFRA_FAILED").to_numpy(), (df["status"] == "EXPIRED").to_numpy(),
-         (df["verdict"].isin(["UNKNOWN", "ENV_ERROR"]) | df["reward"].isna()).to_numpy()],
-        [q.to_numpy(dtype=object), "infra_failed", "expired", "no_reward"], default=None).astype(object)
+        [q.notna().to_numpy()] + [(df["status"] == s).to_numpy() for s, _ in rules.STATUS_REASONS]
+        + [(df["verdict"].isin(list(rules.NO_REWARD_VERDICTS)) | df["reward"].isna()).to_numpy()],
+        [q.to_numpy(dtype=object)] + [r for _, r in rules.STATUS_REASONS] + [rules.NO_REWARD],
+        default=None).astype(object)
     df["member_reason"] = member_reason
     # 2. reference configuration among the rest
     rest = df[pd.isna(df["member_reason"])]
@@ -155,10 +158,10 @@ def decide_partition(df: pd.DataFrame, cfg: AdmissionConfig, current_policy_vers
         conds.append((df[f] != df[f"ref_{f}"]).to_numpy())
         why.append(reason)
     conds.append((lag > cfg.max_policy_lag).to_numpy())          # 3. freshness
-    why.append("stale_policy")
+    why.append(rules.STALE_POLICY)
     if cfg.max_queue_wait_ms is not None:
         conds.append((df["queue_wait_ms"] > cfg.max_queue_wait_ms).to_numpy())
-        why.append("stale_wait")
+        why.append(rules.STALE_WAIT)
     later = np.select(conds, why, default=None).astype(object)
     df["reason"] = np.where(pd.isna(df["member_reason"]), later, df["member_reason"])
     df.loc[pd.isna(df["reason"]), "reason"] = None
