@@ -62,17 +62,16 @@ def test_min_valid_members():
 
 
 def test_gate_decides_like_the_real_admission_engine():
-    """Random groups through the sim gate and through the real engine (DuckDB SQL +
-    decide.finalize, the core `pipeline admit` runs): the same reasons and decisions."""
+    """Random groups through the sim gate and through the real engine (decide_candidates:
+    the DuckDB SQL + decide.finalize, the core `pipeline admit` runs): the same reasons and decisions."""
     import random
     from datetime import datetime, timedelta, timezone
 
     import pyarrow as pa
 
-    from pipeline.admission import engine_duckdb
     from pipeline.admission.candidates import candidate_schema
     from pipeline.admission.config import AdmissionConfig
-    from pipeline.admission.decide import finalize
+    from pipeline.admission.engine_duckdb import decide_candidates
     from pipeline.admission.rules import COMPARABILITY, reference_config
     from pipeline.sim.gate import CONFIG_FIELDS, batch_config
 
@@ -109,10 +108,8 @@ def test_gate_decides_like_the_real_admission_engine():
         rows += members
         groups.append(members)
     cands = pa.Table.from_pylist(rows, schema=candidate_schema(cfg))
-    rejects = pa.table({"trajectory_id": pa.array([], pa.string()), "reason": pa.array([], pa.string())})
-    m, grp = engine_duckdb.run(None, cands, rejects, cfg, current_policy_version=current, now=now)
-    real = {r["group_id"]: r for r in finalize(m, grp, cfg, config_hash="h", current_policy_version=current)
-            .receipts.to_pylist()}
+    real = {r["group_id"]: r for r in decide_candidates(cands, cfg, current_policy_version=current, now=now,
+                                                          config_hash="h").receipts.to_pylist()}
 
     decisions, group_configs = [], []
     conf_fields = [f for f, _ in COMPARABILITY[1:]]
