@@ -46,23 +46,7 @@ DEFAULT_WORKER_TIMEOUT_S = 120.0
 dask.config.set({"dataframe.convert-string": False})
 
 
-def file_list(lake, version: int) -> list[tuple[str, dict[str, Any]]]:
-    """(absolute file uri, partition values) of every data file of trajectories@version."""
-    dt = lake.table("trajectories", version)
-    uris = dt.file_uris()
-    adds = pa.table(dt.get_add_actions(flatten=True))
-    parts = [c for c in adds.column_names if c.startswith("partition.")]
-    pv = {c[len("partition."):]: adds.column(c).to_pylist() for c in parts}
-    rel = adds.column("path").to_pylist()
-    by_rel = {r: {k: v[i] for k, v in pv.items()} for i, r in enumerate(rel)}
-    out = []
-    for u in uris:
-        match = next((r for r in by_rel if u.endswith(r) or u.endswith(r.replace("%3A", ":"))), None)
-        out.append((u, by_rel.get(match, {})))
-    return out
-
-
-def _read_file(item: tuple[str, dict[str, Any]], cfg: AdmissionConfig, decided: pa.Array,
+def _read_file(item: tuple[str, dict[str, str | None]], cfg: AdmissionConfig, decided: pa.Array,
                storage_options: dict | None) -> pd.DataFrame:
     import pyarrow.parquet as pq
     from pipeline.schema import table_spec
@@ -82,7 +66,7 @@ def _read_file(item: tuple[str, dict[str, Any]], cfg: AdmissionConfig, decided: 
     for c in cols:
         if c not in present:
             f = spec.column(c).arrow_field()
-            t = t.append_column(f, pa.array([partition_values.get(c)] * t.num_rows, f.type))
+            t = t.append_column(f, pa.array([partition_values.get(c)] * t.num_rows, pa.string()).cast(f.type))
     return cand.extract(t.select(cols), cfg, decided).to_pandas()
 
 
@@ -309,7 +293,7 @@ def run_with_quality(lake, version: int, cfg: AdmissionConfig, *, decided: pa.Ar
     -> (rejects table, summary) runs on the driver over the candidate scalars."""
     import dask.dataframe as dd
 
-    files = file_list(lake, version)
+    files = lake.live_file_uris("trajectories", version)   # (uri, partition values as log strings)
     m_schema, g_schema = member_schema(cfg), group_schema(cfg)
     if not files:
         return m_schema.empty_table(), g_schema.empty_table(), {}, 0

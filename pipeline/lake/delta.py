@@ -669,6 +669,21 @@ class Lake:
         vals = {c[len("partition."):]: t.column(c).to_pylist() for c in parts}
         return [(p, {k: _partition_str(v[i]) for k, v in vals.items()}) for i, p in enumerate(paths)]
 
+    def live_file_uris(self, name: str, version: int | None = None) -> list[tuple[str, dict[str, str | None]]]:
+        """(absolute file uri, partition values as log strings) of every live file of
+        ``name`` at ``version``: ``live_files`` with the uris delta-rs resolves (what
+        readers outside this process, e.g. Dask workers, open)."""
+        from urllib.parse import unquote
+
+        dt = self.table(name, version)
+        by_rel = {unquote(p): pv for p, pv in self.live_files(dt)}
+        out = []
+        for uri in dt.file_uris():
+            plain = unquote(uri)
+            match = next((r for r in by_rel if plain.endswith(r)), None)
+            out.append((uri, by_rel.get(match, {})))
+        return out
+
     def log_entries(self, name: str, version: int) -> list[dict[str, Any]] | None:
         """The actions of commit ``version`` from its JSON log file; None if that file is gone."""
         import json

@@ -17,7 +17,7 @@ import duckdb
 import pyarrow as pa
 
 from pipeline.errors import PipelineError
-from pipeline.schema import EXTRA_TABLES, TABLES, table_spec
+from pipeline.schema import ALL_TABLES, table_spec
 
 
 
@@ -60,7 +60,7 @@ def connect(lake, *, as_of: dict[str, int | datetime] | int | datetime | None = 
     versions: dict[str, Any] = {}
     if isinstance(as_of, dict):
         versions = as_of
-    for name in TABLES + EXTRA_TABLES:
+    for name in ALL_TABLES:
         if tables is not None and name not in tables:
             continue
         version = as_of if isinstance(as_of, (int, datetime)) and not isinstance(as_of, bool) else versions.get(name)
@@ -192,7 +192,7 @@ def query(lake, sql: str, *, params: dict[str, Any] | None = None,
     """Run ``sql`` over the lake's views; returns an Arrow table."""
     stripped = _strip_comments(sql)
     # open only the tables the query names: each costs a Delta log load
-    named = {t for t in TABLES + EXTRA_TABLES + ("component_tags",) if re.search(rf"\b{t}\b", stripped, re.I)}
+    named = {t for t in ALL_TABLES + ("component_tags",) if re.search(rf"\b{t}\b", stripped, re.I)}
     con = connect(lake, as_of=as_of, tables=named)
     try:
         used = set(re.findall(r"\$([A-Za-z_][A-Za-z0-9_]*)", stripped))
