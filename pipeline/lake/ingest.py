@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -494,8 +494,8 @@ class _Seen:
                                          promote_options="permissive")
 
 
-def _stage_sources(lake: Lake, sources, seen: _Seen, report: IngestReport
-                   ) -> tuple[list[Any], int, list[pa.Table]]:
+def _stage_sources(lake: Lake, sources: Callable[[], Iterator[tuple[str, str, pa.Table, list[str] | None, list[Reject]]]],
+                   seen: _Seen, report: IngestReport) -> tuple[list[Any], int, list[pa.Table]]:
     """(staged files, rows staged, quarantine tables): each source validated and
     deduplicated in order while a writer thread stages the previous one's rows.
     On any error the files staged so far are removed."""

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from pipeline.train.data import Members
     from pipeline.train.ds_adapter import DeepSpeedStrategy
     from pipeline.train.live import LiveMetrics
+    from pipeline.train.losses import Norm
     from pipeline.train.packing import Step
 
 __all__ = ["TrainConfig", "TrainResult", "train_snapshot", "run_identity"]
@@ -693,7 +694,7 @@ def _zero_weight_pass(strategy: DeepSpeedStrategy) -> None:
 
 
 def _micro_batch(strategy: DeepSpeedStrategy, members: Members, mb: list[int], cfg: TrainConfig, loss_kind: str,
-                 norm: Any, sums: _StepSums) -> dict[str, float]:
+                 norm: Norm, sums: _StepSums) -> dict[str, float]:
     """Forward/backward of one micro-batch; adds its sums to ``sums``, returns the loss's metrics."""
     import torch
 
