@@ -293,7 +293,7 @@ def run_with_quality(lake, version: int, cfg: AdmissionConfig, *, decided: pa.Ar
     -> (rejects table, summary) runs on the driver over the candidate scalars."""
     import dask.dataframe as dd
 
-    files = lake.live_file_uris("trajectories", version)   # (uri, partition values as log strings)
+    files = lake.live_file_uris(lake.table("trajectories", version))   # (uri, partition values as log strings)
     m_schema, g_schema = member_schema(cfg), group_schema(cfg)
     if not files:
         return m_schema.empty_table(), g_schema.empty_table(), {}, 0

@@ -669,19 +669,22 @@ class Lake:
         vals = {c[len("partition."):]: t.column(c).to_pylist() for c in parts}
         return [(p, {k: _partition_str(v[i]) for k, v in vals.items()}) for i, p in enumerate(paths)]
 
-    def live_file_uris(self, name: str, version: int | None = None) -> list[tuple[str, dict[str, str | None]]]:
-        """(absolute file uri, partition values as log strings) of every live file of
-        ``name`` at ``version``: ``live_files`` with the uris delta-rs resolves (what
-        readers outside this process, e.g. Dask workers, open)."""
+    @staticmethod
+    def live_file_uris(dt: DeltaTable) -> list[tuple[str, dict[str, str | None]]]:
+        """(absolute file uri, partition values as log strings) of every live file
+        of ``dt``: ``live_files`` with the uris delta-rs resolves (what readers
+        outside delta-rs open: DuckDB, Dask workers)."""
         from urllib.parse import unquote
 
-        dt = self.table(name, version)
-        by_rel = {unquote(p): pv for p, pv in self.live_files(dt)}
+        rel = Lake.live_files(dt)
+        uris = dt.file_uris()
+        if len(rel) == len(uris) and all(unquote(u).endswith(unquote(p)) for u, (p, _) in zip(uris, rel)):
+            return [(u, pv) for u, (_, pv) in zip(uris, rel)]     # the same order (the usual case)
+        by_rel = {unquote(p): pv for p, pv in rel}
         out = []
-        for uri in dt.file_uris():
+        for uri in uris:
             plain = unquote(uri)
-            match = next((r for r in by_rel if plain.endswith(r)), None)
-            out.append((uri, by_rel.get(match, {})))
+            out.append((uri, next((pv for r, pv in by_rel.items() if plain.endswith(r)), {})))
         return out
 
     def log_entries(self, name: str, version: int) -> list[dict[str, Any]] | None:

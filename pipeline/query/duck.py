@@ -135,14 +135,14 @@ def _parquet_view(con: duckdb.DuckDBPyConnection, name: str, dt) -> bool:
     columns = [f.name for f in dt.schema().fields]
     groups: dict[tuple, list[str]] = {(): list(uris)}
     if parts:
-        actions = pa.table(dt.get_add_actions(flatten=True))
-        paths = actions.column("path").to_pylist()
-        if len(paths) != len(uris) or any(not u.endswith(p) for u, p in zip(uris, paths)):
+        from pipeline.lake.delta import Lake
+
+        files = Lake.live_file_uris(dt)          # partition values as log strings, cast below
+        if any(set(pv) != set(parts) for _, pv in files):
             return False
-        keys = zip(*(actions.column(f"partition.{c}").to_pylist() for c in parts))
         groups = {}
-        for key, uri in zip(keys, uris):
-            groups.setdefault(tuple(key), []).append(uri)
+        for uri, pv in files:
+            groups.setdefault(tuple(pv[c] for c in parts), []).append(uri)
 
     def scan(files: list[str], extra: str = "") -> str:
         listed = "[" + ", ".join(_quote(f) for f in files) + "]"
@@ -158,7 +158,7 @@ def _parquet_view(con: duckdb.DuckDBPyConnection, name: str, dt) -> bool:
     else:
         rows = [{"__file": f, **dict(zip(parts, key))} for key, files in groups.items() for f in files]
         con.register(f"__parts_{name}", pa.Table.from_pylist(rows))
-        select = ", ".join(f'm."{c}"' if c in types else f'd."{c}"' for c in columns)
+        select = ", ".join(f'CAST(m."{c}" AS {types[c]}) AS "{c}"' if c in types else f'd."{c}"' for c in columns)
         source = scan(uris, ", filename = '__file'")
         body = (f"SELECT {select} FROM {source} AS d "
                 f'JOIN "__parts_{name}" AS m ON d.__file = m.__file')
