@@ -400,12 +400,6 @@ def policy_train_config(lake, ref: PolicyRef) -> dict[str, Any]:
     return json.loads(rows[0] or "{}") if rows else {}
 
 
-def policy_tokenizer_rev(lake, ref: PolicyRef) -> str:
-    """The policy's tokenizer revision: the one its checkpoint row records (a
-    trained version records its parent's), else the one of its files."""
-    return policy_train_config(lake, ref).get("tokenizer_rev") or tokenizer_rev(ref.hf_dir)
-
-
 # -- checkpoint retention ---------------------------------------------------------------------
 RETIRED_FILE = "retired.json"      # in a checkpoint directory: the DeepSpeed files retention removed
 RETIRABLE = ("ds/", "rng/")         # never hf/: the exported model every lineage query points to

@@ -87,14 +87,14 @@ def test_snapshot_and_checkpoint_files_survive_a_full_vacuum_of_every_table(demo
 
     from pipeline.snapshots.format import verify_snapshot
     from pipeline.policy_store import resolve_policy
-    from pipeline.schema import TABLES
+    from pipeline.schema import ALL_TABLES
 
     dst = tmp_path / "lake"
     shutil.copytree(demo_lake.uri, dst)
     lake = Lake(dst)
     a = admit(lake, AdmissionConfig())
     r = train_snapshot(lake, a.snapshot_id, TrainConfig(epochs=1), progress=False)
-    for name in TABLES + ("metrics",):
+    for name in ALL_TABLES:
         if lake.exists(name):
             DeltaTable(lake.table_uri(name)).vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False,
                                                     full=True)

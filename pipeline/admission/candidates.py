@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.admission.config import AdmissionConfig
+from pipeline.admission.rules import NULLABLE_KEYS
 
 # scalar trajectory columns the decisions read
 SCALARS = (
@@ -30,9 +31,6 @@ SCALARS = (
     "content_hash", "stop_reason", "top_p", "task_version", "harness_version", "tool_schema_version",
 )
 DERIVED = ("oldest_version", "response_len", "prompt_hash")  # stored per row at landing
-# comparability fields that may be null (unrecorded, or rows landed before the
-# column existed): compared as "" so that unrecorded equals unrecorded
-NULLABLE_KEYS = ("tool_schema_version", "prompt_hash")
 
 
 def source_columns(cfg: AdmissionConfig) -> list[str]:

@@ -1,4 +1,4 @@
-"""Declared admission checks: (name, blocking, severity, decision), separate from
+"""Declared admission checks: (name, blocking, decision), separate from
 how they run (the SQL in sql/admission_*.sql, the Dask and reference engines
 compute the per-group columns these read). The outcome of every check is data:
 the receipt's ``checks`` map holds ``pass``, ``fail:<detail>`` or ``skip`` for
@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 import numpy as np
 
+from pipeline.admission import rules
 from pipeline.admission.config import AdmissionConfig
 
 OPS: dict[str, Callable[[float, float], bool]] = {
@@ -24,7 +25,6 @@ OPS: dict[str, Callable[[float, float], bool]] = {
 class CheckSpec:
     name: str
     blocking: Callable[[AdmissionConfig], bool]
-    severity: str            # info | warning | error
     decision: str | None     # the decision when it blocks
     description: str
 
@@ -38,28 +38,28 @@ def _never(cfg: AdmissionConfig) -> bool:
 
 
 CHECKS: tuple[CheckSpec, ...] = (
-    CheckSpec("quality", _never, "error", None,
+    CheckSpec("quality", _never, None,
               "rows failing the great-expectations suite from schemas/ are excluded (reason quality:<expectation>)"),
-    CheckSpec("member_exclusions", _never, "info", None,
+    CheckSpec("member_exclusions", _never, None,
               "infra_failed / expired / no_reward (and, under truncation=filter, truncated) members leave the "
               "group baseline"),
-    CheckSpec("comparability", _never, "warning", None,
+    CheckSpec("comparability", _never, None,
               "members differing from the reference configuration are excluded (*_mismatch)"),
-    CheckSpec("freshness", _never, "warning", None,
+    CheckSpec("freshness", _never, None,
               "members with policy lag > max_policy_lag or queue wait > max_queue_wait_ms are excluded"),
-    CheckSpec("complete", lambda cfg: not cfg.admit_incomplete, "warning", "incomplete",
+    CheckSpec("complete", lambda cfg: not cfg.admit_incomplete, "incomplete",
               "all group_size members arrived (else the group timed out and is decided with what arrived)"),
-    CheckSpec("min_valid_members", _always, "error", "insufficient_valid",
+    CheckSpec("min_valid_members", _always, "insufficient_valid",
               "at least min_valid_members valid members"),
-    CheckSpec("reward_spread", lambda cfg: cfg.drop_zero_variance, "error", "zero_variance",
+    CheckSpec("reward_spread", lambda cfg: cfg.drop_zero_variance, "zero_variance",
               "max(reward) > min(reward) and population std >= min_reward_std (group estimators only; "
               "drop_zero_variance=false admits such groups with advantage 0)"),
-    CheckSpec("update_if", _always, "error", "gated",
+    CheckSpec("update_if", _always, "gated",
               "every reward-decomposition gate holds over the valid members"),
-    CheckSpec("batch_config", _always, "error", "batch_config_mismatch",
+    CheckSpec("batch_config", _always, "batch_config_mismatch",
               "the group's tokenizer/template/env/verifier versions are the snapshot's configuration (the most "
               "common among the groups admitted otherwise), unless mix_batch_fields opts in to mixing"),
-    CheckSpec("bucket_cap", _always, "warning", "capped",
+    CheckSpec("bucket_cap", _always, "capped",
               "the group's bucket labels are under their per-run caps"),
 )
 CHECK_NAMES = tuple(c.name for c in CHECKS)
@@ -87,10 +87,10 @@ def reason_details(group_index: np.ndarray, reasons: np.ndarray, n_groups: int) 
 
 
 MEMBER_REASONS = {
-    "quality": lambda r: r.startswith("quality:"),
-    "member_exclusions": lambda r: r in ("infra_failed", "expired", "no_reward", "truncated"),
-    "comparability": lambda r: r.endswith("_mismatch"),
-    "freshness": lambda r: r in ("stale_policy", "stale_wait"),
+    "quality": lambda r: r.startswith(rules.QUALITY_PREFIX),
+    "member_exclusions": lambda r: r in rules.EXCLUSION_REASONS,
+    "comparability": lambda r: r in rules.MISMATCH_REASONS,
+    "freshness": lambda r: r in rules.FRESHNESS_REASONS,
 }
 
 
@@ -151,6 +151,16 @@ def decide(cfg: AdmissionConfig, outcomes: dict[str, np.ndarray]) -> np.ndarray:
     return decision
 
 
+def first_blocking(failed: Collection[str], cfg: AdmissionConfig | None = None) -> str:
+    """One group's ``decide``: the decision of the first failing blocking check
+    among the check names in ``failed``, in declared order, else ``admit``.
+    ``cfg`` None: every check that has a decision blocks (the simulator's gate)."""
+    for spec in CHECKS:
+        if spec.decision and spec.name in failed and (cfg is None or spec.blocking(cfg)):
+            return spec.decision
+    return "admit"
+
+
 def batch_config_outcomes(cfg: AdmissionConfig, configs: dict[str, list], admit: np.ndarray) -> np.ndarray:
     """``batch_config`` outcome per group. ``configs[field]`` holds each group's
     reference value of every BATCH_FIELDS field; ``admit`` marks the groups every
@@ -159,19 +169,14 @@ def batch_config_outcomes(cfg: AdmissionConfig, configs: dict[str, list], admit:
     smaller tuple); an admitted group with another is ``fail:<field> <value> !=
     <snapshot value>``, others ``pass``; groups not admitted otherwise ``skip``.
     Every field opted in: ``skip`` for all."""
-    from collections import Counter
-
-    from pipeline.admission.config import BATCH_FIELDS
-
     n = len(admit)
     out = np.full(n, "skip", dtype=object)
-    fields = [f for f in BATCH_FIELDS if f not in cfg.mix_batch_fields]
+    fields = [f for f in rules.BATCH_FIELDS if f not in cfg.mix_batch_fields]
     idx = np.flatnonzero(admit)
     if not fields or len(idx) == 0:
         return out
     keys = {int(i): tuple(configs[f][i] for f in fields) for i in idx}
-    counts = Counter(keys.values())
-    ref = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[0][0]
+    ref = rules.snapshot_config(keys.values())
     for i, key in keys.items():
         if key == ref:
             out[i] = "pass"

@@ -11,14 +11,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pipeline.admission.rules import BATCH_FIELDS  # the configuration one snapshot holds
 from pipeline.errors import ConfigError
 
 # "AGG(component) OP number", e.g. "max(task_success) >= 0.5"
 GATE_RE = re.compile(r"^\s*(min|max|mean)\s*\(\s*([A-Za-z_][A-Za-z0-9_]*)\s*\)\s*(>=|<=|>|<|==)\s*"
                      r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
 BUCKET_FIELDS = ("difficulty", "length_bucket", "tool_call_bucket", "reward_std_bucket")
-# the configuration one snapshot holds (docs/admission-rules.md, "Per snapshot")
-BATCH_FIELDS = ("tokenizer_rev", "prompt_template_rev", "env_version", "verifier_version")
 
 
 @dataclass(frozen=True)

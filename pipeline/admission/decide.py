@@ -23,25 +23,14 @@ import pyarrow as pa
 from pipeline.admission.advantages import ESTIMATORS, compute_advantages, running_baseline
 from pipeline.admission.checks import CHECK_NAMES, batch_config_outcomes, decide, group_outcomes
 from pipeline.admission.config import AdmissionConfig
+from pipeline.admission.rules import BATCH_FIELDS, REF_FIELDS
 
-REF_FIELDS = ("policy_version", "tokenizer_rev", "prompt_template_rev", "env_version", "verifier_version",
-              "temperature", "top_p", "task_version", "harness_version", "tool_schema_version", "prompt_hash")
-MISMATCH_REASONS = ("policy_mismatch", "tokenizer_mismatch", "template_mismatch", "env_mismatch",
-                    "verifier_mismatch", "temperature_mismatch", "top_p_mismatch", "task_version_mismatch",
-                    "harness_mismatch", "tool_schema_mismatch", "prompt_mismatch")
 _S, _F = pa.string(), pa.float64()
 REF_TYPES = (pa.int64(), _S, _S, _S, _S, _F, _F, _S, _S, _S, _S)
 
 
-def bucket_label(value, edges) -> str | None:
-    """``<e0``, ``e_i-e_{i+1}`` (half-open) or ``>=e_last``; None for a null value."""
-    if value is None or (isinstance(value, float) and np.isnan(value)):
-        return None
-    return bucket_labels(np.array([value], np.float64), edges)[0]
-
-
 def bucket_labels(values: np.ndarray, edges) -> np.ndarray:
-    """Vectorized ``bucket_label`` (NaN -> None)."""
+    """Per value: ``<e0``, ``e_i-e_{i+1}`` (half-open) or ``>=e_last``; ``all`` with no edges; NaN -> None."""
     values = np.asarray(values, np.float64)
     if not edges:
         labels = np.array(["all"], dtype=object)
@@ -90,10 +79,44 @@ def _np(col: pa.ChunkedArray | pa.Array, dtype, fill) -> np.ndarray:
 
 def finalize(members: pa.Table, groups: pa.Table, cfg: AdmissionConfig, *, config_hash: str,
              current_policy_version: int, previous_baseline: float | None = None) -> Decisions:
-    import pyarrow.compute as pc
-
     members = members.sort_by([("group_id", "ascending"), ("trajectory_id", "ascending")])
     groups = groups.sort_by([("group_id", "ascending")])
+    m = _member_arrays(members, groups)
+    stats = _reward_stats(m, groups.num_rows)
+    labels = _group_labels(groups, cfg, stats)
+    outcomes, decision = _decide_groups(cfg, groups, m, labels)
+    receipts = _receipts(groups, m, stats, labels, outcomes, decision, config_hash=config_hash,
+                         current_policy_version=current_policy_version)
+    admitted, baseline = _admitted(cfg, m, labels, decision, previous_baseline)
+    values, counts_ = np.unique(decision.astype(str), return_counts=True) if groups.num_rows else ([], [])
+    counts = {str(v): int(c) for v, c in zip(values, counts_)}
+    return Decisions(receipts, admitted, counts, baseline)
+
+
+@dataclass
+class _MemberArrays:
+    """The engine's member rows, sorted (group_id, trajectory_id), as arrays [M]."""
+
+    table: pa.Table
+    gidx: np.ndarray        # each member's row in the (sorted) group table
+    valid: np.ndarray       # no exclusion reason
+    reward: np.ndarray      # null -> 0
+    reasons: np.ndarray     # object: the exclusion reason or None
+
+
+@dataclass
+class _RewardStats:
+    """Per group [G]: reward mean / population std over the valid members."""
+
+    mean: np.ndarray
+    std: np.ndarray
+    has: np.ndarray         # the group has valid members (else mean/std are null)
+
+
+def _member_arrays(members: pa.Table, groups: pa.Table) -> _MemberArrays:
+    """Index members by group; both engines' tables must cover the same groups, in order."""
+    import pyarrow.compute as pc
+
     n_groups = groups.num_rows
     gidx = np.asarray(pc.index_in(members.column("group_id"), value_set=groups.column("group_id").combine_chunks())
                       .to_numpy(zero_copy_only=False))
@@ -102,71 +125,97 @@ def finalize(members: pa.Table, groups: pa.Table, cfg: AdmissionConfig, *, confi
     gidx = gidx.astype(np.int64)
     if n_groups and np.bincount(gidx, minlength=n_groups).min() == 0:
         raise AssertionError("a group has no member rows (engine output out of order)")
-    valid = np.asarray(pc.is_null(members.column("reason")).to_numpy(zero_copy_only=False), bool)   # [M]
-    reward = _np(members.column("reward"), np.float64, 0.0)                                          # [M]
-    # reward mean / population std over valid members, one fixed order for every engine
-    cnt = np.bincount(gidx[valid], minlength=n_groups).astype(np.float64)                           # [G]
-    mean = np.bincount(gidx[valid], weights=reward[valid], minlength=n_groups) / np.maximum(cnt, 1)
-    dev = reward[valid] - mean[gidx[valid]]
-    std = np.sqrt(np.bincount(gidx[valid], weights=dev * dev, minlength=n_groups) / np.maximum(cnt, 1))
-    has = cnt > 0
-    mean_arr = pa.array(np.where(has, mean, 0.0), pa.float64(), mask=~has)
-    std_arr = pa.array(np.where(has, std, 0.0), pa.float64(), mask=~has)
+    valid = np.asarray(pc.is_null(members.column("reason")).to_numpy(zero_copy_only=False), bool)
+    reward = _np(members.column("reward"), np.float64, 0.0)
     reasons = np.asarray(members.column("reason").to_numpy(zero_copy_only=False), dtype=object)
-    group_baseline = ESTIMATORS[cfg.advantage].group_baseline
-    gate_values = [_np(groups.column(f"gate_{i}"), np.float64, np.nan) for i in range(len(cfg.gates))]
-    outcomes = group_outcomes(
-        cfg, group_baseline=group_baseline, excluded_group=gidx[~valid], excluded_reason=reasons[~valid],
-        arrived=_np(groups.column("arrived_members"), np.int64, 0),
-        group_size=_np(groups.column("group_size"), np.int64, 0), n_valid=_np(groups.column("n_valid"), np.int64, 0),
-        min_valid_ok=_np(groups.column("min_valid_ok"), bool, False),
-        spread_ok=_np(groups.column("spread_ok"), bool, False), gate_values=gate_values)
-    labels = {
+    return _MemberArrays(members, gidx, valid, reward, reasons)
+
+
+def _reward_stats(m: _MemberArrays, n_groups: int) -> _RewardStats:
+    """Reward mean / population std over valid members, one fixed order for every engine."""
+    g, r = m.gidx[m.valid], m.reward[m.valid]
+    cnt = np.bincount(g, minlength=n_groups).astype(np.float64)                                     # [G]
+    mean = np.bincount(g, weights=r, minlength=n_groups) / np.maximum(cnt, 1)
+    dev = r - mean[g]
+    std = np.sqrt(np.bincount(g, weights=dev * dev, minlength=n_groups) / np.maximum(cnt, 1))
+    return _RewardStats(mean, std, cnt > 0)
+
+
+def _group_labels(groups: pa.Table, cfg: AdmissionConfig, stats: _RewardStats) -> dict[str, np.ndarray]:
+    """Each group's bucket labels (BUCKET_FIELDS): difficulty, length, tool calls, reward std."""
+    return {
         "difficulty": np.asarray(groups.column("difficulty").to_numpy(zero_copy_only=False), dtype=object),
         "length_bucket": bucket_labels(_np(groups.column("max_response_len"), np.float64, np.nan), cfg.length_edges),
         "tool_call_bucket": bucket_labels(_np(groups.column("max_tool_calls"), np.float64, np.nan),
                                           cfg.tool_call_edges),
-        "reward_std_bucket": bucket_labels(np.where(has, std, np.nan), cfg.reward_std_edges),
+        "reward_std_bucket": bucket_labels(np.where(stats.has, stats.std, np.nan), cfg.reward_std_edges),
     }
+
+
+def _decide_groups(cfg: AdmissionConfig, groups: pa.Table, m: _MemberArrays, labels: dict[str, np.ndarray]
+                   ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """(outcome of every check per group, decision per group): the per-group checks,
+    then the snapshot's one configuration, then the bucket caps."""
+    gate_values = [_np(groups.column(f"gate_{i}"), np.float64, np.nan) for i in range(len(cfg.gates))]
+    outcomes = group_outcomes(
+        cfg, group_baseline=ESTIMATORS[cfg.advantage].group_baseline, excluded_group=m.gidx[~m.valid],
+        excluded_reason=m.reasons[~m.valid], arrived=_np(groups.column("arrived_members"), np.int64, 0),
+        group_size=_np(groups.column("group_size"), np.int64, 0), n_valid=_np(groups.column("n_valid"), np.int64, 0),
+        min_valid_ok=_np(groups.column("min_valid_ok"), bool, False),
+        spread_ok=_np(groups.column("spread_ok"), bool, False), gate_values=gate_values)
     decision = decide(cfg, outcomes)
     # one configuration per snapshot, among the groups every per-group check admits
-    from pipeline.admission.config import BATCH_FIELDS
-
     outcomes["batch_config"] = batch_config_outcomes(
         cfg, {f: groups.column(f"ref_{f}").to_pylist() for f in BATCH_FIELDS}, decision == "admit")
     decision = decide(cfg, outcomes)
-    if cfg.bucket_caps:  # in group_id order, per run
-        outcomes["bucket_cap"] = np.full(n_groups, "pass", dtype=object)
-        used: dict[str, int] = {}
-        caps = [(k, k.split(":", 1)[0], k.split(":", 1)[1], v) for k, v in sorted(cfg.bucket_caps.items())]
-        for i in np.flatnonzero(decision == "admit"):
-            hit = [(k, cap) for k, fld, lab, cap in caps if labels[fld][i] == lab]
-            over = [(k, cap) for k, cap in hit if used.get(k, 0) >= cap]
-            if over:
-                outcomes["bucket_cap"][i] = "fail:" + ",".join(f"{k} cap {cap}" for k, cap in over)
-            else:
-                for k, _ in hit:
-                    used[k] = used.get(k, 0) + 1
+    if cfg.bucket_caps:
+        outcomes["bucket_cap"] = _bucket_cap_outcomes(cfg, decision, labels)
         decision = decide(cfg, outcomes)
-    tids = members.column("trajectory_id").combine_chunks()
-    valid_off = np.concatenate([[0], np.cumsum(np.bincount(gidx[valid], minlength=n_groups))]).astype(np.int32)
-    excl = ~valid
-    excl_off = np.concatenate([[0], np.cumsum(np.bincount(gidx[excl], minlength=n_groups))]).astype(np.int32)
+    return outcomes, decision
+
+
+def _bucket_cap_outcomes(cfg: AdmissionConfig, decision: np.ndarray, labels: dict[str, np.ndarray]) -> np.ndarray:
+    """``bucket_cap`` per group: admitted groups count against their labels' caps in group_id order, per run."""
+    out = np.full(len(decision), "pass", dtype=object)
+    used: dict[str, int] = {}
+    caps = [(k, k.split(":", 1)[0], k.split(":", 1)[1], v) for k, v in sorted(cfg.bucket_caps.items())]
+    for i in np.flatnonzero(decision == "admit"):
+        hit = [(k, cap) for k, fld, lab, cap in caps if labels[fld][i] == lab]
+        over = [(k, cap) for k, cap in hit if used.get(k, 0) >= cap]
+        if over:
+            out[i] = "fail:" + ",".join(f"{k} cap {cap}" for k, cap in over)
+        else:
+            for k, _ in hit:
+                used[k] = used.get(k, 0) + 1
+    return out
+
+
+def _receipts(groups: pa.Table, m: _MemberArrays, stats: _RewardStats, labels: dict[str, np.ndarray],
+              outcomes: dict[str, np.ndarray], decision: np.ndarray, *, config_hash: str,
+              current_policy_version: int) -> pa.Table:
+    """One receipt per group (receipt_core_schema)."""
+    n_groups = groups.num_rows
+    tids = m.table.column("trajectory_id").combine_chunks()
+    valid, excl = m.valid, ~m.valid
+    valid_off = np.concatenate([[0], np.cumsum(np.bincount(m.gidx[valid], minlength=n_groups))]).astype(np.int32)
+    excl_off = np.concatenate([[0], np.cumsum(np.bincount(m.gidx[excl], minlength=n_groups))]).astype(np.int32)
     k = len(CHECK_NAMES)
     check_items = np.stack([outcomes[c] for c in CHECK_NAMES], axis=1).ravel()                      # [G*k]
-    ref = {f"ref_{f}": groups.column(f"ref_{f}") for f in REF_FIELDS}
+    has = stats.has
     schema = receipt_core_schema()
     cols = {
         "group_id": groups.column("group_id"),
         "config_hash": pa.array([config_hash] * n_groups, pa.string()),
         "current_policy_version": pa.array(np.full(n_groups, int(current_policy_version), np.int64)),
-        "run_id": groups.column("run_id"), "task_id": groups.column("task_id"), **ref,
+        "run_id": groups.column("run_id"), "task_id": groups.column("task_id"),
+        **{f"ref_{f}": groups.column(f"ref_{f}") for f in REF_FIELDS},
         "group_size": groups.column("group_size"), "arrived_members": groups.column("arrived_members"),
         "valid_members": pa.ListArray.from_arrays(pa.array(valid_off), tids.filter(pa.array(valid))),
         "excluded_members": pa.MapArray.from_arrays(
             pa.array(excl_off), tids.filter(pa.array(excl)),
-            pa.array(reasons[excl].tolist(), pa.string())),
-        "reward_mean": mean_arr, "reward_std": std_arr,
+            pa.array(m.reasons[excl].tolist(), pa.string())),
+        "reward_mean": pa.array(np.where(has, stats.mean, 0.0), pa.float64(), mask=~has),
+        "reward_std": pa.array(np.where(has, stats.std, 0.0), pa.float64(), mask=~has),
         "policy_lag": groups.column("policy_lag"), "max_queue_wait_ms": groups.column("max_queue_wait_ms"),
         **{name: pa.array(v.tolist(), pa.string()) for name, v in labels.items()},
         "checks": pa.MapArray.from_arrays(pa.array(np.arange(0, n_groups * k + 1, k, dtype=np.int32)),
@@ -174,10 +223,16 @@ def finalize(members: pa.Table, groups: pa.Table, cfg: AdmissionConfig, *, confi
                                           pa.array(check_items.tolist(), pa.string())),
         "decision": pa.array(decision.tolist(), pa.string()),
     }
-    receipts = pa.table({f.name: cols[f.name] for f in schema}).cast(schema)
-    # admitted members: valid members of admitted groups
-    adm = valid & (decision[gidx] == "admit") if members.num_rows else np.zeros(0, bool)            # [M]
-    rewards = reward[adm]
+    return pa.table({f.name: cols[f.name] for f in schema}).cast(schema)
+
+
+def _admitted(cfg: AdmissionConfig, m: _MemberArrays, labels: dict[str, np.ndarray], decision: np.ndarray,
+              previous_baseline: float | None) -> tuple[pa.Table, float | None]:
+    """(admitted members with their advantages, the running baseline to carry):
+    the valid members of admitted groups."""
+    members, gidx = m.table, m.gidx
+    adm = m.valid & (decision[gidx] == "admit") if members.num_rows else np.zeros(0, bool)         # [M]
+    rewards = m.reward[adm]
     codes = np.unique(gidx[adm], return_inverse=True)[1].astype(np.int64) if adm.any() else np.zeros(0, np.int64)
     baseline = running_baseline(previous_baseline, rewards, cfg.baseline_momentum) \
         if cfg.advantage == "reinforce_batch_norm" else None
@@ -186,7 +241,7 @@ def finalize(members: pa.Table, groups: pa.Table, cfg: AdmissionConfig, *, confi
     sel = pa.array(adm)
     std_bucket = labels["reward_std_bucket"][gidx[adm]]
     admitted = pa.table({
-        "trajectory_id": tids.filter(sel),
+        "trajectory_id": members.column("trajectory_id").combine_chunks().filter(sel),
         "group_id": members.column("group_id").filter(sel),
         "content_hash": members.column("content_hash").filter(sel),
         "advantage": pa.array(adv, pa.float64()),
@@ -199,9 +254,7 @@ def finalize(members: pa.Table, groups: pa.Table, cfg: AdmissionConfig, *, confi
                                                        np.nan), cfg.tool_call_edges).tolist(), pa.string()),
         "reward_std_bucket": pa.array(std_bucket.tolist(), pa.string()),
     }, schema=admitted_schema())
-    values, counts_ = np.unique(decision.astype(str), return_counts=True) if n_groups else ([], [])
-    counts = {str(v): int(c) for v, c in zip(values, counts_)}
-    return Decisions(receipts, admitted, counts, baseline)
+    return admitted, baseline
 
 
 def member_schema(cfg: AdmissionConfig) -> pa.Schema:

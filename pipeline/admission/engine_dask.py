@@ -32,7 +32,9 @@ import pyarrow as pa
 
 from pipeline.admission import candidates as cand
 from pipeline.admission.config import AdmissionConfig
-from pipeline.admission.decide import MISMATCH_REASONS, REF_FIELDS, conform, group_schema, member_schema
+from pipeline.admission import rules
+from pipeline.admission.decide import conform, group_schema, member_schema
+from pipeline.admission.rules import MISMATCH_REASONS, REF_FIELDS
 from pipeline.errors import ConfigError, PipelineError
 
 SCHEDULER_ENV = "PIPELINE_DASK_SCHEDULER"
@@ -44,23 +46,7 @@ DEFAULT_WORKER_TIMEOUT_S = 120.0
 dask.config.set({"dataframe.convert-string": False})
 
 
-def file_list(lake, version: int) -> list[tuple[str, dict[str, Any]]]:
-    """(absolute file uri, partition values) of every data file of trajectories@version."""
-    dt = lake.table("trajectories", version)
-    uris = dt.file_uris()
-    adds = pa.table(dt.get_add_actions(flatten=True))
-    parts = [c for c in adds.column_names if c.startswith("partition.")]
-    pv = {c[len("partition."):]: adds.column(c).to_pylist() for c in parts}
-    rel = adds.column("path").to_pylist()
-    by_rel = {r: {k: v[i] for k, v in pv.items()} for i, r in enumerate(rel)}
-    out = []
-    for u in uris:
-        match = next((r for r in by_rel if u.endswith(r) or u.endswith(r.replace("%3A", ":"))), None)
-        out.append((u, by_rel.get(match, {})))
-    return out
-
-
-def _read_file(item: tuple[str, dict[str, Any]], cfg: AdmissionConfig, decided: pa.Array,
+def _read_file(item: tuple[str, dict[str, str | None]], cfg: AdmissionConfig, decided: pa.Array,
                storage_options: dict | None) -> pd.DataFrame:
     import pyarrow.parquet as pq
     from pipeline.schema import table_spec
@@ -80,7 +66,7 @@ def _read_file(item: tuple[str, dict[str, Any]], cfg: AdmissionConfig, decided: 
     for c in cols:
         if c not in present:
             f = spec.column(c).arrow_field()
-            t = t.append_column(f, pa.array([partition_values.get(c)] * t.num_rows, f.type))
+            t = t.append_column(f, pa.array([partition_values.get(c)] * t.num_rows, pa.string()).cast(f.type))
     return cand.extract(t.select(cols), cfg, decided).to_pandas()
 
 
@@ -135,9 +121,10 @@ def decide_partition(df: pd.DataFrame, cfg: AdmissionConfig, current_policy_vers
     # 1. member exclusions
     q = df["trajectory_id"].map(quality) if quality else pd.Series([None] * len(df), dtype=object)
     member_reason = np.select(
-        [q.notna().to_numpy(), (df["status"] == "INFRA_FAILED").to_numpy(), (df["status"] == "EXPIRED").to_numpy(),
-         (df["verdict"].isin(["UNKNOWN", "ENV_ERROR"]) | df["reward"].isna()).to_numpy()],
-        [q.to_numpy(dtype=object), "infra_failed", "expired", "no_reward"], default=None).astype(object)
+        [q.notna().to_numpy()] + [(df["status"] == s).to_numpy() for s, _ in rules.STATUS_REASONS]
+        + [(df["verdict"].isin(list(rules.NO_REWARD_VERDICTS)) | df["reward"].isna()).to_numpy()],
+        [q.to_numpy(dtype=object)] + [r for _, r in rules.STATUS_REASONS] + [rules.NO_REWARD],
+        default=None).astype(object)
     df["member_reason"] = member_reason
     # 2. reference configuration among the rest
     rest = df[pd.isna(df["member_reason"])]
@@ -155,10 +142,10 @@ def decide_partition(df: pd.DataFrame, cfg: AdmissionConfig, current_policy_vers
         conds.append((df[f] != df[f"ref_{f}"]).to_numpy())
         why.append(reason)
     conds.append((lag > cfg.max_policy_lag).to_numpy())          # 3. freshness
-    why.append("stale_policy")
+    why.append(rules.STALE_POLICY)
     if cfg.max_queue_wait_ms is not None:
         conds.append((df["queue_wait_ms"] > cfg.max_queue_wait_ms).to_numpy())
-        why.append("stale_wait")
+        why.append(rules.STALE_WAIT)
     later = np.select(conds, why, default=None).astype(object)
     df["reason"] = np.where(pd.isna(df["member_reason"]), later, df["member_reason"])
     df.loc[pd.isna(df["reason"]), "reason"] = None
@@ -306,7 +293,7 @@ def run_with_quality(lake, version: int, cfg: AdmissionConfig, *, decided: pa.Ar
     -> (rejects table, summary) runs on the driver over the candidate scalars."""
     import dask.dataframe as dd
 
-    files = file_list(lake, version)
+    files = lake.live_file_uris(lake.table("trajectories", version))   # (uri, partition values as log strings)
     m_schema, g_schema = member_schema(cfg), group_schema(cfg)
     if not files:
         return m_schema.empty_table(), g_schema.empty_table(), {}, 0

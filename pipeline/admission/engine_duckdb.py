@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from pipeline.admission.config import AdmissionConfig
+
+if TYPE_CHECKING:
+    from pipeline.admission.decide import Decisions
 
 _SQL_AGG = {"min": "min", "max": "max", "mean": "avg"}
 
@@ -67,3 +70,18 @@ def run(lake, candidates: pa.Table, quality_rejects: pa.Table, cfg: AdmissionCon
     finally:
         con.close()
     return members, groups
+
+
+def decide_candidates(candidates: pa.Table, cfg: AdmissionConfig, *, current_policy_version: int, now: datetime,
+                      config_hash: str, quality_rejects: pa.Table | None = None) -> Decisions:
+    """The admission core without a lake: this engine over candidate rows
+    (candidates.extract's output), then decide.finalize. What ``pipeline admit``
+    decides between its scan and its commit, less the snapshot's tokenizer scope
+    and the incremental state; the synthetic report lake and the tests use it."""
+    from pipeline.admission.decide import finalize
+
+    if quality_rejects is None:
+        quality_rejects = pa.table({"trajectory_id": pa.array([], pa.string()), "reason": pa.array([], pa.string())})
+    members, groups = run(None, candidates, quality_rejects, cfg, current_policy_version=current_policy_version,
+                          now=now)
+    return finalize(members, groups, cfg, config_hash=config_hash, current_policy_version=current_policy_version)

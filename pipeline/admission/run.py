@@ -274,7 +274,7 @@ def _admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: 
                        if admitted.num_rows else None)
         source_versions = {"trajectories": int(tv), "receipts": int(rv)}
         target = _target_report(target_groups, n_admit_groups, dec.receipts.num_rows)
-        receipts = _stamp(dec.receipts, run_id, snapshot_id, receipts_schema)
+        receipts = stamp_receipts(dec.receipts, run_id, snapshot_id, receipts_schema)
         rows = receipts.num_rows
         result = AdmissionResult(run_id, snapshot_id, current, chash, engine, dry_run, receipts, dict(dec.counts),
                                  n_admit_groups, admitted.num_rows, 0, source_versions,
@@ -320,15 +320,16 @@ def _policy_tokenizer(lake, version: int) -> str | None:
     return info["tokenizer_rev"] if info else None
 
 
-def _stamp(core: pa.Table, run_id: str, snapshot_id: str | None, schema: pa.Schema) -> pa.Table:
-    """Receipt rows from finalize's core columns plus this run's id, snapshot and time."""
+def stamp_receipts(core: pa.Table, run_id: str, snapshot_id: str | None, schema: pa.Schema, *,
+                   decided_at: datetime | None = None) -> pa.Table:
+    """Receipt rows from finalize's core columns plus this run's id, snapshot and time (default: now)."""
     n = core.num_rows
     admitted = pc.equal(core.column("decision"), "admit")
     cols = {c: core.column(c) for c in core.column_names}
     cols["admission_run_id"] = pa.array([run_id] * n, pa.string())
     cols["snapshot_id"] = pc.if_else(admitted, pa.scalar(snapshot_id, pa.string()), pa.scalar(None, pa.string())) \
         if n else pa.array([], pa.string())
-    cols["decided_at"] = pa.array([datetime.now(timezone.utc)] * n, pa.timestamp("us", tz="UTC"))
+    cols["decided_at"] = pa.array([decided_at or datetime.now(timezone.utc)] * n, pa.timestamp("us", tz="UTC"))
     return pa.table({f.name: cols[f.name] for f in schema}).cast(schema)
 
 

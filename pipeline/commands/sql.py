@@ -100,9 +100,9 @@ def _sql(args: argparse.Namespace) -> None:
 
     from pipeline.cli import emit, open_lake, out, result_stream
     from pipeline.errors import ConfigError, PipelineError
-    from pipeline.query.duck import EXTRA_TABLES, _strip_comments, declared_params, parse_as_of, query
+    from pipeline.query.duck import _strip_comments, declared_params, parse_as_of, query
     from pipeline.resources import resource_dir
-    from pipeline.schema import TABLES
+    from pipeline.schema import ALL_TABLES
 
     if args.list:
         named = {}
@@ -139,10 +139,10 @@ def _sql(args: argparse.Namespace) -> None:
                           hint=f"its parameters: {', '.join(sorted(used))}" if used else "the query takes no parameters")
     as_of = parse_as_of(args.as_of)
     if isinstance(as_of, dict):
-        bad = sorted(set(as_of) - set(TABLES) - set(EXTRA_TABLES))
+        bad = sorted(set(as_of) - set(ALL_TABLES))
         if bad:
             raise ConfigError(f"--as-of {', '.join(bad)}: no such table",
-                              hint=f"tables: {', '.join(TABLES + EXTRA_TABLES)}")
+                              hint=f"tables: {', '.join(ALL_TABLES)}")
     table = query(open_lake(args), sql, params=params, as_of=as_of)
     print_table(table, as_json=args.json, as_csv=args.csv, out=result_stream())
 

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
-from deltalake import CommitProperties, DeltaTable, Transaction, WriterProperties
+from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
 
 from pipeline import __version__
@@ -188,17 +188,6 @@ class AppendResult:
     txn_version: int
     duplicates: int = 0
     conflicts: pa.Table | None = None
-
-
-def _writer_properties(spec: TableSpec) -> WriterProperties:
-    from deltalake import ColumnProperties
-
-    # Dictionary encoding of token lists costs time and buys nothing
-    # (docs/dependency-notes.md: 1.7x faster writes with it off).
-    # Min/max statistics of token ids prune nothing and cost write time.
-    lists = {c.name: ColumnProperties(dictionary_enabled=False, statistics_enabled="NONE")
-             for c in spec.columns if c.is_list}
-    return WriterProperties(compression="ZSTD", compression_level=1, column_properties=lists or None)
 
 
 def resolve_lake_uri(uri: str | os.PathLike[str] | None = None) -> str:
@@ -679,6 +668,24 @@ class Lake:
         paths = t.column("path").to_pylist()
         vals = {c[len("partition."):]: t.column(c).to_pylist() for c in parts}
         return [(p, {k: _partition_str(v[i]) for k, v in vals.items()}) for i, p in enumerate(paths)]
+
+    @staticmethod
+    def live_file_uris(dt: DeltaTable) -> list[tuple[str, dict[str, str | None]]]:
+        """(absolute file uri, partition values as log strings) of every live file
+        of ``dt``: ``live_files`` with the uris delta-rs resolves (what readers
+        outside delta-rs open: DuckDB, Dask workers)."""
+        from urllib.parse import unquote
+
+        rel = Lake.live_files(dt)
+        uris = dt.file_uris()
+        if len(rel) == len(uris) and all(unquote(u).endswith(unquote(p)) for u, (p, _) in zip(uris, rel)):
+            return [(u, pv) for u, (_, pv) in zip(uris, rel)]     # the same order (the usual case)
+        by_rel = {unquote(p): pv for p, pv in rel}
+        out = []
+        for uri in uris:
+            plain = unquote(uri)
+            out.append((uri, next((pv for r, pv in by_rel.items() if plain.endswith(r)), {})))
+        return out
 
     def log_entries(self, name: str, version: int) -> list[dict[str, Any]] | None:
         """The actions of commit ``version`` from its JSON log file; None if that file is gone."""

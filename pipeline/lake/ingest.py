@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -35,6 +35,9 @@ import pyarrow.compute as pc
 from pipeline.errors import CommitError, InputFileError
 from pipeline.lake.validate import Reject, safe_raw, validate_table
 from pipeline.schema import table_spec
+
+if TYPE_CHECKING:
+    from pipeline.lake.delta import KeySet, Lake
 
 FORMATS = ("parquet", "ipc", "jsonl")
 
@@ -444,22 +447,60 @@ def _land(lake, sources, fingerprints: list[str], report: IngestReport, *, comma
 
 
 def _land_once(lake, sources, fingerprints: list[str], report: IngestReport, *, command: str) -> IngestReport:
+    # tables are created only when something is committed: a file that fails to parse leaves no version
+    seen = _Seen.read(lake)
+    staged, landed, q_tables = _stage_sources(lake, sources, seen, report)
+    _commit(lake, seen, staged, landed, q_tables, fingerprints, report, command=command)
+    return report
+
+
+@dataclass
+class _Seen:
+    """What new rows are deduplicated against: the trajectories version read
+    (its key index and keys committed since, int64 per row) and the rows this
+    ingest accepted so far (the first occurrence of an id wins)."""
+
+    lake: Lake
+    dt: Any                         # the DeltaTable read, None before the table exists
+    read_version: int | None
+    table_keys: KeySet
+    accepted: pa.Table              # trajectory_id, content_hash
+
+    @classmethod
+    def read(cls, lake: Lake) -> _Seen:
+        from pipeline.lake.delta import KeySet
+
+        accepted = pa.table({"trajectory_id": pa.array([], pa.string()), "content_hash": pa.array([], pa.string())})
+        if not lake.exists("trajectories"):
+            return cls(lake, None, None, KeySet(np.empty(0, np.int64), np.empty(0, np.int64)), accepted)
+        dt = lake.table("trajectories")
+        return cls(lake, dt, dt.version(), lake.keys("trajectories", dt), accepted)
+
+    def existing(self, valid: pa.Table) -> pa.Table:
+        """Id + content hash of the rows ``valid`` may repeat: only rows whose key
+        digest is in the table are fetched, plus the rows accepted so far."""
+        from pipeline.schema import ROW_KEY
+
+        keys = valid.column(ROW_KEY).to_numpy()
+        hit = self.table_keys.contains(keys)
+        if not hit.any():
+            return self.accepted
+        found = self.lake.read("trajectories", columns=["trajectory_id", "content_hash"], version=self.read_version,
+                               filter=_key_filter(np.unique(keys[hit])))
+        return pa.concat_tables([found, self.accepted], promote_options="permissive")
+
+    def accept(self, rows: pa.Table) -> None:
+        self.accepted = pa.concat_tables([self.accepted, rows.select(["trajectory_id", "content_hash"])],
+                                         promote_options="permissive")
+
+
+def _stage_sources(lake: Lake, sources: Callable[[], Iterator[tuple[str, str, pa.Table, list[str] | None, list[Reject]]]],
+                   seen: _Seen, report: IngestReport) -> tuple[list[Any], int, list[pa.Table]]:
+    """(staged files, rows staged, quarantine tables): each source validated and
+    deduplicated in order while a writer thread stages the previous one's rows.
+    On any error the files staged so far are removed."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from pipeline.schema import ROW_KEY
-
-    ingest_id = report.ingest_id
-    # tables are created only when something is committed: a file that fails to parse leaves no version
-    from pipeline.lake.delta import KeySet
-
-    read_version: int | None = None
-    dt = None
-    table_keys = KeySet(np.empty(0, np.int64), np.empty(0, np.int64))
-    if lake.exists("trajectories"):
-        dt = lake.table("trajectories")
-        read_version = dt.version()
-        table_keys = lake.keys("trajectories", dt)  # key index + keys committed since: int64 per row
-    accepted = pa.table({"trajectory_id": pa.array([], pa.string()), "content_hash": pa.array([], pa.string())})
     staged: list = []
     futures = []
     landed = 0
@@ -467,39 +508,14 @@ def _land_once(lake, sources, fingerprints: list[str], report: IngestReport, *, 
     try:
         with ThreadPoolExecutor(max_workers=1) as writer:
             for path, fp, raw, lines, pre in sources():
-                report.rows_read += raw.num_rows
-                validated = validate_table(raw, pre_rejected=pre)
-                valid = validated.valid
-                shown = safe_raw(raw) if validated.rejects else raw  # renders bad UTF-8 / repeated columns
-                rej = [(r.row, r.code, r.message, _tid(shown, lines, r.row)) for r in validated.rejects]
-                if valid.num_rows:
-                    valid = stamp_derived(valid, ingest_id)
-                    keys = valid.column(ROW_KEY).to_numpy()
-                    hit = table_keys.contains(keys)
-                    existing = accepted
-                    if hit.any():  # only rows whose key digest is in the table: fetch their id + hash
-                        found = lake.read("trajectories", columns=["trajectory_id", "content_hash"],
-                                          version=read_version,
-                                          filter=_key_filter(np.unique(keys[hit])))
-                        existing = pa.concat_tables([found, accepted], promote_options="permissive")
-                    new, dup, conflict = dedupe(valid, existing)
-                    report.duplicates += int(dup.sum())
-                    for i in np.flatnonzero(conflict):
-                        tid = valid.column("trajectory_id")[int(i)].as_py()
-                        rej.append((int(validated.valid_rows[i]), "conflict",
-                                    f"trajectory_id {tid!r} already exists (or repeats in this input) with different "
-                                    f"content (content_hash {valid.column('content_hash')[int(i)].as_py()[:12]}…); "
-                                    f"ids are idempotency keys: use a new id for new content", tid))
-                    if new.any():  # filter copies every token list: skip it when nothing is dropped
-                        to_land = valid if new.all() else valid.filter(pa.array(new))
-                        accepted = pa.concat_tables([accepted, to_land.select(["trajectory_id", "content_hash"])],
-                                                    promote_options="permissive")
-                        landed += to_land.num_rows
-                        futures.append(writer.submit(lake.stage, "trajectories", to_land))
+                to_land, rej = _check_source(seen, raw, lines, pre, report)
+                if to_land is not None:
+                    landed += to_land.num_rows
+                    futures.append(writer.submit(lake.stage, "trajectories", to_land))
                 if rej:
                     q_tables.append(quarantine_rows(sorted(rej), raw=safe_raw(raw), raw_lines=lines, source=path,
-                                                    fingerprint=fp, ingest_id=ingest_id))
-                del raw, lines, validated, valid
+                                                    fingerprint=fp, ingest_id=report.ingest_id))
+                del raw, lines, to_land
             for f in futures:
                 staged.append(f.result())
     except BaseException:
@@ -508,6 +524,39 @@ def _land_once(lake, sources, fingerprints: list[str], report: IngestReport, *, 
                 staged.append(f.result())
         lake.discard("trajectories", staged)
         raise
+    return staged, landed, q_tables
+
+
+def _check_source(seen: _Seen, raw: pa.Table, lines: list[str] | None, pre: list[Reject], report: IngestReport
+                  ) -> tuple[pa.Table | None, list[tuple[int, str, str, str | None]]]:
+    """(the new rows to land or None, quarantine entries (row, code, message, id)) of one source."""
+    report.rows_read += raw.num_rows
+    validated = validate_table(raw, pre_rejected=pre)
+    valid = validated.valid
+    shown = safe_raw(raw) if validated.rejects else raw  # renders bad UTF-8 / repeated columns
+    rej = [(r.row, r.code, r.message, _tid(shown, lines, r.row)) for r in validated.rejects]
+    if not valid.num_rows:
+        return None, rej
+    valid = stamp_derived(valid, report.ingest_id)
+    new, dup, conflict = dedupe(valid, seen.existing(valid))
+    report.duplicates += int(dup.sum())
+    for i in np.flatnonzero(conflict):
+        tid = valid.column("trajectory_id")[int(i)].as_py()
+        rej.append((int(validated.valid_rows[i]), "conflict",
+                    f"trajectory_id {tid!r} already exists (or repeats in this input) with different "
+                    f"content (content_hash {valid.column('content_hash')[int(i)].as_py()[:12]}…); "
+                    f"ids are idempotency keys: use a new id for new content", tid))
+    if not new.any():
+        return None, rej
+    to_land = valid if new.all() else valid.filter(pa.array(new))  # filter copies every token list
+    seen.accept(to_land)
+    return to_land, rej
+
+
+def _commit(lake: Lake, seen: _Seen, staged: list[Any], landed: int, q_tables: list[pa.Table],
+            fingerprints: list[str], report: IngestReport, *, command: str) -> None:
+    """Quarantine first (one commit), then the staged trajectories (one commit);
+    both carry every source's ``ingest:<fingerprint>`` transaction."""
     txns = [f"ingest:{fp}" for fp in fingerprints]
     app_id = _batch_app_id(txns)
     quarantine = pa.concat_tables(q_tables) if q_tables else None
@@ -521,7 +570,8 @@ def _land_once(lake, sources, fingerprints: list[str], report: IngestReport, *, 
                 report.reasons[code] = report.reasons.get(code, 0) + 1
         if staged:
             res = lake.append("trajectories", None, command=command, app_id=app_id, txn_version=0,
-                              extra_transactions=txns, staged=staged, read_version=read_version, snapshot=dt)
+                              extra_transactions=txns, staged=staged, read_version=seen.read_version,
+                              snapshot=seen.dt)
             report.landed = landed if res.landed else 0
             report.trajectories_version = res.version
             if not res.landed:  # the same batch landed concurrently: our copies are garbage
@@ -532,7 +582,6 @@ def _land_once(lake, sources, fingerprints: list[str], report: IngestReport, *, 
         if staged and lake.transaction_version("trajectories", app_id) is None:
             lake.discard("trajectories", staged)
         raise
-    return report
 
 
 def _key_filter(keys: np.ndarray):

@@ -50,10 +50,6 @@ class Validated:
     valid_rows: np.ndarray          # their indices in the input
     rejects: list[Reject] = field(default_factory=list)
 
-    @property
-    def num_rejected(self) -> int:
-        return len(self.rejects)
-
 
 class _Failures:
     """Every problem of every row. ``column`` names the cell a problem makes

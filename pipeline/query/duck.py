@@ -17,7 +17,7 @@ import duckdb
 import pyarrow as pa
 
 from pipeline.errors import PipelineError
-from pipeline.schema import EXTRA_TABLES, TABLES, table_spec
+from pipeline.schema import ALL_TABLES, table_spec
 
 
 
@@ -60,7 +60,7 @@ def connect(lake, *, as_of: dict[str, int | datetime] | int | datetime | None = 
     versions: dict[str, Any] = {}
     if isinstance(as_of, dict):
         versions = as_of
-    for name in TABLES + EXTRA_TABLES:
+    for name in ALL_TABLES:
         if tables is not None and name not in tables:
             continue
         version = as_of if isinstance(as_of, (int, datetime)) and not isinstance(as_of, bool) else versions.get(name)
@@ -135,14 +135,14 @@ def _parquet_view(con: duckdb.DuckDBPyConnection, name: str, dt) -> bool:
     columns = [f.name for f in dt.schema().fields]
     groups: dict[tuple, list[str]] = {(): list(uris)}
     if parts:
-        actions = pa.table(dt.get_add_actions(flatten=True))
-        paths = actions.column("path").to_pylist()
-        if len(paths) != len(uris) or any(not u.endswith(p) for u, p in zip(uris, paths)):
+        from pipeline.lake.delta import Lake
+
+        files = Lake.live_file_uris(dt)          # partition values as log strings, cast below
+        if any(set(pv) != set(parts) for _, pv in files):
             return False
-        keys = zip(*(actions.column(f"partition.{c}").to_pylist() for c in parts))
         groups = {}
-        for key, uri in zip(keys, uris):
-            groups.setdefault(tuple(key), []).append(uri)
+        for uri, pv in files:
+            groups.setdefault(tuple(pv[c] for c in parts), []).append(uri)
 
     def scan(files: list[str], extra: str = "") -> str:
         listed = "[" + ", ".join(_quote(f) for f in files) + "]"
@@ -158,7 +158,7 @@ def _parquet_view(con: duckdb.DuckDBPyConnection, name: str, dt) -> bool:
     else:
         rows = [{"__file": f, **dict(zip(parts, key))} for key, files in groups.items() for f in files]
         con.register(f"__parts_{name}", pa.Table.from_pylist(rows))
-        select = ", ".join(f'm."{c}"' if c in types else f'd."{c}"' for c in columns)
+        select = ", ".join(f'CAST(m."{c}" AS {types[c]}) AS "{c}"' if c in types else f'd."{c}"' for c in columns)
         source = scan(uris, ", filename = '__file'")
         body = (f"SELECT {select} FROM {source} AS d "
                 f'JOIN "__parts_{name}" AS m ON d.__file = m.__file')
@@ -192,7 +192,7 @@ def query(lake, sql: str, *, params: dict[str, Any] | None = None,
     """Run ``sql`` over the lake's views; returns an Arrow table."""
     stripped = _strip_comments(sql)
     # open only the tables the query names: each costs a Delta log load
-    named = {t for t in TABLES + EXTRA_TABLES + ("component_tags",) if re.search(rf"\b{t}\b", stripped, re.I)}
+    named = {t for t in ALL_TABLES + ("component_tags",) if re.search(rf"\b{t}\b", stripped, re.I)}
     con = connect(lake, as_of=as_of, tables=named)
     try:
         used = set(re.findall(r"\$([A-Za-z_][A-Za-z0-9_]*)", stripped))

@@ -9,27 +9,29 @@ policy-version reference unless ``configs`` gives each member the rest of the
 comparability key (CONFIG_FIELDS order). ``batch_config`` is the per-snapshot
 rule over the groups of one decision round. ``--land`` replaces this gate with
 the real admission job over Delta tables (lake_mode.py).
+
+A per-event copy in plain Python for speed, but not a copy of the rules: the
+reasons, their order, the tie-breaks and the tests are pipeline/admission/rules.py's
+functions and the decisions come from the declared checks (checks.first_blocking);
+tests/sim/test_sim_gate.py checks it decides like the real engine.
 """
 
 from __future__ import annotations
 
-import math
-from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from pipeline.admission import rules as R
+from pipeline.admission.checks import first_blocking
+
 # terminal statuses of simulated trajectories (the trajectories.status enum)
-ACCEPTED, INFRA_FAILED, EXPIRED = "ACCEPTED", "INFRA_FAILED", "EXPIRED"
+ACCEPTED, INFRA_FAILED, EXPIRED = "ACCEPTED", R.INFRA_FAILED, R.EXPIRED
 
 VALID = ""  # member reason for a member that passed every member check
 
 # the comparability key after policy_version, with each field's mismatch reason (docs/admission-rules.md)
-CONFIG_FIELDS = (("tokenizer_rev", "tokenizer_mismatch"), ("prompt_template_rev", "template_mismatch"),
-                 ("env_version", "env_mismatch"), ("verifier_version", "verifier_mismatch"),
-                 ("temperature", "temperature_mismatch"), ("top_p", "top_p_mismatch"),
-                 ("task_version", "task_version_mismatch"), ("harness_version", "harness_mismatch"),
-                 ("tool_schema_version", "tool_schema_mismatch"), ("prompt_hash", "prompt_mismatch"))
-BATCH_FIELDS = ("tokenizer_rev", "prompt_template_rev", "env_version", "verifier_version")
+CONFIG_FIELDS = R.COMPARABILITY[1:]
+BATCH_FIELDS = R.BATCH_FIELDS
 
 
 @dataclass(frozen=True)
@@ -60,48 +62,30 @@ class Gate(Protocol):
 def decide_group(versions: Sequence[int], statuses: Sequence[str], rewards: Sequence[float | None],
                  waits_ms: Sequence[float], current_version: int, rules: GateRules,
                  configs: Sequence[tuple] | None = None) -> Decision:
-    """One group, docs/admission-rules.md steps 1-5. ``rewards`` use None for "no valid evaluation";
+    """One group, docs/admission-rules.md steps 1-5, with the rules of
+    pipeline/admission/rules.py. ``rewards`` use None for "no valid evaluation";
     ``configs[i]``, when given, is member i's CONFIG_FIELDS tuple."""
     n = len(versions)
-    reasons = [VALID] * n
-    # 1. failures never count as policy failures and never enter a baseline
-    for i in range(n):
-        if statuses[i] == INFRA_FAILED:
-            reasons[i] = "infra_failed"
-        elif statuses[i] == EXPIRED:
-            reasons[i] = "expired"
-        elif rewards[i] is None or (isinstance(rewards[i], float) and math.isnan(rewards[i])):
-            reasons[i] = "no_reward"
-    # 2. reference configuration: the most common key, ties to the higher policy_version,
-    #    then the lexicographically smaller rest of the key
+    # 1. failures never count as policy failures and never enter a baseline (no verdicts simulated)
+    reasons = [R.member_exclusion(statuses[i], None, rewards[i]) or VALID for i in range(n)]
+    # 2. reference configuration (a key is policy_version, then the CONFIG_FIELDS values)
     keys = [(versions[i], *(tuple(configs[i]) if configs is not None else ())) for i in range(n)]
-    counts = Counter(keys[i] for i in range(n) if reasons[i] == VALID)
-    if counts:
-        ref = sorted(counts.items(), key=lambda kv: (-kv[1], -kv[0][0], kv[0][1:]))[0][0]
-        why = ("policy_mismatch",) + tuple(r for _, r in CONFIG_FIELDS)
-        for i in range(n):
-            if reasons[i] == VALID and keys[i] != ref:
-                reasons[i] = why[next(k for k in range(len(ref)) if keys[i][k] != ref[k])]
-    # 3. freshness
+    ref = R.reference_config(keys[i] for i in range(n) if reasons[i] == VALID)
     for i in range(n):
-        if reasons[i] != VALID:
-            continue
-        if current_version - versions[i] > rules.max_policy_lag:
-            reasons[i] = "stale_policy"
-        elif rules.max_queue_wait_ms is not None and waits_ms[i] > rules.max_queue_wait_ms:
-            reasons[i] = "stale_wait"
-    # 4. group checks over the valid members
+        if reasons[i] == VALID:
+            # 2. comparability, then 3. freshness
+            reasons[i] = (R.first_mismatch(keys[i], ref)
+                          or R.freshness(current_version - versions[i], waits_ms[i], max_policy_lag=rules.max_policy_lag,
+                                         max_queue_wait_ms=rules.max_queue_wait_ms)
+                          or VALID)
+    # 4. group checks over the valid members, decided in the checks' declared order
     valid = [float(rewards[i]) for i in range(n) if reasons[i] == VALID]  # type: ignore[arg-type]
+    failed = set()
     if len(valid) < rules.min_valid_members:
-        return Decision("insufficient_valid", tuple(reasons))
-    # exact spread test first: variance functions return 1e-9..1e-8 for equal rewards (docs/dependency-notes.md)
-    if not max(valid) > min(valid):
-        return Decision("zero_variance", tuple(reasons))
-    mean = sum(valid) / len(valid)
-    std = math.sqrt(sum((r - mean) ** 2 for r in valid) / len(valid))
-    if std < rules.min_reward_std:
-        return Decision("zero_variance", tuple(reasons))
-    return Decision("admit", tuple(reasons))
+        failed.add("min_valid_members")
+    if not R.has_spread(valid, rules.min_reward_std):
+        failed.add("reward_spread")
+    return Decision(first_blocking(failed), tuple(reasons))
 
 
 def batch_config(decisions: Sequence[Decision], group_configs: Sequence[dict], *,
@@ -112,11 +96,11 @@ def batch_config(decisions: Sequence[Decision], group_configs: Sequence[dict], *
     group with another becomes ``batch_config_mismatch``."""
     fields = [f for f in BATCH_FIELDS if f not in mix_fields]
     keys = [tuple(c[f] for f in fields) for c in group_configs]
-    counts = Counter(k for k, d in zip(keys, decisions) if d.decision == "admit")
-    if not fields or not counts:
+    ref = R.snapshot_config(k for k, d in zip(keys, decisions) if d.decision == "admit")
+    if not fields or ref is None:
         return list(decisions)
-    ref = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[0][0]
-    return [Decision("batch_config_mismatch", d.reasons) if d.decision == "admit" and k != ref else d
+    mismatch = first_blocking({"batch_config"})
+    return [Decision(mismatch, d.reasons) if d.decision == "admit" and k != ref else d
             for d, k in zip(decisions, keys)]
 
 

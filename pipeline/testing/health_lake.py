@@ -4,16 +4,18 @@ the query benchmark and report screenshots.
 Trajectories come from pipeline.testing.trajectories.make_trajectories (one batch per policy
 version, reward rising with the version), then get the faults a real fleet
 has: infrastructure failures with null reward, groups that mix environment or
-verifier versions, varied tool calls. Receipts, snapshot_members, checkpoints
-and events are derived from those rows with the shapes in schemas/*.yaml, the
-way admission, the trainer and the rollout workers would write them (a
-simplified admission: enough for the report, not a reference for admission).
-Deterministic for a seed.
+verifier versions, varied tool calls, rows partly sampled by the previous
+policy. Receipts and snapshot_members are what the real admission core
+(engine_duckdb.decide_candidates: the SQL engine, then decide.finalize)
+decides for those rows, one admission run per run and policy version with
+the next version current; checkpoints and events are derived from the rows
+with the shapes in schemas/*.yaml, the way the trainer and the rollout
+workers would write them. Deterministic for a seed.
 """
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -22,9 +24,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.admission.config import AdmissionConfig
 from pipeline.schema import table_spec
 
 START = datetime(2026, 11, 1, tzinfo=timezone.utc)
+ADMISSION = AdmissionConfig(quality=False)   # the receipts' admission config (current_policy_version per run)
 
 
 @dataclass(frozen=True)
@@ -43,10 +47,6 @@ class HealthLakeSpec:
     metrics: bool = True          # per-step training metrics of every checkpoint after version 0
     evaluations: bool = True      # a held-out evaluation of every checkpoint (greedy, and 4 samples)
     steps_per_checkpoint: int = 8
-
-
-def _ids(prefix: str, idx: np.ndarray) -> pa.Array:
-    return pa.array([f"{prefix}{i}" for i in idx.tolist()], pa.string())
 
 
 def make_version_batch(spec: HealthLakeSpec, run: str, version: int, offset: int, n: int) -> pa.Table:
@@ -107,12 +107,30 @@ def make_version_batch(spec: HealthLakeSpec, run: str, version: int, offset: int
     for name, col in repl.items():
         i = t.schema.get_field_index(name)
         t = t.set_column(i, t.schema.field(name), col.cast(t.schema.field(name).type))
+    if version > 0:
+        # ~3% of the valid rows were partly sampled by the previous policy (weights updated mid-generation):
+        # admitted with the next version current, they are stale_policy
+        t = _sampled_earlier(t, (~infra) & (~expired) & (rng.random(n) < 0.03), version - 1)
     i = t.schema.get_field_index("content_hash")
     return t.set_column(i, pa.field("content_hash", pa.string()), content_hashes(t))
 
 
+def _sampled_earlier(t: pa.Table, rows: np.ndarray, version: int) -> pa.Table:
+    """``t`` with the first response token of each of ``rows`` sampled by policy ``version``."""
+    tpv = t.column("token_policy_versions").combine_chunks()
+    flat = tpv.flatten().to_numpy(zero_copy_only=False).copy()
+    offsets = tpv.offsets.to_numpy()
+    offsets = offsets - offsets[0]
+    first = offsets[:-1][rows & (np.diff(offsets) > 0)]
+    flat[first[flat[first] >= 0]] = version
+    col = type(tpv).from_arrays(pa.array(offsets), pa.array(flat, tpv.type.value_type))
+    i = t.schema.get_field_index("token_policy_versions")
+    return t.set_column(i, t.schema.field(i), col)
+
+
 def build_health_lake(lake, spec: HealthLakeSpec = HealthLakeSpec()) -> dict[str, int]:
     """Write trajectories (+ receipts, snapshot_members, checkpoints, events per ``spec``)."""
+    from pipeline.admission.candidates import extract, source_columns
     from pipeline.lake.ingest import stamp_derived
 
     counts = {"trajectories": 0, "receipts": 0, "snapshot_members": 0, "checkpoints": 0, "events": 0}
@@ -120,23 +138,22 @@ def build_health_lake(lake, spec: HealthLakeSpec = HealthLakeSpec()) -> dict[str
     keep_cols = ["trajectory_id", "group_id", "run_id", "task_id", "policy_version", "status", "verdict", "reward",
                  "difficulty", "queue_wait_ms", "content_hash", "num_tool_calls", "created_at", "finished_at"]
     scalars: list[pa.Table] = []
-    lens: list[np.ndarray] = []
+    candidates: dict[tuple[str, int], list[pa.Table]] = {}
     for run in spec.runs:
         for v in range(spec.versions):
             for off in range(0, spec.trajectories_per_version, spec.chunk):
                 n = min(spec.chunk, spec.trajectories_per_version - off)
-                t = make_version_batch(spec, run, v, off, n)
-                lake.append("trajectories", stamp_derived(t, f"synth-{seq}"), command="synth",
-                            app_id="synth-health", txn_version=seq)
+                t = stamp_derived(make_version_batch(spec, run, v, off, n), f"synth-{seq}")
+                lake.append("trajectories", t, command="synth", app_id="synth-health", txn_version=seq)
                 seq += 1
                 counts["trajectories"] += n
                 scalars.append(t.select(keep_cols))
-                lens.append(pc.list_value_length(t.column("response_ids")).to_numpy())
+                if spec.receipts:
+                    candidates.setdefault((run, v), []).append(extract(t.select(source_columns(ADMISSION)), ADMISSION))
     rows = pa.concat_tables(scalars)
-    length = np.concatenate(lens)
     snaps_by_version: dict[tuple[str, int], str] = {}
     if spec.receipts:
-        receipts, members, snaps_by_version = _admit(rows, length, spec)
+        receipts, members, snaps_by_version = _admit(candidates)
         lake.append("receipts", receipts, command="synth", app_id="synth-health-receipts", txn_version=0)
         lake.append("snapshot_members", members, command="synth", app_id="synth-health-members", txn_version=0)
         counts["receipts"] = receipts.num_rows
@@ -162,82 +179,35 @@ def build_health_lake(lake, spec: HealthLakeSpec = HealthLakeSpec()) -> dict[str
     return counts
 
 
-def _admit(rows: pa.Table, length: np.ndarray, spec: HealthLakeSpec):
-    """Group decisions the way docs/admission-rules.md describes them (simplified, vectorized)."""
-    import pandas as pd
+def _admit(candidates: dict[tuple[str, int], list[pa.Table]]
+           ) -> tuple[pa.Table, pa.Table, dict[tuple[str, int], str]]:
+    """(receipts, snapshot_members, snapshot id per (run, version)): the real
+    admission core over each run's rows of one policy version, decided when the
+    next version is current (ADMISSION's config otherwise)."""
+    from pipeline.admission.config import admission_config_hash
+    from pipeline.admission.engine_duckdb import decide_candidates
+    from pipeline.admission.run import stamp_receipts
+    from pipeline.snapshots.format import compute_snapshot_id
 
-    rng = np.random.default_rng(spec.seed + 99)
-    df = rows.select(["trajectory_id", "group_id", "run_id", "task_id", "policy_version", "status", "verdict",
-                      "reward", "difficulty", "queue_wait_ms", "content_hash"]).to_pandas()
-    df["length"] = length
-    valid = (~df.status.isin(["INFRA_FAILED", "EXPIRED"])) & df.verdict.isin(["PASS", "FAIL"]) & df.reward.notna()
-    stale = valid & (rng.random(len(df)) < 0.03)
-    df["reason"] = np.where(~valid, np.where(df.status == "INFRA_FAILED", "infra_failed",
-                                             np.where(df.status == "EXPIRED", "expired", "no_reward")),
-                            np.where(stale, "stale_policy", ""))
-    df["ok"] = df.reason == ""
-    df["r_ok"] = df.reward.where(df.ok)
-    df["w_ok"] = df.queue_wait_ms.where(df.ok)
-    by = df.groupby("group_id", sort=True)
-    g = by.agg(run_id=("run_id", "first"), task_id=("task_id", "first"), ver=("policy_version", "min"),
-               arrived=("trajectory_id", "size"), n_ok=("ok", "sum"), r_max=("r_ok", "max"), r_min=("r_ok", "min"),
-               r_mean=("r_ok", "mean"), r_std=("r_ok", lambda x: x.std(ddof=0)), w_max=("w_ok", "max"),
-               difficulty=("difficulty", "first"), mean_len=("length", "mean"))
-    g["decision"] = np.where(g.n_ok < 2, "insufficient_valid", np.where(g.r_max > g.r_min, "admit", "zero_variance"))
-    g["length_bucket"] = [_len_bucket(x) for x in g.mean_len]
-    keys = [f"{r}/{v}" for r, v in zip(g.run_id, g.ver)]
-    g["snap"] = [hashlib.sha256(k.encode()).hexdigest() if d == "admit" else None for k, d in zip(keys, g.decision)]
-    snaps = {(r, int(v)): s for r, v, s in zip(g.run_id, g.ver, g.snap) if isinstance(s, str)}
-    ok_ids = df[df.ok].groupby("group_id").trajectory_id.agg(list)
-    bad = df[~df.ok]
-    excluded = bad.groupby("group_id").apply(lambda x: list(zip(x.trajectory_id, x.reason)), include_groups=False)
-    now = START + timedelta(days=30)
-    n = len(g)
-    rec = {
-        "group_id": g.index.to_numpy(dtype=object), "admission_run_id": [f"adm-{k}" for k in keys],
-        "config_hash": ["c" * 64] * n, "current_policy_version": (g.ver + 1).to_numpy(),
-        "run_id": g.run_id.to_numpy(dtype=object), "task_id": g.task_id.to_numpy(dtype=object),
-        "ref_policy_version": g.ver.to_numpy(), "ref_tokenizer_rev": ["tok-1"] * n,
-        "ref_prompt_template_rev": ["tmpl-1"] * n, "ref_env_version": ["env-1"] * n,
-        "ref_verifier_version": ["ver-1"] * n, "ref_temperature": [1.0] * n,
-        "group_size": [spec.group_size] * n, "arrived_members": g.arrived.to_numpy(),
-        "valid_members": [ok_ids.get(k, []) for k in g.index],
-        "excluded_members": [excluded.get(k, []) for k in g.index],
-        "reward_mean": g.r_mean.to_numpy(), "reward_std": g.r_std.to_numpy(), "policy_lag": [1] * n,
-        "max_queue_wait_ms": pd.array(g.w_max.to_numpy(), dtype="Int64"),
-        "difficulty": g.difficulty.to_numpy(dtype=object), "length_bucket": g.length_bucket.to_numpy(dtype=object),
-        "tool_call_bucket": [None] * n, "reward_std_bucket": [None] * n,
-        "checks": [[("min_valid_members", "pass" if k >= 2 else f"fail:{k} < 2"),
-                    ("reward_spread", "skip" if k < 2 else "pass" if d == "admit" else "fail:max == min")]
-                   for k, d in zip(g.n_ok, g.decision)],
-        "decision": g.decision.to_numpy(dtype=object),
-        "snapshot_id": [s if isinstance(s, str) else None for s in g.snap],
-        "decided_at": [now + timedelta(hours=int(v)) for v in g.ver],
-        "ref_top_p": [1.0] * n, "ref_task_version": ["v1"] * n, "ref_harness_version": ["h-1"] * n,
-        "ref_tool_schema_version": [""] * n, "ref_prompt_hash": [None] * n,
-    }
-    schema = table_spec("receipts").arrow_schema()
-    receipts = pa.Table.from_arrays([pa.array(list(rec[f.name]) if f.name == "max_queue_wait_ms" else rec[f.name],
-                                              f.type, from_pandas=True) for f in schema], schema=schema)
-    m = df[df.ok].join(g[["snap", "r_mean", "r_std", "length_bucket"]], on="group_id")
-    m = m[m.snap.notna()]
-    adv = (m.reward - m.r_mean) / (m.r_std + 1e-6)
-    k = len(m)
-    mem = {
-        "snapshot_id": m.snap.to_numpy(dtype=object), "trajectory_id": m.trajectory_id.to_numpy(dtype=object),
-        "group_id": m.group_id.to_numpy(dtype=object), "content_hash": m.content_hash.to_numpy(dtype=object),
-        "advantage": adv.to_numpy(), "reward": m.reward.to_numpy(),
-        "policy_lag": rng.integers(0, 2, k), "difficulty": m.difficulty.to_numpy(dtype=object),
-        "length_bucket": m.length_bucket.to_numpy(dtype=object), "tool_call_bucket": [None] * k,
-        "reward_std_bucket": [None] * k,
-    }
-    schema = table_spec("snapshot_members").arrow_schema()
-    members = pa.Table.from_arrays([pa.array(mem[f.name], f.type, from_pandas=True) for f in schema], schema=schema)
-    return receipts, members, snaps
-
-
-def _len_bucket(mean_len: float) -> str:
-    return "short" if mean_len < 32 else "medium" if mean_len < 128 else "long"
+    receipt_schema = table_spec("receipts").arrow_schema()
+    member_schema = table_spec("snapshot_members").arrow_schema()
+    receipts, members, snaps = [], [], {}
+    for (run, v), parts in candidates.items():
+        cfg = dataclasses.replace(ADMISSION, current_policy_version=v + 1)
+        chash = admission_config_hash(cfg)
+        decided_at = START + timedelta(days=30, hours=v)
+        dec = decide_candidates(pa.concat_tables(parts), cfg, current_policy_version=v + 1, now=decided_at,
+                                config_hash=chash)
+        adm = dec.admitted
+        sid = compute_snapshot_id(zip(adm.column("trajectory_id").to_pylist(), adm.column("content_hash").to_pylist()),
+                                  chash, cfg.advantage) if adm.num_rows else None
+        receipts.append(stamp_receipts(dec.receipts, f"adm-{run}/{v}", sid, receipt_schema, decided_at=decided_at))
+        if sid is not None:
+            snaps[(run, v)] = sid
+            adm = adm.add_column(0, member_schema.field("snapshot_id"), pa.array([sid] * adm.num_rows, pa.string()))
+            members.append(adm.select(member_schema.names).cast(member_schema))
+    return (pa.concat_tables(receipts) if receipts else receipt_schema.empty_table(),
+            pa.concat_tables(members) if members else member_schema.empty_table(), snaps)
 
 
 def _checkpoints(spec: HealthLakeSpec, snaps: dict[tuple[str, int], str]) -> pa.Table:

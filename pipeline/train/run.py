@@ -5,17 +5,20 @@
     pipeline train --batch-snapshot SNAPSHOT_ID --resume             # continue a killed run
     deepspeed --num_gpus 2 -m pipeline.train.worker JOB.json        # any launcher: see pipeline/train/worker.py
 
-The driver is a short list of named steps:
- 1. identify the run (snapshot + parent + config + world size -> checkpoint id);
+The driver (``_train_in_env``) is a short list of named steps, one function each:
+ 1. ``_identify``: the run (snapshot + parent + config + world size -> checkpoint id);
     a snapshot already consumed by a published checkpoint is refused (or, for
     the same run, the published result is returned: a no-op);
- 2. verify and load the snapshot, assert it is trainable (data.check_members);
- 3. load the parent policy, wrap it in DeepSpeed (ds_adapter);
- 4. pre-pass: old log-probs (frozen starting weights) and reference log-probs;
- 5. restore the resumable state when resuming (hash-verified; never a silent fresh start);
- 6. train: length-bucketed micro-batches, losses from losses.py, metrics per step;
- 7. write the checkpoint dir (``latest`` last), append the metrics rows,
-    publish the checkpoints row (the commit publishes the version), emit
+ 2. ``_prepare_data``: verify and load the snapshot, load the parent policy, assert it
+    is trainable (data.check_members); ``_prepare_workdir``: the run's work directory;
+ 3. ``_build_engine``: wrap the policy in DeepSpeed (ds_adapter);
+ 4. ``_plan``: pre-pass: old log-probs (frozen starting weights) and reference log-probs,
+    the step plan;
+ 5. ``_restore``: the resumable state when resuming (hash-verified; never a silent fresh start);
+ 6. ``_step_loop``: length-bucketed micro-batches (``_train_step``), losses from losses.py,
+    metrics per step;
+ 7. ``_checkpoint_and_publish``: write the checkpoint dir (``latest`` last), append the
+    metrics rows, publish the checkpoints row (the commit publishes the version), emit
     OpenLineage COMPLETE (FAIL on any error).
 """
 
@@ -35,9 +38,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 from pipeline.config import config_dict, config_hash
 from pipeline.errors import ConflictError, NotFoundError, PipelineError
 from pipeline.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from pipeline.lake.delta import Lake
+    from pipeline.policy_store import PolicyRef
+    from pipeline.train.data import Members
+    from pipeline.train.ds_adapter import DeepSpeedStrategy
+    from pipeline.train.live import LiveMetrics
+    from pipeline.train.losses import Norm
+    from pipeline.train.packing import Step
 
 __all__ = ["TrainConfig", "TrainResult", "train_snapshot", "run_identity"]
 
@@ -184,19 +198,96 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
     import torch
 
     from pipeline import lineage
-    from pipeline.lake.delta import pause_point
-    from pipeline.policy_store import local_checkpoint_dir, policy_train_config, resolve_policy, tokenizer_rev
-    from pipeline.train import checkpoint as ck
-    from pipeline.train.data import check_comparable, check_members, load_members, receipt_counts
-    from pipeline.train.ds_adapter import DeepSpeedStrategy, ds_config
-    from pipeline.train.model import PolicyLogprobs, load_causal_lm
-    from pipeline.train.packing import plan_steps
+
+    torch.set_num_threads(cfg.threads)
+    run = _identify(lake, snapshot_id, cfg, from_checkpoint=from_checkpoint, resume=resume, force=force)
+    if isinstance(run, TrainResult):
+        return run                                          # this very run already published: a no-op
+    if run.rank == 0:
+        lineage.emit_run_event(lake, event_type="START", run_id=run.lineage_run_id, job_name=JOB_NAME,
+                               inputs=run.inputs, outputs=[lineage.checkpoint(lake, run.checkpoint_id)], **run.ol)
+    try:
+        data = _prepare_data(run)
+        _prepare_workdir(run, resume)
+        strategy = _build_engine(run, data.lm)
+        plan = _plan(run, strategy, data.members)
+        state = _restore(run, strategy, resume)
+        _step_loop(run, strategy, data.members, plan, state, progress)
+        result = _checkpoint_and_publish(run, strategy, data, plan, state, crash_at=crash_at, t_start=t_start)
+        strategy.barrier()
+        return strategy.broadcast_object(result)
+    except BaseException as exc:
+        if run.rank == 0:
+            _close_trackers(run.live)
+            try:
+                lineage.emit_run_event(lake, event_type="FAIL", run_id=run.lineage_run_id, job_name=JOB_NAME,
+                                       inputs=run.inputs, outputs=[lineage.checkpoint(lake, run.checkpoint_id)],
+                                       error=f"{type(exc).__name__}: {exc}", **run.ol)
+            except Exception:  # pragma: no cover - never mask the real error
+                pass
+        raise
+
+
+@dataclass
+class _Run:
+    """One training run: who it is, where its files go, its lineage (step 1)."""
+
+    lake: Lake
+    snapshot_id: str
+    cfg: TrainConfig
+    world_size: int
+    rank: int
+    parent: PolicyRef
+    run_key: str
+    checkpoint_id: str
+    generation: int
+    work: Path                      # resumable state of the interrupted run
+    final: Path                     # the published checkpoint directory
+    lineage_run_id: str
+    inputs: list[Any]               # OpenLineage input datasets
+    ol: dict[str, Any]              # the other OpenLineage run-event arguments
+    live: LiveMetrics | None = None  # rank 0, once the step loop starts
+
+
+@dataclass
+class _Data:
+    """The verified snapshot and the parent model (step 2)."""
+
+    members: Members
+    lm: Any                         # the parent's transformers model
+    lineage_cfg: dict[str, Any]     # tokenizer / template revisions recorded with the checkpoint
+    freshness: dict[str, Any]       # check_freshness figures + consumed_at, snapshot_wait_ms
+
+
+@dataclass
+class _Plan:
+    """What the pre-pass resolved: the loss, the step plan, the length normaliser (step 4)."""
+
+    loss_kind: str
+    optimizer_from: str | None
+    steps: list[Step]
+    norm_len: float
+
+
+@dataclass
+class _State:
+    """Progress through the steps; restored on resume (step 5), advanced by the loop (step 6)."""
+
+    start: int = 0
+    samples_seen: int = 0
+    rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    resumed_from: int | None = None
+
+
+def _identify(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint: str | int | None, resume: bool,
+              force: bool) -> _Run | TrainResult:
+    """Step 1: the run's identity; the published result when this very run already
+    published, ConflictError when another run consumed the snapshot."""
+    from pipeline import lineage
+    from pipeline.policy_store import local_checkpoint_dir, resolve_policy
 
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
-    torch.set_num_threads(cfg.threads)
-
-    # 1. identity
     parent = resolve_policy(lake, from_checkpoint)          # hash-verified unless a plain directory
     consumers = _consumers(lake, snapshot_id)
     generation = len(consumers) if force else 0
@@ -225,141 +316,178 @@ def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
                             f"{parent.checkpoint_id} with this config (looked in {work})",
                             hint="run without --resume to start training; a different --config, --set, "
                                  "--from-checkpoint or --nproc is a different run")
-
     lineage_run_id = lineage.new_run_id()
     inputs = [lineage.snapshot(lake, snapshot_id), lineage.checkpoint(lake, parent.checkpoint_id, parent.policy_version)]
     ol = dict(job_type="TRAIN", engine="deepspeed", config=config_dict(cfg) | {"world_size": world_size})
-    if rank == 0:
-        lineage.emit_run_event(lake, event_type="START", run_id=lineage_run_id, job_name=JOB_NAME, inputs=inputs,
-                               outputs=[lineage.checkpoint(lake, checkpoint_id)], **ol)
-    try:
-        # 2. the snapshot, verified, and the pre-training assertions
-        members, _ = load_members(lake, snapshot_id)
-        parent_cfg = policy_train_config(lake, parent)
-        parent_tok = parent_cfg.get("tokenizer_rev") or tokenizer_rev(parent.hf_dir)
-        revs = check_comparable(lake, snapshot_id, policy_tokenizer=parent_tok,
-                                policy_templates=parent_cfg.get("prompt_template_revs"),
-                                policy_name=f"v{parent.policy_version} ({parent.checkpoint_id})")
-        lineage_cfg = {"tokenizer_rev": parent_tok, "prompt_template_revs": sorted(
-            set(parent_cfg.get("prompt_template_revs") or []) | revs["prompt_template_rev"])}
-        consumed_at = datetime.now(timezone.utc)
-        freshness = check_freshness(members, parent.policy_version, cfg.max_train_lag, snapshot_id)
-        freshness["consumed_at"] = consumed_at.isoformat()
-        freshness["snapshot_wait_ms"] = _snapshot_wait_ms(lake, snapshot_id, consumed_at)
-        lm = load_causal_lm(parent.hf_dir, activation_checkpointing=cfg.activation_checkpointing,
-                            ds_config=ds_config(zero_stage=cfg.zero_stage, precision=cfg.precision,
-                                                offload=cfg.offload, max_grad_norm=cfg.max_grad_norm))
-        check_members(members, vocab_size=int(lm.config.vocab_size),
-                      max_positions=getattr(lm.config, "max_position_embeddings", None),
-                      valid_counts=receipt_counts(lake, snapshot_id))
-        if rank == 0:
-            if not resume and work.exists():
-                print(f"note: discarding the state of an earlier interrupted run in {work} "
-                      "(pass --resume to continue it instead)", file=sys.stderr)
-                shutil.rmtree(work)
-            work.mkdir(parents=True, exist_ok=True)
-            if not (work / "run.json").exists():
-                ck.atomic_write(work / "run.json", json.dumps({
-                    "snapshot_id": snapshot_id, "parent_checkpoint_id": parent.checkpoint_id,
-                    "checkpoint_id": checkpoint_id, "config": config_dict(cfg), "world_size": world_size,
-                    "generation": generation}, sort_keys=True, indent=1))
+    return _Run(lake, snapshot_id, cfg, world_size, rank, parent, run_key, checkpoint_id, generation, work, final,
+                lineage_run_id, inputs, ol)
 
-        # 3. model + DeepSpeed
-        ck.seed_everything(cfg.seed)
-        policy = PolicyLogprobs(lm, chunk=cfg.logprob_chunk, vocab_chunk=cfg.vocab_chunk)
-        strategy = DeepSpeedStrategy(policy, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
-                                     zero_stage=cfg.zero_stage, precision=cfg.precision, offload=cfg.offload,
-                                     max_grad_norm=cfg.max_grad_norm)
-        strategy.barrier()
 
-        # 4. pre-pass with the frozen starting weights
-        loss_kind = cfg.policy_loss
-        if loss_kind == "auto":
-            loss_kind = "reinforce" if int(members.group_size.max()) == 1 else "ppo"
-        optimizer_from = _carry_optimizer(strategy, cfg, lake, parent, world_size) if cfg.carry_optimizer else None
-        _prepass(strategy, members, cfg, lake, parent)
+def _prepare_data(run: _Run) -> _Data:
+    """Step 2: the snapshot, verified, the parent model, and the pre-training assertions."""
+    from pipeline.policy_store import policy_train_config, tokenizer_rev
+    from pipeline.train.data import check_comparable, check_members, load_members, receipt_counts
+    from pipeline.train.ds_adapter import ds_config
+    from pipeline.train.model import load_causal_lm
 
-        steps = plan_steps(members.lengths, budget_tokens=cfg.micro_batch_tokens, grad_accum=cfg.grad_accum,
-                           epochs=cfg.epochs, seed=cfg.seed, shuffle=cfg.shuffle, max_steps=cfg.max_steps)
-        norm_len = float(cfg.norm_len or max(len(r) for r in members.response))
+    lake, snapshot_id, cfg, parent = run.lake, run.snapshot_id, run.cfg, run.parent
+    members, _ = load_members(lake, snapshot_id)
+    parent_cfg = policy_train_config(lake, parent)
+    parent_tok = parent_cfg.get("tokenizer_rev") or tokenizer_rev(parent.hf_dir)
+    revs = check_comparable(lake, snapshot_id, policy_tokenizer=parent_tok,
+                            policy_templates=parent_cfg.get("prompt_template_revs"),
+                            policy_name=f"v{parent.policy_version} ({parent.checkpoint_id})")
+    lineage_cfg = {"tokenizer_rev": parent_tok, "prompt_template_revs": sorted(
+        set(parent_cfg.get("prompt_template_revs") or []) | revs["prompt_template_rev"])}
+    consumed_at = datetime.now(timezone.utc)
+    freshness = check_freshness(members, parent.policy_version, cfg.max_train_lag, snapshot_id)
+    freshness["consumed_at"] = consumed_at.isoformat()
+    freshness["snapshot_wait_ms"] = _snapshot_wait_ms(lake, snapshot_id, consumed_at)
+    lm = load_causal_lm(parent.hf_dir, activation_checkpointing=cfg.activation_checkpointing,
+                        ds_config=ds_config(zero_stage=cfg.zero_stage, precision=cfg.precision,
+                                            offload=cfg.offload, max_grad_norm=cfg.max_grad_norm))
+    check_members(members, vocab_size=int(lm.config.vocab_size),
+                  max_positions=getattr(lm.config, "max_position_embeddings", None),
+                  valid_counts=receipt_counts(lake, snapshot_id))
+    return _Data(members, lm, lineage_cfg, freshness)
 
-        # 5. resume
-        start, samples_seen, rows, resumed_from = 0, 0, [], None
-        if resume:
-            state = ck.load_state(strategy, work)
-            if state is not None:
-                start, samples_seen, rows = int(state["global_step"]), int(state["samples_seen"]), list(state["metrics"])
-                resumed_from = start
-                if state.get("checkpoint_id") != checkpoint_id:
-                    raise ConflictError(f"resumable state in {work} belongs to {state.get('checkpoint_id')}")
-            else:
-                resumed_from = 0
-                if rank == 0:
-                    print(f"note: --resume found no saved step in {work} (save_every={cfg.save_every}); training "
-                          f"restarts from step 0, which is deterministic and ends in the same weights. "
-                          f"Set --set save_every=N to resume mid-run.", file=sys.stderr)
 
-        # 6. train (rank 0 appends the step rows as it goes: pipeline.train.live)
-        live = _live_metrics(lake, cfg, checkpoint_id) if rank == 0 else None
-        bar = None
-        show = (progress if progress is not None else sys.stderr.isatty()) and rank == 0
-        if show:
-            from tqdm import tqdm
+def _prepare_workdir(run: _Run, resume: bool) -> None:
+    """Rank 0: a fresh work directory (unless resuming) holding the run's identity."""
+    from pipeline.train import checkpoint as ck
 
-            bar = tqdm(total=len(steps), initial=start, desc=f"train {snapshot_id[:12]}", unit="step")
-        strategy.train()
-        for step in steps[start:]:
-            row = _train_step(strategy, members, step, cfg, loss_kind, norm_len)
-            samples_seen += row["sequences"]
-            row.update(checkpoint_id=checkpoint_id, snapshot_id=snapshot_id, run_id=lineage_run_id)
-            rows.append(row)
-            if bar is not None:
-                bar.set_postfix(loss=f"{row['loss']:.4f}", reward=f"{row['reward_mean']:.3f}",
-                                kl_old=f"{row['approx_kl']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
-                bar.update(1)
-            done = step.index + 1
-            if live is not None:
-                live.step_done(rows)
-            pause_point(f"train:step:{done}")
-            if cfg.save_every and done % cfg.save_every == 0 and done < len(steps):
-                ck.save_state(strategy, work, f"step-{done:08d}", _client_state(
-                    checkpoint_id, snapshot_id, done, samples_seen, step.epoch, rows))
+    if run.rank != 0:
+        return
+    work = run.work
+    if not resume and work.exists():
+        print(f"note: discarding the state of an earlier interrupted run in {work} "
+              "(pass --resume to continue it instead)", file=sys.stderr)
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    if not (work / "run.json").exists():
+        ck.atomic_write(work / "run.json", json.dumps({
+            "snapshot_id": run.snapshot_id, "parent_checkpoint_id": run.parent.checkpoint_id,
+            "checkpoint_id": run.checkpoint_id, "config": config_dict(run.cfg), "world_size": run.world_size,
+            "generation": run.generation}, sort_keys=True, indent=1))
+
+
+def _build_engine(run: _Run, lm: Any) -> DeepSpeedStrategy:
+    """Step 3: seed everything, wrap the model in DeepSpeed."""
+    from pipeline.train import checkpoint as ck
+    from pipeline.train.ds_adapter import DeepSpeedStrategy
+    from pipeline.train.model import PolicyLogprobs
+
+    cfg = run.cfg
+    ck.seed_everything(cfg.seed)
+    policy = PolicyLogprobs(lm, chunk=cfg.logprob_chunk, vocab_chunk=cfg.vocab_chunk)
+    strategy = DeepSpeedStrategy(policy, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
+                                 zero_stage=cfg.zero_stage, precision=cfg.precision, offload=cfg.offload,
+                                 max_grad_norm=cfg.max_grad_norm)
+    strategy.barrier()
+    return strategy
+
+
+def _plan(run: _Run, strategy: DeepSpeedStrategy, members: Members) -> _Plan:
+    """Step 4: the loss, the carried optimizer, the pre-pass with the frozen starting weights, the step plan."""
+    from pipeline.train.packing import plan_steps
+
+    cfg = run.cfg
+    loss_kind = cfg.policy_loss
+    if loss_kind == "auto":
+        loss_kind = "reinforce" if int(members.group_size.max()) == 1 else "ppo"
+    optimizer_from = (_carry_optimizer(strategy, cfg, run.lake, run.parent, run.world_size)
+                      if cfg.carry_optimizer else None)
+    _prepass(strategy, members, cfg, run.lake, run.parent)
+    steps = plan_steps(members.lengths, budget_tokens=cfg.micro_batch_tokens, grad_accum=cfg.grad_accum,
+                       epochs=cfg.epochs, seed=cfg.seed, shuffle=cfg.shuffle, max_steps=cfg.max_steps)
+    norm_len = float(cfg.norm_len or max(len(r) for r in members.response))
+    return _Plan(loss_kind, optimizer_from, steps, norm_len)
+
+
+def _restore(run: _Run, strategy: DeepSpeedStrategy, resume: bool) -> _State:
+    """Step 5: the resumable state when resuming (hash-verified; never a silent fresh start)."""
+    from pipeline.train import checkpoint as ck
+
+    if not resume:
+        return _State()
+    state = ck.load_state(strategy, run.work)
+    if state is None:
+        if run.rank == 0:
+            print(f"note: --resume found no saved step in {run.work} (save_every={run.cfg.save_every}); training "
+                  f"restarts from step 0, which is deterministic and ends in the same weights. "
+                  f"Set --set save_every=N to resume mid-run.", file=sys.stderr)
+        return _State(resumed_from=0)
+    start = int(state["global_step"])
+    if state.get("checkpoint_id") != run.checkpoint_id:
+        raise ConflictError(f"resumable state in {run.work} belongs to {state.get('checkpoint_id')}")
+    return _State(start, int(state["samples_seen"]), list(state["metrics"]), start)
+
+
+def _step_loop(run: _Run, strategy: DeepSpeedStrategy, members: Members, plan: _Plan, state: _State,
+               progress: bool | None) -> None:
+    """Step 6: train from ``state.start`` (rank 0 appends the step rows as it goes: pipeline.train.live)."""
+    from pipeline.lake.delta import pause_point
+    from pipeline.train import checkpoint as ck
+
+    steps = plan.steps
+    run.live = _live_metrics(run.lake, run.cfg, run.checkpoint_id) if run.rank == 0 else None
+    bar = None
+    show = (progress if progress is not None else sys.stderr.isatty()) and run.rank == 0
+    if show:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(steps), initial=state.start, desc=f"train {run.snapshot_id[:12]}", unit="step")
+    strategy.train()
+    for step in steps[state.start:]:
+        row = _train_step(strategy, members, step, run.cfg, plan.loss_kind, plan.norm_len)
+        state.samples_seen += row["sequences"]
+        row.update(checkpoint_id=run.checkpoint_id, snapshot_id=run.snapshot_id, run_id=run.lineage_run_id)
+        state.rows.append(row)
         if bar is not None:
-            bar.close()
+            bar.set_postfix(loss=f"{row['loss']:.4f}", reward=f"{row['reward_mean']:.3f}",
+                            kl_old=f"{row['approx_kl']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
+            bar.update(1)
+        done = step.index + 1
+        if run.live is not None:
+            run.live.step_done(state.rows)
+        pause_point(f"train:step:{done}")
+        if run.cfg.save_every and done % run.cfg.save_every == 0 and done < len(steps):
+            ck.save_state(strategy, run.work, f"step-{done:08d}", _client_state(
+                run.checkpoint_id, run.snapshot_id, done, state.samples_seen, step.epoch, state.rows))
+    if bar is not None:
+        bar.close()
 
-        # 7. publish
-        global_step = len(steps)
-        client_state = _client_state(checkpoint_id, snapshot_id, global_step, samples_seen,
-                                     steps[-1].epoch if steps else 0, rows)
-        train_config = config_dict(cfg) | {"policy_loss_resolved": loss_kind, "norm_len_resolved": norm_len,
-                                           "optimizer_from": optimizer_from}
-        if crash_at == "publish":
-            _crash_while_publishing(strategy, final, client_state, train_config, lm, parent)
-        ck.write_final(strategy, final, client_state=client_state, train_config=train_config, lm=lm,
-                       parent_hf=parent.hf_dir)
-        summary = _summary(rows) | freshness
-        result = None
-        if rank == 0:
-            result = _publish(lake, checkpoint_id=checkpoint_id, parent=parent, snapshot_id=snapshot_id, cfg=cfg,
-                              world_size=world_size, global_step=global_step, samples_seen=samples_seen,
-                              summary=summary, rows=rows, resumed_from=resumed_from, t_start=t_start,
-                              lineage_run_id=lineage_run_id, final=final, live=live, extra_config=lineage_cfg)
-            lineage.emit_run_event(lake, event_type="COMPLETE", run_id=lineage_run_id, job_name=JOB_NAME,
-                                   inputs=inputs, outputs=lineage.train_outputs(lake, checkpoint_id,
-                                                                                result.policy_version), **ol)
-            shutil.rmtree(work, ignore_errors=True)
-        strategy.barrier()
-        return strategy.broadcast_object(result)
-    except BaseException as exc:
-        if rank == 0:
-            _close_trackers(locals().get("live"))
-            try:
-                lineage.emit_run_event(lake, event_type="FAIL", run_id=lineage_run_id, job_name=JOB_NAME,
-                                       inputs=inputs, outputs=[lineage.checkpoint(lake, checkpoint_id)],
-                                       error=f"{type(exc).__name__}: {exc}", **ol)
-            except Exception:  # pragma: no cover - never mask the real error
-                pass
-        raise
+
+def _checkpoint_and_publish(run: _Run, strategy: DeepSpeedStrategy, data: _Data, plan: _Plan, state: _State, *,
+                            crash_at: str | None, t_start: float) -> TrainResult | None:
+    """Step 7: the checkpoint dir (``latest`` last); rank 0 publishes (metrics rows, then
+    the checkpoints row), emits OpenLineage COMPLETE and removes the work directory."""
+    from pipeline import lineage
+    from pipeline.train import checkpoint as ck
+
+    lake, cfg, steps = run.lake, run.cfg, plan.steps
+    global_step = len(steps)
+    client_state = _client_state(run.checkpoint_id, run.snapshot_id, global_step, state.samples_seen,
+                                 steps[-1].epoch if steps else 0, state.rows)
+    train_config = config_dict(cfg) | {"policy_loss_resolved": plan.loss_kind, "norm_len_resolved": plan.norm_len,
+                                       "optimizer_from": plan.optimizer_from}
+    if crash_at == "publish":
+        _crash_while_publishing(strategy, run.final, client_state, train_config, data.lm, run.parent)
+    ck.write_final(strategy, run.final, client_state=client_state, train_config=train_config, lm=data.lm,
+                   parent_hf=run.parent.hf_dir)
+    if run.rank != 0:
+        return None
+    summary = _summary(state.rows) | data.freshness
+    result = _publish(lake, checkpoint_id=run.checkpoint_id, parent=run.parent, snapshot_id=run.snapshot_id, cfg=cfg,
+                      world_size=run.world_size, global_step=global_step, samples_seen=state.samples_seen,
+                      summary=summary, rows=state.rows, resumed_from=state.resumed_from, t_start=t_start,
+                      lineage_run_id=run.lineage_run_id, final=run.final, live=run.live,
+                      extra_config=data.lineage_cfg)
+    lineage.emit_run_event(lake, event_type="COMPLETE", run_id=run.lineage_run_id, job_name=JOB_NAME,
+                           inputs=run.inputs, outputs=lineage.train_outputs(lake, run.checkpoint_id,
+                                                                            result.policy_version), **run.ol)
+    shutil.rmtree(run.work, ignore_errors=True)
+    return result
 
 
 def _client_state(checkpoint_id: str, snapshot_id: str, global_step: int, samples_seen: int, epoch: int,
@@ -511,84 +639,124 @@ def _prepass(strategy, members, cfg: TrainConfig, lake, parent) -> None:
     strategy.train()
 
 
+class _StepSums:
+    """Sums over this rank's micro-batches of one step, by name; all-reduced
+    across ranks as one float64 tensor whose slots follow ``NAMES``."""
+
+    NAMES = ("loss", "pg_loss", "kl",                 # the micro-batches' losses, summed
+             "entropy_tok", "clip_high_tok", "clip_low_tok", "approx_kl_tok", "mismatch_tok",  # x tokens
+             "tokens")
+
+    def __init__(self) -> None:
+        import torch
+
+        self.values = torch.zeros(len(self.NAMES), dtype=torch.float64)
+
+    def add(self, **named: float) -> None:
+        import torch
+
+        self.values += torch.tensor([named[n] for n in self.NAMES], dtype=torch.float64)
+
+    def all_reduce(self, strategy: DeepSpeedStrategy) -> dict[str, float]:
+        return dict(zip(self.NAMES, (float(v) for v in strategy.all_reduce_sum(self.values))))
+
+
 def _train_step(strategy, members, step, cfg: TrainConfig, loss_kind: str, norm_len: float) -> dict[str, Any]:
     """Forward/backward over this rank's micro-batches of ``step``, then one optimizer step."""
-    import numpy as np
+    from pipeline.train import losses as L
+
+    t0 = time.perf_counter()
+    all_idx = [i for mb in step.micro_batches for i in mb]
+    norm = L.Norm(num_tokens=float(members.loss_tokens(all_idx)), num_seqs=float(len(all_idx)), norm_len=norm_len)
+    sums = _StepSums()
+    quant = {"ratio_p05": 1.0, "ratio_p50": 1.0, "ratio_p95": 1.0}
+    for mb in step.for_rank(strategy.rank, strategy.world_size):
+        if not mb:
+            _zero_weight_pass(strategy)
+            continue
+        met = _micro_batch(strategy, members, mb, cfg, loss_kind, norm, sums)
+        if strategy.rank == 0 and mb == step.for_rank(0, strategy.world_size)[0]:
+            quant = {k: met[k] for k in quant}
+    out = strategy.optimizer_step()
+    return _step_row(members, step, cfg, all_idx, sums.all_reduce(strategy), quant, out, time.perf_counter() - t0)
+
+
+def _zero_weight_pass(strategy: DeepSpeedStrategy) -> None:
+    """This rank has fewer micro-batches than another: a zero-weight pass keeps
+    the per-backward ZeRO reductions in lockstep."""
+    import torch
+
+    dev = strategy.device
+    lp, ent = strategy.forward(torch.zeros(1, 2, dtype=torch.long, device=dev),
+                               torch.zeros(1, dtype=torch.long, device=dev),
+                               torch.zeros(1, dtype=torch.long, device=dev))
+    strategy.backward(0.0 * (lp.sum() + ent.sum()))
+
+
+def _micro_batch(strategy: DeepSpeedStrategy, members: Members, mb: list[int], cfg: TrainConfig, loss_kind: str,
+                 norm: Norm, sums: _StepSums) -> dict[str, float]:
+    """Forward/backward of one micro-batch; adds its sums to ``sums``, returns the loss's metrics."""
     import torch
 
     from pipeline.train import losses as L
     from pipeline.train.data import collate
 
-    t0 = time.perf_counter()
-    W, dev = strategy.world_size, strategy.device
-    all_idx = [i for mb in step.micro_batches for i in mb]
-    norm = L.Norm(num_tokens=float(members.loss_tokens(all_idx)), num_seqs=float(len(all_idx)), norm_len=norm_len)
+    dev = strategy.device
     need = ("rollout",) + (("old",) if cfg.old_logprobs == "recompute" else ()) + (("ref",) if cfg.kl_coef > 0 else ())
-    loss_fn = L.POLICY_LOSSES[loss_kind]
-    # sums over this rank's tokens: [loss, pg, kl, entropy*tok, clip_hi*tok, clip_lo*tok, approx_kl*tok, mismatch*tok, tok]
-    acc = torch.zeros(9, dtype=torch.float64)
-    quant = {"ratio_p05": 1.0, "ratio_p50": 1.0, "ratio_p95": 1.0}
-    tokens_in = 0
-    for mb in step.for_rank(strategy.rank, W):
-        if not mb:
-            # this rank has fewer micro-batches than another: a zero-weight pass keeps
-            # the per-backward ZeRO reductions in lockstep
-            lp, ent = strategy.forward(torch.zeros(1, 2, dtype=torch.long, device=dev),
-                                       torch.zeros(1, dtype=torch.long, device=dev),
-                                       torch.zeros(1, dtype=torch.long, device=dev))
-            strategy.backward(0.0 * (lp.sum() + ent.sum()))
-            continue
-        b = collate(members, mb, need=need)
-        B, R = b["shape"]
-        lp_flat, ent_flat = strategy.forward(b["input_ids"].to(dev), b["rows"].to(dev), b["targets"].to(dev))
-        cols = b["cols"].to(dev)
-        logp = torch.zeros(B * R, dtype=lp_flat.dtype, device=dev).index_copy(0, cols, lp_flat).view(B, R)  # [B, R]
-        ent = torch.zeros(B * R, dtype=ent_flat.dtype, device=dev).index_copy(0, cols, ent_flat).view(B, R)  # [B, R]
-        mask, adv = b["mask"].to(dev), b["advantages"].to(dev)                                            # [B, R]
-        rollout = b["rollout"].to(dev)                                                                    # [B, R]
-        old = b["old"].to(dev) if "old" in b else rollout                                                 # [B, R]
-        is_w = None
-        if cfg.old_logprobs == "recompute" and cfg.tis_cap > 0:
-            is_w = L.truncated_is_weights(old, rollout, mask, cfg.tis_cap)                               # [B, R]
-        pg, met = loss_fn(logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                          ratio_level=cfg.ratio_level, agg=cfg.agg, norm=norm, is_weights=is_w)
-        total = pg
-        kl_val = torch.zeros(())
-        if cfg.kl_coef > 0:
-            kl_tok = L.kl_penalty(logp, b["ref"].to(dev), cfg.kl_kind)                                   # [B, R]
-            kl_val = L.aggregate(kl_tok, mask, cfg.agg, norm)
-            total = total + cfg.kl_coef * kl_val
-        if cfg.entropy_coef > 0:
-            total = total + L.entropy_bonus(ent, mask, coef=cfg.entropy_coef, agg=cfg.agg, norm=norm)
-        # DeepSpeed averages gradients over ranks; the loss is already a share of the global step sum
-        strategy.backward(total * W)
-        with torch.no_grad():
-            tok = float(mask.sum())
-            mism = float(L.masked_mean(L.kl_penalty(old, rollout, "k3"), mask)) if cfg.old_logprobs == "recompute" \
-                else float(L.masked_mean(L.kl_penalty(logp.detach(), rollout, "k3"), mask))
-            acc += torch.tensor([float(total.detach()), float(pg.detach()), float(kl_val.detach()), float(L.masked_mean(ent.detach(), mask)) * tok,
-                                 met["clip_frac_high"] * tok, met["clip_frac_low"] * tok, met["approx_kl"] * tok,
-                                 mism * tok, tok], dtype=torch.float64)
-            if strategy.rank == 0 and mb == step.for_rank(0, W)[0]:
-                quant = {k: met[k] for k in quant}
-        tokens_in += b["tokens_in"]
-    out = strategy.optimizer_step()
-    acc = strategy.all_reduce_sum(acc)
-    tok = max(float(acc[8]), 1.0)
+    b = collate(members, mb, need=need)
+    B, R = b["shape"]
+    lp_flat, ent_flat = strategy.forward(b["input_ids"].to(dev), b["rows"].to(dev), b["targets"].to(dev))
+    cols = b["cols"].to(dev)
+    logp = torch.zeros(B * R, dtype=lp_flat.dtype, device=dev).index_copy(0, cols, lp_flat).view(B, R)  # [B, R]
+    ent = torch.zeros(B * R, dtype=ent_flat.dtype, device=dev).index_copy(0, cols, ent_flat).view(B, R)  # [B, R]
+    mask, adv = b["mask"].to(dev), b["advantages"].to(dev)                                            # [B, R]
+    rollout = b["rollout"].to(dev)                                                                    # [B, R]
+    old = b["old"].to(dev) if "old" in b else rollout                                                 # [B, R]
+    is_w = None
+    if cfg.old_logprobs == "recompute" and cfg.tis_cap > 0:
+        is_w = L.truncated_is_weights(old, rollout, mask, cfg.tis_cap)                               # [B, R]
+    pg, met = L.POLICY_LOSSES[loss_kind](logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                         ratio_level=cfg.ratio_level, agg=cfg.agg, norm=norm, is_weights=is_w)
+    total = pg
+    kl_val = torch.zeros(())
+    if cfg.kl_coef > 0:
+        kl_tok = L.kl_penalty(logp, b["ref"].to(dev), cfg.kl_kind)                                   # [B, R]
+        kl_val = L.aggregate(kl_tok, mask, cfg.agg, norm)
+        total = total + cfg.kl_coef * kl_val
+    if cfg.entropy_coef > 0:
+        total = total + L.entropy_bonus(ent, mask, coef=cfg.entropy_coef, agg=cfg.agg, norm=norm)
+    # DeepSpeed averages gradients over ranks; the loss is already a share of the global step sum
+    strategy.backward(total * strategy.world_size)
+    with torch.no_grad():
+        tok = float(mask.sum())
+        mism = float(L.masked_mean(L.kl_penalty(old, rollout, "k3"), mask)) if cfg.old_logprobs == "recompute" \
+            else float(L.masked_mean(L.kl_penalty(logp.detach(), rollout, "k3"), mask))
+        sums.add(loss=float(total.detach()), pg_loss=float(pg.detach()), kl=float(kl_val.detach()),
+                 entropy_tok=float(L.masked_mean(ent.detach(), mask)) * tok, clip_high_tok=met["clip_frac_high"] * tok,
+                 clip_low_tok=met["clip_frac_low"] * tok, approx_kl_tok=met["approx_kl"] * tok,
+                 mismatch_tok=mism * tok, tokens=tok)
+    return met
+
+
+def _step_row(members: Members, step: Step, cfg: TrainConfig, all_idx: list[int], sums: dict[str, float],
+              quant: dict[str, float], out: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """The metrics row of one step from the all-reduced sums (schemas/metrics.yaml)."""
+    import numpy as np
+
+    tok = max(sums["tokens"], 1.0)
     slots = sum(len(mb) * int(members.lengths[list(mb)].max()) for mb in step.micro_batches)
     real = int(members.lengths[all_idx].sum())
-    seconds = time.perf_counter() - t0
     lags = members.policy_lag[all_idx]
     return {
         "global_step": step.index, "epoch": step.epoch,
-        "loss": float(acc[0]), "pg_loss": float(acc[1]), "kl": float(acc[2]) if cfg.kl_coef > 0 else None,
-        "entropy": float(acc[3]) / tok,
+        "loss": sums["loss"], "pg_loss": sums["pg_loss"], "kl": sums["kl"] if cfg.kl_coef > 0 else None,
+        "entropy": sums["entropy_tok"] / tok,
         "reward_mean": float(np.mean(members.reward[all_idx])), "advantage_mean": float(np.mean(members.advantage[all_idx])),
-        "clip_frac_high": float(acc[4]) / tok, "clip_frac_low": float(acc[5]) / tok,
-        "clip_fraction": (float(acc[4]) + float(acc[5])) / tok,
-        "approx_kl": float(acc[6]) / tok, "mismatch_kl": float(acc[7]) / tok, **quant,
+        "clip_frac_high": sums["clip_high_tok"] / tok, "clip_frac_low": sums["clip_low_tok"] / tok,
+        "clip_fraction": (sums["clip_high_tok"] + sums["clip_low_tok"]) / tok,
+        "approx_kl": sums["approx_kl_tok"] / tok, "mismatch_kl": sums["mismatch_tok"] / tok, **quant,
         "grad_norm": out["grad_norm"], "lr": out["lr"],
-        "tokens": int(acc[8]), "sequences": len(all_idx), "micro_batches": len(step.micro_batches),
+        "tokens": int(sums["tokens"]), "sequences": len(all_idx), "micro_batches": len(step.micro_batches),
         "padding_ratio": 0.0 if slots == 0 else 1.0 - real / slots,
         "tokens_per_s": real / seconds if seconds > 0 else 0.0, "step_seconds": seconds,
         "policy_lag": float(np.mean(lags)), "policy_lag_max": int(np.max(lags)),

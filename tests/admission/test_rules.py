@@ -305,3 +305,25 @@ def test_running_mean_baseline_is_carried_between_snapshots(lake):
     adv = dict(zip(res2.members.column("trajectory_id").to_pylist(), res2.members.column("advantage").to_pylist()))
     s = math.sqrt(0.1875)
     assert adv["n0"] == pytest.approx(0.5 / (s + 1e-6)) and adv["n1"] == pytest.approx(-0.5 / (s + 1e-6))
+
+
+def test_every_copy_of_the_rules_follows_rules_py():
+    """pipeline/admission/rules.py holds the reason names and their order; the SQL
+    spells them out and the reference oracle keeps its own table: both must agree."""
+    import re
+
+    from pipeline.admission import reference, rules
+    from pipeline.resources import sql_path
+
+    sql = sql_path("admission_members").read_text()
+    body = sql[sql.index("WITH arrived"):]
+    assert re.findall(r"WHEN m\.(\w+) <> r\.\1 THEN '(\w+)'", body) == list(rules.COMPARABILITY)
+    order = re.search(r"ORDER BY n DESC, policy_version DESC, ([\w,\s]+?)\) AS rk", body).group(1)
+    assert [f.strip() for f in order.split(",")] == list(rules.REF_FIELDS[1:])
+    steps = re.findall(r"THEN '(\w+)'", body)
+    assert steps == ([r for _, r in rules.STATUS_REASONS] + [rules.NO_REWARD] + list(rules.MISMATCH_REASONS)
+                     + list(rules.FRESHNESS_REASONS))
+    for status, reason in rules.STATUS_REASONS:
+        assert f"c.status = '{status}' THEN '{reason}'" in body
+    assert "IN (" + ", ".join(f"'{v}'" for v in rules.NO_REWARD_VERDICTS) + ")" in body
+    assert reference.MISMATCH == rules.COMPARABILITY

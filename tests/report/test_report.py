@@ -230,3 +230,35 @@ def test_training_plots_over_wall_time_or_samples(full_lake, tmp_path, train_x):
     page, res = build_report(full_lake, ReportOptions(train_x=train_x))
     assert res["errors"] == [] and res["plots"] == PLOTS
     assert ("over wall time" if train_x == "time" else "over samples") in page
+
+
+def test_health_lake_receipts_are_real_admission_decisions(full_lake):
+    """The synthetic lake's receipts are what the real admission core decides for
+    its landed rows (one run per policy version, the next version current)."""
+    import dataclasses
+    from datetime import timedelta
+
+    import pyarrow.dataset as ds
+
+    from pipeline.admission.candidates import scan
+    from pipeline.admission.config import admission_config_hash
+    from pipeline.admission.engine_duckdb import decide_candidates
+    from pipeline.testing.health_lake import ADMISSION, START
+
+    lake = full_lake
+    written = {r["group_id"]: r for r in lake.read("receipts").to_pylist()}
+    dataset = lake.arrow_dataset("trajectories", lake.table("trajectories"))
+    reasons = set()
+    for v in range(3):
+        cfg = dataclasses.replace(ADMISSION, current_policy_version=v + 1)
+        cands = scan(dataset, cfg, filter=ds.field("policy_version") == v)
+        dec = decide_candidates(cands, cfg, current_policy_version=v + 1, now=START + timedelta(days=30, hours=v),
+                                config_hash=admission_config_hash(cfg))
+        assert dec.receipts.num_rows > 0
+        for r in dec.receipts.to_pylist():
+            w = written[r["group_id"]]
+            assert (w["decision"], dict(w["excluded_members"]), w["valid_members"], w["checks"]) == \
+                (r["decision"], dict(r["excluded_members"]), r["valid_members"], r["checks"])
+            reasons |= set(dict(r["excluded_members"]).values())
+    assert {"stale_policy", "infra_failed", "expired"} <= reasons
+    assert any(x.endswith("_mismatch") for x in reasons)
