@@ -23,7 +23,7 @@ import os
 from concurrent.futures import CancelledError
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dask
 import numpy as np
@@ -35,6 +35,9 @@ from pipeline.admission.config import AdmissionConfig
 from pipeline.admission.decide import MISMATCH_REASONS, REF_FIELDS, conform, group_schema, member_schema
 from pipeline.errors import ConfigError, PipelineError
 
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
+
 SCHEDULER_ENV = "PIPELINE_DASK_SCHEDULER"
 WORKER_TIMEOUT_ENV = "PIPELINE_DASK_WORKER_TIMEOUT_S"
 HOLD_ENV = "PIPELINE_DASK_TEST_HOLD"  # test hook (workers): a directory; each read task marks itself, waits for `go`
@@ -44,7 +47,7 @@ DEFAULT_WORKER_TIMEOUT_S = 120.0
 dask.config.set({"dataframe.convert-string": False})
 
 
-def file_list(lake, version: int) -> list[tuple[str, dict[str, Any]]]:
+def file_list(lake: Lake, version: int) -> list[tuple[str, dict[str, Any]]]:
     """(absolute file uri, partition values) of every data file of trajectories@version."""
     dt = lake.table("trajectories", version)
     uris = dt.file_uris()
@@ -299,7 +302,7 @@ def _lost(address: str, exc: BaseException | None) -> PipelineError:
                          hint="check the scheduler and rerun pipeline admit (admission is idempotent)")
 
 
-def run_with_quality(lake, version: int, cfg: AdmissionConfig, *, decided: pa.Array, quality_fn,
+def run_with_quality(lake: Lake, version: int, cfg: AdmissionConfig, *, decided: pa.Array, quality_fn,
                      current_policy_version: int, now: datetime, dask_scheduler: str | None = None,
                      worker_timeout: float | None = None) -> tuple[pa.Table, pa.Table, dict[str, Any], int]:
     """-> (members, groups, quality summary, candidate rows). ``quality_fn(candidates)``

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from pipeline.admission.config import AdmissionConfig
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 _SQL_AGG = {"min": "min", "max": "max", "mean": "avg"}
 
@@ -51,7 +54,7 @@ def _run(con, sql: str, p: dict[str, Any]) -> pa.Table:
     return con.sql(sql, params={k: v for k, v in p.items() if k in used}).to_arrow_table()
 
 
-def run(lake, candidates: pa.Table, quality_rejects: pa.Table, cfg: AdmissionConfig, *,
+def run(lake: Lake, candidates: pa.Table, quality_rejects: pa.Table, cfg: AdmissionConfig, *,
         current_policy_version: int, now: datetime) -> tuple[pa.Table, pa.Table]:
     """-> (members, groups) per pipeline/admission/decide.py's contract."""
     from pipeline.query.duck import connect

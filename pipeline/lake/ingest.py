@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -35,6 +35,9 @@ import pyarrow.compute as pc
 from pipeline.errors import CommitError, InputFileError
 from pipeline.lake.validate import Reject, safe_raw, validate_table
 from pipeline.schema import table_spec
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 FORMATS = ("parquet", "ipc", "jsonl")
 
@@ -317,7 +320,7 @@ def precheck(path: str, data: bytes | pa.Buffer) -> None:
                              hint="the file is corrupt or truncated; re-export it") from None
 
 
-def ingest_files(lake, paths: Iterable[str | os.PathLike[str]], *, command: str = "ingest",
+def ingest_files(lake: Lake, paths: Iterable[str | os.PathLike[str]], *, command: str = "ingest",
                  progress: bool = False) -> IngestReport:
     """See :func:`_ingest_files`; reported as an OpenLineage run (pipeline.lineage)."""
     from pipeline import lineage
@@ -329,7 +332,7 @@ def ingest_files(lake, paths: Iterable[str | os.PathLike[str]], *, command: str 
     return report
 
 
-def _ingest_files(lake, paths: Iterable[str | os.PathLike[str]], *, command: str = "ingest",
+def _ingest_files(lake: Lake, paths: Iterable[str | os.PathLike[str]], *, command: str = "ingest",
                   progress: bool = False) -> IngestReport:
     """Land valid rows (one commit) and quarantine the rest (one commit).
 
@@ -370,7 +373,7 @@ def _ingest_files(lake, paths: Iterable[str | os.PathLike[str]], *, command: str
     return _land(lake, sources, [fp for _, fp in heads], report, command=command)
 
 
-def ingest_table(lake, table, *, source: str = "memory", command: str = "ingest_table") -> IngestReport:
+def ingest_table(lake: Lake, table, *, source: str = "memory", command: str = "ingest_table") -> IngestReport:
     """See :func:`_ingest_table`; reported as an OpenLineage run (pipeline.lineage)."""
     from pipeline import lineage
 
@@ -380,7 +383,7 @@ def ingest_table(lake, table, *, source: str = "memory", command: str = "ingest_
     return report
 
 
-def _ingest_table(lake, table, *, source: str = "memory", command: str = "ingest_table") -> IngestReport:
+def _ingest_table(lake: Lake, table, *, source: str = "memory", command: str = "ingest_table") -> IngestReport:
     """Land an in-memory ``pyarrow.Table`` (or pandas / polars DataFrame) with
     the same validation, quarantine, dedupe and exactly-once guarantees as
     ``pipeline ingest``. The table's content fingerprint (sha256 of its Arrow IPC
@@ -423,7 +426,7 @@ def _new_ingest_id() -> str:
 MAX_RACES = 20
 
 
-def _land(lake, sources, fingerprints: list[str], report: IngestReport, *, command: str) -> IngestReport:
+def _land(lake: Lake, sources, fingerprints: list[str], report: IngestReport, *, command: str) -> IngestReport:
     """Validate, dedupe, stage and commit ``sources()`` (path, fingerprint, raw
     table, raw JSONL lines or None, parse rejects). If a concurrent append lands
     some of the same ids between our read and our commit (KeyRace), everything
@@ -443,7 +446,7 @@ def _land(lake, sources, fingerprints: list[str], report: IngestReport, *, comma
                       hint="rerun: what landed is not landed twice")
 
 
-def _land_once(lake, sources, fingerprints: list[str], report: IngestReport, *, command: str) -> IngestReport:
+def _land_once(lake: Lake, sources, fingerprints: list[str], report: IngestReport, *, command: str) -> IngestReport:
     from concurrent.futures import ThreadPoolExecutor
 
     from pipeline.schema import ROW_KEY

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import pyarrow as pa
 
 from pipeline.errors import PipelineError
 from pipeline.schema import EXTRA_TABLES, TABLES, table_spec
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 
 
@@ -51,7 +54,7 @@ def _version(v: str) -> int | datetime:
         raise PipelineError(f"--as-of {v!r}: expected a version number or an ISO-8601 time") from None
 
 
-def connect(lake, *, as_of: dict[str, int | datetime] | int | datetime | None = None,
+def connect(lake: Lake, *, as_of: dict[str, int | datetime] | int | datetime | None = None,
             threads: int | None = None, tables: set[str] | None = None) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with one view per existing lake table (only ``tables`` when given)."""
     from pipeline.errors import NotFoundError
@@ -187,7 +190,7 @@ def _literal(value: Any, duck_type: str) -> str:
     return f"{_quote(str(value))}::{duck_type}"
 
 
-def query(lake, sql: str, *, params: dict[str, Any] | None = None,
+def query(lake: Lake, sql: str, *, params: dict[str, Any] | None = None,
           as_of: dict[str, int | datetime] | int | datetime | None = None) -> pa.Table:
     """Run ``sql`` over the lake's views; returns an Arrow table."""
     stripped = _strip_comments(sql)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime, timezone
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -36,6 +36,9 @@ from pipeline.config import config_hash
 from pipeline.errors import PipelineError
 from pipeline.sim.config import SimConfig
 from pipeline.sim.gate import EXPIRED, INFRA_FAILED, VALID, Decision, FreshnessGate
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 PROMPT_LEN = 4
 MASK = np.array([1, 1, 0, 0, 1, 1], np.int8)  # model turn, tool observation, model turn
@@ -198,7 +201,7 @@ def admission_config(cfg: SimConfig, **extra: Any):
 class LakeGate:
     """Lands each admission run's complete groups and lets the real ``admit`` decide them."""
 
-    def __init__(self, lake, cfg: SimConfig, *, quality: bool = False) -> None:
+    def __init__(self, lake: Lake, cfg: SimConfig, *, quality: bool = False) -> None:
         self.lake = lake
         self.cfg = cfg
         self.acfg = admission_config(cfg, quality=quality)
@@ -289,7 +292,7 @@ class LakeGate:
         return out
 
 
-def simulate_in_lake(lake, cfg: SimConfig, *, quality: bool = False) -> dict[str, Any]:
+def simulate_in_lake(lake: Lake, cfg: SimConfig, *, quality: bool = False) -> dict[str, Any]:
     """Run the simulation with the real admission job as its gate; the summary
     gains a ``lake`` section (rows landed, snapshots, gate agreement)."""
     from pipeline.sim.engine import Simulation

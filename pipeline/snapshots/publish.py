@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -16,8 +16,11 @@ from pipeline.schema import table_spec
 from pipeline.snapshots.format import (DATA_FILE, FORMAT_VERSION, MANIFEST, PENDING_DATA_PREFIX, SNAPSHOT_ID_RE, TMP_PREFIX, Snapshot,
                                        sha256_hex, snapshot_dir, try_open, verify_snapshot)
 
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
-def write_snapshot_files(lake, payload: pa.Table, *, snapshot_id: str,
+
+def write_snapshot_files(lake: Lake, payload: pa.Table, *, snapshot_id: str,
                          manifest_extra: dict[str, Any] | None = None) -> Snapshot:
     """Write ``payload`` (schemas/snapshot_payload.yaml; sorted here) and the manifest.
 
@@ -110,7 +113,7 @@ def _manifest_bytes(snapshot_id: str, data_name: str, sha: str, nbytes: int, row
     return manifest, json.dumps(manifest, sort_keys=True, indent=1, default=str).encode()
 
 
-def write_snapshot_stream(lake, parts: Iterable[pa.Table | pa.RecordBatch], *, snapshot_id: str,
+def write_snapshot_stream(lake: Lake, parts: Iterable[pa.Table | pa.RecordBatch], *, snapshot_id: str,
                           manifest_extra: dict[str, Any] | None = None) -> Snapshot:
     """The streaming form of ``write_snapshot_files`` (same format): ``parts``
     must already be in (group_id, trajectory_id) order; memory stays at one part.
@@ -136,7 +139,7 @@ def write_snapshot_stream(lake, parts: Iterable[pa.Table | pa.RecordBatch], *, s
     return _publish_object_store(lake, parts, snapshot_id, manifest_extra)
 
 
-def _publish_local(lake, parts, snapshot_id: str, manifest_extra: dict[str, Any] | None) -> Snapshot:
+def _publish_local(lake: Lake, parts, snapshot_id: str, manifest_extra: dict[str, Any] | None) -> Snapshot:
     import uuid
 
     rel = snapshot_dir(snapshot_id)
@@ -165,7 +168,7 @@ def _publish_local(lake, parts, snapshot_id: str, manifest_extra: dict[str, Any]
     return Snapshot(snapshot_id, rel, manifest, sha256_hex(mbytes))
 
 
-def _publish_object_store(lake, parts, snapshot_id: str, manifest_extra: dict[str, Any] | None) -> Snapshot:
+def _publish_object_store(lake: Lake, parts, snapshot_id: str, manifest_extra: dict[str, Any] | None) -> Snapshot:
     import uuid
 
     from pipeline.lake import objects
@@ -203,7 +206,7 @@ def _publish_object_store(lake, parts, snapshot_id: str, manifest_extra: dict[st
     return try_open(lake, snapshot_id)  # type: ignore[return-value]
 
 
-def remove_unpublished_payloads(lake, *, min_age_s: float, dry_run: bool = False) -> list[str]:
+def remove_unpublished_payloads(lake: Lake, *, min_age_s: float, dry_run: bool = False) -> list[str]:
     """Payload files ``_snapshots/<id>/members.<rand>.parquet`` that the id's
     manifest does not name (a losing or killed publisher's on an object store),
     older than ``min_age_s`` (a publication in progress looks the same until

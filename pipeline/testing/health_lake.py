@@ -13,6 +13,8 @@ Deterministic for a seed.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import hashlib
 import json
 from dataclasses import dataclass
@@ -23,6 +25,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.schema import table_spec
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 START = datetime(2026, 11, 1, tzinfo=timezone.utc)
 
@@ -111,7 +116,7 @@ def make_version_batch(spec: HealthLakeSpec, run: str, version: int, offset: int
     return t.set_column(i, pa.field("content_hash", pa.string()), content_hashes(t))
 
 
-def build_health_lake(lake, spec: HealthLakeSpec = HealthLakeSpec()) -> dict[str, int]:
+def build_health_lake(lake: Lake, spec: HealthLakeSpec = HealthLakeSpec()) -> dict[str, int]:
     """Write trajectories (+ receipts, snapshot_members, checkpoints, events per ``spec``)."""
     from pipeline.lake.ingest import stamp_derived
 

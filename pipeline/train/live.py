@@ -27,9 +27,12 @@ import os
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import ConfigError
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 # Columns of a metrics row that are not numbers to plot.
@@ -51,7 +54,7 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
             if k not in NOT_SCALARS and isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}
 
 
-def tracker_dir(lake, cfg) -> Path:
+def tracker_dir(lake: Lake, cfg) -> Path:
     if getattr(cfg, "tracker_dir", ""):
         return Path(cfg.tracker_dir)
     if lake.is_local:
@@ -64,7 +67,7 @@ def tracker_dir(lake, cfg) -> Path:
 class Trackers:
     """The configured trackers of one training run (rank 0)."""
 
-    def __init__(self, lake, cfg, *, checkpoint_id: str, config: dict[str, Any]) -> None:
+    def __init__(self, lake: Lake, cfg, *, checkpoint_id: str, config: dict[str, Any]) -> None:
         self.names = parse_trackers(getattr(cfg, "trackers", ""))
         self.sinks: list[Any] = []
         if not self.names:
@@ -165,7 +168,7 @@ _OPEN = {"tensorboard": _TensorBoard, "mlflow": _MLflow, "wandb": _Wandb}
 class LiveMetrics:
     """Rank 0's writer of per-step metrics rows: bounded, exactly-once commits."""
 
-    def __init__(self, lake, cfg, *, checkpoint_id: str, command: str, config_hash: str,
+    def __init__(self, lake: Lake, cfg, *, checkpoint_id: str, command: str, config_hash: str,
                  trackers: Trackers | None = None) -> None:
         self.lake = lake
         self.every_steps = int(getattr(cfg, "metrics_every_steps", 0) or 0)

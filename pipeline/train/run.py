@@ -33,11 +33,14 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.config import config_dict, config_hash
 from pipeline.errors import ConflictError, NotFoundError, PipelineError
 from pipeline.train.config import TrainConfig
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 __all__ = ["TrainConfig", "TrainResult", "train_snapshot", "run_identity"]
 
@@ -74,7 +77,7 @@ class TrainResult:
 # -- 1. identity ---------------------------------------------------------------------
 
 
-def _consumers(lake, snapshot_id: str) -> list[dict[str, Any]]:
+def _consumers(lake: Lake, snapshot_id: str) -> list[dict[str, Any]]:
     if not lake.exists("checkpoints"):
         return []
     rows = lake.read("checkpoints", columns=["checkpoint_id", "snapshot_ids", "policy_version",
@@ -94,7 +97,7 @@ def run_identity(snapshot_id: str, parent_checkpoint_id: str, cfg: TrainConfig, 
     return run_key, f"ck-{run_key[:20]}"
 
 
-def _published_result(lake, checkpoint_id: str, snapshot_id: str) -> TrainResult:
+def _published_result(lake: Lake, checkpoint_id: str, snapshot_id: str) -> TrainResult:
     from pipeline.policy_store import resolve_policy
     from pipeline.train.checkpoint import weight_hashes
 
@@ -110,7 +113,7 @@ def _published_result(lake, checkpoint_id: str, snapshot_id: str) -> TrainResult
 # -- public entry ------------------------------------------------------------------
 
 
-def train_snapshot(lake, snapshot_id: str, cfg: TrainConfig | None = None, *, from_checkpoint: str | int | None = None,
+def train_snapshot(lake: Lake, snapshot_id: str, cfg: TrainConfig | None = None, *, from_checkpoint: str | int | None = None,
                    resume: bool = False, nproc: int = 1, force: bool = False, progress: bool | None = None,
                    crash_at: str | None = None) -> TrainResult:
     """Train on ``snapshot_id`` starting from ``from_checkpoint`` (a checkpoint
@@ -130,7 +133,7 @@ def train_snapshot(lake, snapshot_id: str, cfg: TrainConfig | None = None, *, fr
                   progress=progress, crash_at=crash_at)
 
 
-def _launch(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume: bool, nproc: int, force: bool,
+def _launch(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume: bool, nproc: int, force: bool,
             progress: bool | None, crash_at: str | None = None) -> TrainResult:
     """N processes via torchrun running pipeline.train.worker; rank 0 writes the result."""
     import socket
@@ -165,7 +168,7 @@ def _launch(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume
 # -- the driver ----------------------------------------------------------------------
 
 
-def _train(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume: bool, force: bool,
+def _train(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume: bool, force: bool,
            progress: bool | None, crash_at: str | None) -> TrainResult:
     from pipeline.train.ds_adapter import single_process_env
 
@@ -179,7 +182,7 @@ def _train(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume:
             os.environ.pop(k, None)
 
 
-def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume: bool, force: bool,
+def _train_in_env(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume: bool, force: bool,
                   progress: bool | None, crash_at: str | None, t_start: float) -> TrainResult:
     import torch
 
@@ -370,7 +373,7 @@ def _client_state(checkpoint_id: str, snapshot_id: str, global_step: int, sample
             "samples_seen": samples_seen, "epoch": epoch, "metrics": rows}
 
 
-def _carry_optimizer(strategy, cfg: TrainConfig, lake, parent, world_size: int) -> str | None:
+def _carry_optimizer(strategy, cfg: TrainConfig, lake: Lake, parent, world_size: int) -> str | None:
     """Load the parent's DeepSpeed state (weights + AdamW moments; not its LR
     schedule) when the parent is a checkpoint of this trainer with a compatible
     layout. The parent's files were hash-verified by resolve_policy. Returns the
@@ -408,7 +411,7 @@ def kl_reference_spec(kl_reference: str, parent) -> str:
     return kl_reference
 
 
-def _snapshot_wait_ms(lake, snapshot_id: str, consumed_at: datetime) -> int | None:
+def _snapshot_wait_ms(lake: Lake, snapshot_id: str, consumed_at: datetime) -> int | None:
     """How long the snapshot waited between its publication and its use (ms);
     with the members' ``queue_wait_ms`` (finish -> landing) this measures the
     queue to the point of use. None when the snapshots table has no row for it."""
@@ -455,7 +458,7 @@ def check_freshness(members, parent_version: int, max_train_lag: int | None, sna
             "parent_version": parent_version}
 
 
-def _prepass(strategy, members, cfg: TrainConfig, lake, parent) -> None:
+def _prepass(strategy, members, cfg: TrainConfig, lake: Lake, parent) -> None:
     """Old log-probs (recompute mode) and reference log-probs (kl_coef > 0) of
     every member under frozen weights, once, before the first update. Every
     rank computes all members, in the same micro-batches: identical on any
@@ -610,7 +613,7 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "tokens_per_s_mean": mean("tokens_per_s"), "policy_lag_mean": mean("policy_lag")}
 
 
-def _publish(lake, *, checkpoint_id: str, parent, snapshot_id: str, cfg: TrainConfig, world_size: int,
+def _publish(lake: Lake, *, checkpoint_id: str, parent, snapshot_id: str, cfg: TrainConfig, world_size: int,
              global_step: int, samples_seen: int, summary: dict[str, Any], rows: list[dict[str, Any]],
              resumed_from: int | None, t_start: float, lineage_run_id: str, final: Path,
              live=None, extra_config: dict[str, Any] | None = None) -> TrainResult:
@@ -635,7 +638,7 @@ def _publish(lake, *, checkpoint_id: str, parent, snapshot_id: str, cfg: TrainCo
                        time.perf_counter() - t_start, lineage_run_id)
 
 
-def _live_metrics(lake, cfg: TrainConfig, checkpoint_id: str, *, with_trackers: bool = True):
+def _live_metrics(lake: Lake, cfg: TrainConfig, checkpoint_id: str, *, with_trackers: bool = True):
     from pipeline.train.live import LiveMetrics, Trackers
 
     trackers = (Trackers(lake, cfg, checkpoint_id=checkpoint_id, config=config_dict(cfg))
