@@ -33,7 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 
 from pipeline import __version__
@@ -167,7 +167,7 @@ def train_outputs(lake: Lake, checkpoint_id: str, policy_version: int | None) ->
 # -- per-job wrappers (one call from each job's entry point) ---------------------------
 
 
-def ingest_run(lake: Lake, paths: list[str], command: str):
+def ingest_run(lake: Lake, paths: Sequence[str | os.PathLike[str]], command: str):
     return job_run(lake, "pipeline.ingest", job_type="INGEST", engine="deltalake",
                    config={"command": command, "files": [str(p) for p in paths]},
                    inputs=[file(p) for p in paths if "://" in str(p) or Path(p).exists()])

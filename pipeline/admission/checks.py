@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from pipeline.admission.config import AdmissionConfig
 
-OPS: dict[str, Callable[[float, float], bool]] = {
+OPS: dict[str, Callable[[Any, Any], Any]] = {  # elementwise over numpy arrays too
     ">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt, "==": operator.eq}
 
 

@@ -145,8 +145,8 @@ def finalize(members: pa.Table, groups: pa.Table, cfg: AdmissionConfig, *, confi
             if over:
                 outcomes["bucket_cap"][i] = "fail:" + ",".join(f"{k} cap {cap}" for k, cap in over)
             else:
-                for k, _ in hit:
-                    used[k] = used.get(k, 0) + 1
+                for key, _ in hit:
+                    used[key] = used.get(key, 0) + 1
         decision = decide(cfg, outcomes)
     tids = members.column("trajectory_id").combine_chunks()
     valid_off = np.concatenate([[0], np.cumsum(np.bincount(gidx[valid], minlength=n_groups))]).astype(np.int32)
@@ -199,7 +199,7 @@ def finalize(members: pa.Table, groups: pa.Table, cfg: AdmissionConfig, *, confi
                                                        np.nan), cfg.tool_call_edges).tolist(), pa.string()),
         "reward_std_bucket": pa.array(std_bucket.tolist(), pa.string()),
     }, schema=admitted_schema())
-    values, counts_ = np.unique(decision.astype(str), return_counts=True) if n_groups else ([], [])
+    values, counts_ = np.unique(decision.astype(str), return_counts=True) if n_groups else (np.array([]), np.array([]))
     counts = {str(v): int(c) for v, c in zip(values, counts_)}
     return Decisions(receipts, admitted, counts, baseline)
 

@@ -140,7 +140,8 @@ def decide_partition(df: pd.DataFrame, cfg: AdmissionConfig, current_policy_vers
     member_reason = np.select(
         [q.notna().to_numpy(), (df["status"] == "INFRA_FAILED").to_numpy(), (df["status"] == "EXPIRED").to_numpy(),
          (df["verdict"].isin(["UNKNOWN", "ENV_ERROR"]) | df["reward"].isna()).to_numpy()],
-        [q.to_numpy(dtype=object), "infra_failed", "expired", "no_reward"], default=None).astype(object)
+        [q.to_numpy(dtype=object), "infra_failed", "expired", "no_reward"],
+        default=None).astype(object)  # type: ignore[arg-type]  # numpy's stub omits the object default np.select takes
     df["member_reason"] = member_reason
     # 2. reference configuration among the rest
     rest = df[pd.isna(df["member_reason"])]
@@ -162,7 +163,7 @@ def decide_partition(df: pd.DataFrame, cfg: AdmissionConfig, current_policy_vers
     if cfg.max_queue_wait_ms is not None:
         conds.append((df["queue_wait_ms"] > cfg.max_queue_wait_ms).to_numpy())
         why.append("stale_wait")
-    later = np.select(conds, why, default=None).astype(object)
+    later = np.select(conds, why, default=None).astype(object)  # type: ignore[arg-type]  # as above
     df["reason"] = np.where(pd.isna(df["member_reason"]), later, df["member_reason"])
     df.loc[pd.isna(df["reason"]), "reason"] = None
     # 4. group columns

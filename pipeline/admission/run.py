@@ -191,10 +191,11 @@ def _trajectory_sources(lake: Lake, tv: int, previous: tuple[int, datetime] | No
 
 def _decisions_from_engine(lake: Lake, tv: int, cfg: AdmissionConfig, engine: str, decided: pa.Array,
                            current: int, now: datetime, dask_scheduler: str | None,
-                           timings: dict[str, float], sources: list[tuple[Any, Any]]
+                           timings: dict[str, float], sources: list[tuple[Any, Any]] | None
                            ) -> tuple[pa.Table, pa.Table, dict[str, Any], int]:
     t0 = time.perf_counter()
     if engine == "duckdb":
+        assert sources is not None  # the caller lists them for this engine
         cands = pa.concat_tables([cand.scan(d, cfg, decided, filter=f) for d, f in sources])
         timings["scan_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -261,6 +262,7 @@ def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_ver
         rv = lake.version("receipts")
         rv = -1 if rv is None else rv
         tv = lake.version("trajectories")
+        assert tv is not None  # the table exists: checked above
         decided = (lake.read("receipts", columns=["group_id"], version=rv).column("group_id").combine_chunks()
                    if rv >= 0 else pa.array([], pa.string()))
         sources = _trajectory_sources(lake, tv, _previous_state(lake, rv)) if engine == "duckdb" else None

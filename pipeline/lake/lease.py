@@ -143,7 +143,7 @@ class Lease:
         if not created:  # ours after all if a retried PUT's first attempt landed
             rec = _read(self.lake, self.name, nxt) or {}
             created = rec.get("token") == self.token and not rec.get("released")
-        if not created or (_generations(self.lake, self.name) or [None])[-1] != nxt:
+        if not created or _generations(self.lake, self.name)[-1:] != [nxt]:
             self.expires = old_expires
             raise LeaseLostError(f"lease {self.name!r} was taken over while renewing", hint="stop: another owner "
                                  "runs now")
@@ -264,7 +264,7 @@ def try_acquire(lake: Lake, name: str, *, owner: str | None = None, ttl: float, 
             if not mine or mine.get("token") != token:
                 continue  # another racer created generation nxt: it holds the lease (or look again)
             # ours after all: a retried PUT whose first attempt had landed
-        if (_generations(lake, name) or [None])[-1] != nxt:
+        if _generations(lake, name)[-1:] != [nxt]:
             # we read an old listing: a newer generation already existed, so ours is no lease
             objects.delete(lake, _rel(name, nxt))
             continue

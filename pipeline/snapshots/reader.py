@@ -151,7 +151,7 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
 
     B = len(items)
     L = max(len(x["prompt_ids"]) + len(x["response_ids"]) for x in items)
-    out = {k: torch.zeros(B, L, dtype=d) for k, d in (("input_ids", torch.int64), ("attention_mask", torch.int64),
+    out: dict[str, Any] = {k: torch.zeros(B, L, dtype=d) for k, d in (("input_ids", torch.int64), ("attention_mask", torch.int64),
                                                      ("loss_mask", torch.float32),
                                                      ("behaviour_logprobs", torch.float32),
                                                      ("advantages", torch.float32))}
