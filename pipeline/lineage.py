@@ -487,7 +487,7 @@ def walk(lake: Lake, checkpoint_id: str, *, with_trajectories: bool = True, max_
             raise NotFoundError(f"checkpoint {checkpoint_id} not found", hint="pipeline sql \"SELECT checkpoint_id, "
                                 "policy_version FROM checkpoints\" lists them")
     row = by_id[checkpoint_id]
-    chain = []
+    chain: list[dict[str, Any]] = []
     cur = row
     while cur is not None and len(chain) < max_ancestors:
         chain.append({"checkpoint_id": cur["checkpoint_id"], "policy_version": cur["policy_version"],

@@ -70,7 +70,7 @@ def decide_group(versions: Sequence[int], statuses: Sequence[str], rewards: Sequ
             reasons[i] = "infra_failed"
         elif statuses[i] == EXPIRED:
             reasons[i] = "expired"
-        elif rewards[i] is None or (isinstance(rewards[i], float) and math.isnan(rewards[i])):
+        elif (r := rewards[i]) is None or (isinstance(r, float) and math.isnan(r)):
             reasons[i] = "no_reward"
     # 2. reference configuration: the most common key, ties to the higher policy_version,
     #    then the lexicographically smaller rest of the key

@@ -62,23 +62,23 @@ def trajectory_rows(sim, idx: Sequence[int], now: float) -> pa.Table:
     from pipeline.schema import table_spec
 
     cfg: SimConfig = sim.cfg
-    idx = np.asarray(list(idx), np.int64)
-    n = len(idx)
+    ids = np.asarray(list(idx), np.int64)
+    n = len(ids)
     prefix = ids_prefix(cfg)
     G = sim.G
-    groups = idx // G
-    version = np.asarray([sim.version[i] for i in idx], np.int64)
-    status = [sim.status[i] for i in idx]
-    reward = [sim.reward[i] for i in idx]
-    start = np.asarray([sim.start[i] for i in idx], float)
-    end = np.asarray([sim.end[i] for i in idx], float)
+    groups = ids // G
+    version = np.asarray([sim.version[i] for i in ids], np.int64)
+    status = [sim.status[i] for i in ids]
+    reward = [sim.reward[i] for i in ids]
+    start = np.asarray([sim.start[i] for i in ids], float)
+    end = np.asarray([sim.end[i] for i in ids], float)
     cls = [sim.classes[sim.g_class[g]].name for g in groups]
     epoch = _epoch_us(cfg)
     created = epoch + np.round(start * 1e6).astype(np.int64)
     finished = np.maximum(epoch + np.round(end * 1e6).astype(np.int64), created)
     L = len(MASK)
     mask = np.tile(MASK, n)
-    resp = ((idx[:, None] * 7919 + np.arange(L)[None, :]) % 29000 + 3).astype(np.int32).ravel()
+    resp = ((ids[:, None] * 7919 + np.arange(L)[None, :]) % 29000 + 3).astype(np.int32).ravel()
     tpv = np.where(mask == 1, np.repeat(version, L), -1).astype(np.int32)
     logp = np.where(mask == 1, np.float32(-0.5), np.float32(0.0)).astype(np.float32)
     prompt = ((np.repeat(groups, PROMPT_LEN) * 31 + np.tile(np.arange(PROMPT_LEN), n)) % 29000 + 3).astype(np.int32)
@@ -89,7 +89,7 @@ def trajectory_rows(sim, idx: Sequence[int], now: float) -> pa.Table:
     stop = ["env_timeout" if s == INFRA_FAILED else "wall_clock" if s == EXPIRED else "eos" for s in status]
     comps = [None if r is None else [("task_success", float(r))] for r in reward]
     cols = {
-        "trajectory_id": pa.array([f"{prefix}-t{i}" for i in idx]),
+        "trajectory_id": pa.array([f"{prefix}-t{i}" for i in ids]),
         "group_id": pa.array([f"{prefix}-g{g}" for g in groups]),
         "group_size": pa.array(np.full(n, G, np.int32)),
         "task_id": pa.array([f"{c}-{sim.g_task[g]}" for c, g in zip(cls, groups)]),
@@ -104,7 +104,7 @@ def trajectory_rows(sim, idx: Sequence[int], now: float) -> pa.Table:
         "verifier_version": pa.array(["sim-verifier"] * n),
         "temperature": pa.array(np.ones(n)),
         "top_p": pa.array(np.ones(n)),
-        "sampling_seed": pa.array(idx),
+        "sampling_seed": pa.array(ids),
         "status": pa.array(status),
         "verdict": pa.array(verdict),
         "stop_reason": pa.array(stop),

@@ -26,13 +26,16 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from pipeline.errors import IntegrityError, NotFoundError
 from pipeline.policy_store import HF_SUBDIR, hash_dir
+
+if TYPE_CHECKING:  # transformers is imported where a model is loaded
+    from transformers import PreTrainedModel
 
 LATEST = "latest"
 FINAL_TAG = "final"
@@ -141,7 +144,7 @@ def load_state(strategy, root: Path) -> dict[str, Any] | None:
 # -- the published checkpoint ---------------------------------------------------
 
 
-def export_hf(lm: torch.nn.Module, parent_hf: Path, out: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+def export_hf(lm: PreTrainedModel, parent_hf: Path, out: Path, state: dict[str, torch.Tensor] | None = None) -> None:
     """HF directory of the trained weights: tokenizer and other files copied
     from the parent policy, then config + safetensors (fp32) from ``state``
     (the consolidated state dict; ZeRO-3 keeps only partitions in ``lm``) or
@@ -162,7 +165,7 @@ def export_hf(lm: torch.nn.Module, parent_hf: Path, out: Path, state: dict[str, 
 
 
 def write_final(strategy, root: Path, *, client_state: dict[str, Any], train_config: dict[str, Any],
-                lm: torch.nn.Module, parent_hf: Path) -> None:
+                lm: PreTrainedModel, parent_hf: Path) -> None:
     """Every rank: DeepSpeed state + RNG and its share of the consolidated
     weights; rank 0: cursor, config, hf/, then ``latest`` last."""
     if strategy.is_rank_0() and root.exists():

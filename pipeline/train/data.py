@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -201,6 +201,8 @@ def collate(m: Members, idx: tuple[int, ...] | list[int], *, need: tuple[str, ..
     mask = np.zeros((B, Rmax), dtype=np.float32)                                  # [B, R]
     adv = np.zeros((B, Rmax), dtype=np.float32)                                   # [B, R]
     extra = {k: np.zeros((B, Rmax), dtype=np.float32) for k in need}
+    per_member: dict[str, Sequence[np.ndarray | None]] = {
+        "old": m.old_logprobs, "ref": m.ref_logprobs, "rollout": m.rollout_logprobs}
     rows, cols, targets = [], [], []
     for b, i in enumerate(idx):
         p, r = m.prompt[i], m.response[i]
@@ -214,7 +216,8 @@ def collate(m: Members, idx: tuple[int, ...] | list[int], *, need: tuple[str, ..
         cols.append(b * Rmax + j)
         targets.append(r[j])
         for k in need:
-            src = {"old": m.old_logprobs, "ref": m.ref_logprobs, "rollout": m.rollout_logprobs}[k][i]
+            src = per_member[k][i]
+            assert src is not None, f"collate(need={k!r}): member {i} has no {k} log-probs"
             extra[k][b, :R[b]] = src * mk
     _check_layout(m, idx, input_ids, rows, targets, mask, P, R)
     out = {

@@ -152,8 +152,9 @@ class _Wandb:
         except ImportError as exc:
             raise ConfigError("trackers=wandb needs the wandb package", hint="pip install wandb") from exc
         (root / "wandb").mkdir(parents=True, exist_ok=True)
+        mode: Any = os.environ.get("WANDB_MODE", "offline")  # wandb validates it (its settings take more than init's Literal)
         self.run = wandb.init(project=EXPERIMENT, name=checkpoint_id, id=checkpoint_id, resume="allow",
-                              dir=str(root), config=config, mode=os.environ.get("WANDB_MODE", "offline"))
+                              dir=str(root), config=config, mode=mode)
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log({f"train/{k}": v for k, v in values.items()}, step=step)

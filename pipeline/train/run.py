@@ -231,7 +231,7 @@ def _train_in_env(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkp
 
     lineage_run_id = lineage.new_run_id()
     inputs = [lineage.snapshot(lake, snapshot_id), lineage.checkpoint(lake, parent.checkpoint_id, parent.policy_version)]
-    ol = dict(job_type="TRAIN", engine="deepspeed", config=config_dict(cfg) | {"world_size": world_size})
+    ol: dict[str, Any] = dict(job_type="TRAIN", engine="deepspeed", config=config_dict(cfg) | {"world_size": world_size})
     if rank == 0:
         lineage.emit_run_event(lake, event_type="START", run_id=lineage_run_id, job_name=JOB_NAME, inputs=inputs,
                                outputs=[lineage.checkpoint(lake, checkpoint_id)], **ol)
@@ -486,9 +486,9 @@ def _prepass(strategy, members, cfg: TrainConfig, lake: Lake, parent) -> None:
                                 b["targets"].to(strategy.device))
                 flat = torch.zeros(b["shape"][0] * b["shape"][1], dtype=torch.float32)
                 flat[b["cols"]] = lp.float().cpu()
-                flat = flat.view(*b["shape"]).numpy()
+                grid = flat.view(*b["shape"]).numpy()
                 for k, i in enumerate(idx):
-                    target[i] = flat[k, :len(members.response[i])].astype(np.float32).copy()
+                    target[i] = grid[k, :len(members.response[i])].astype(np.float32).copy()
 
     strategy.eval()
     if need_old:
