@@ -53,6 +53,8 @@ from pipeline.schema import table_spec
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
 
+    from pipeline.admission.scope import Scope
+
 LOCK_APP = "admission"
 MAX_ATTEMPTS = 5
 CRASH_ENV = "PIPELINE_ADMIT_CRASH_AFTER"  # test hook: snapshot_files | snapshots | snapshot_members
@@ -222,7 +224,7 @@ def _decisions_from_engine(lake: Lake, tv: int, cfg: AdmissionConfig, engine: st
 def admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_version: int | None = None,
           dry_run: bool = False, engine: Literal["duckdb", "dask"] = "duckdb", dask_scheduler: str | None = None,
           target_groups: int | None = None, now: datetime | None = None,
-          command: str = "pipeline admit", scope=None) -> AdmissionResult:
+          command: str = "pipeline admit", scope: Scope | None = None) -> AdmissionResult:
     """Decide every ready, undecided group (of ``scope``: pipeline/admission/scope.py); write receipts
     and one snapshot of the admitted members, all sampled with one tokenizer. Reported as an
     OpenLineage run (pipeline.lineage)."""
@@ -239,7 +241,7 @@ def admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_vers
 def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_version: int | None = None,
            dry_run: bool = False, engine: Literal["duckdb", "dask"] = "duckdb", dask_scheduler: str | None = None,
            target_groups: int | None = None, now: datetime | None = None,
-           command: str = "pipeline admit", scope=None) -> AdmissionResult:
+           command: str = "pipeline admit", scope: Scope | None = None) -> AdmissionResult:
     from pipeline.admission import scope as scoping
 
     # a scoped run leaves groups undecided whatever their age: no incremental-scan state, so the

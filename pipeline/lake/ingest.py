@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -424,9 +424,12 @@ def _new_ingest_id() -> str:
 
 
 MAX_RACES = 20
+# What _land reads (again after a lost race): per source, (path, fingerprint, raw table, raw JSONL lines or
+# None, parse rejects).
+Sources = Callable[[], Iterator[tuple[str, str, pa.Table, list[str] | None, list[Reject]]]]
 
 
-def _land(lake: Lake, sources, fingerprints: list[str], report: IngestReport, *, command: str) -> IngestReport:
+def _land(lake: Lake, sources: Sources, fingerprints: list[str], report: IngestReport, *, command: str) -> IngestReport:
     """Validate, dedupe, stage and commit ``sources()`` (path, fingerprint, raw
     table, raw JSONL lines or None, parse rejects). If a concurrent append lands
     some of the same ids between our read and our commit (KeyRace), everything
@@ -446,7 +449,7 @@ def _land(lake: Lake, sources, fingerprints: list[str], report: IngestReport, *,
                       hint="rerun: what landed is not landed twice")
 
 
-def _land_once(lake: Lake, sources, fingerprints: list[str], report: IngestReport, *, command: str) -> IngestReport:
+def _land_once(lake: Lake, sources: Sources, fingerprints: list[str], report: IngestReport, *, command: str) -> IngestReport:
     from concurrent.futures import ThreadPoolExecutor
 
     from pipeline.schema import ROW_KEY

@@ -36,10 +36,10 @@ def write_snapshot_files(lake: Lake, payload: pa.Table, *, snapshot_id: str,
 class _HashingWriter:
     """File-like sink that sha256-hashes and counts what passes through."""
 
-    def __init__(self, sink) -> None:
+    def __init__(self, sink: Any) -> None:  # a pyarrow NativeFile
         self.sink, self.h, self.n, self.closed = sink, hashlib.sha256(), 0, False
 
-    def write(self, data) -> int:
+    def write(self, data: bytes | memoryview) -> int:
         mv = memoryview(data)
         self.h.update(mv)
         self.sink.write(mv)
@@ -78,7 +78,7 @@ def _barrier_point(snapshot_id: str) -> None:
         time.sleep(0.0005)
 
 
-def _write_payload(fs, path: str, parts: Iterable[pa.Table | pa.RecordBatch]) -> tuple[str, int, int]:
+def _write_payload(fs: Any, path: str, parts: Iterable[pa.Table | pa.RecordBatch]) -> tuple[str, int, int]:
     """Stream the sorted parts into one Parquet file -> (sha256, bytes, rows)."""
     schema = table_spec("snapshot_payload").arrow_schema()
     rows = 0
@@ -139,7 +139,7 @@ def write_snapshot_stream(lake: Lake, parts: Iterable[pa.Table | pa.RecordBatch]
     return _publish_object_store(lake, parts, snapshot_id, manifest_extra)
 
 
-def _publish_local(lake: Lake, parts, snapshot_id: str, manifest_extra: dict[str, Any] | None) -> Snapshot:
+def _publish_local(lake: Lake, parts: Iterable[pa.Table | pa.RecordBatch], snapshot_id: str, manifest_extra: dict[str, Any] | None) -> Snapshot:
     import uuid
 
     rel = snapshot_dir(snapshot_id)
@@ -168,7 +168,7 @@ def _publish_local(lake: Lake, parts, snapshot_id: str, manifest_extra: dict[str
     return Snapshot(snapshot_id, rel, manifest, sha256_hex(mbytes))
 
 
-def _publish_object_store(lake: Lake, parts, snapshot_id: str, manifest_extra: dict[str, Any] | None) -> Snapshot:
+def _publish_object_store(lake: Lake, parts: Iterable[pa.Table | pa.RecordBatch], snapshot_id: str, manifest_extra: dict[str, Any] | None) -> Snapshot:
     import uuid
 
     from pipeline.lake import objects

@@ -34,8 +34,10 @@ import torch
 from pipeline.errors import IntegrityError, NotFoundError
 from pipeline.policy_store import HF_SUBDIR, hash_dir
 
-if TYPE_CHECKING:  # transformers is imported where a model is loaded
+if TYPE_CHECKING:  # transformers and deepspeed are imported where a model is loaded
     from transformers import PreTrainedModel
+
+    from pipeline.train.ds_adapter import DeepSpeedStrategy
 
 LATEST = "latest"
 FINAL_TAG = "final"
@@ -86,7 +88,7 @@ def _tag_files(root: Path, tag: str) -> dict[str, str]:
     return out
 
 
-def _save_engine_and_rng(strategy, root: Path, tag: str, client_state: dict[str, Any]) -> None:
+def _save_engine_and_rng(strategy: DeepSpeedStrategy, root: Path, tag: str, client_state: dict[str, Any]) -> None:
     """Every rank: DeepSpeed state under ds/<tag> and its own RNG states under
     rng/<tag>/rank<r>.pt, then a barrier (DeepSpeed saves no RNG state itself)."""
     strategy.save(root / "ds", tag, client_state)
@@ -96,7 +98,7 @@ def _save_engine_and_rng(strategy, root: Path, tag: str, client_state: dict[str,
     strategy.barrier()
 
 
-def save_state(strategy, root: Path, tag: str, client_state: dict[str, Any]) -> None:
+def save_state(strategy: DeepSpeedStrategy, root: Path, tag: str, client_state: dict[str, Any]) -> None:
     """Every rank: DeepSpeed state + own RNG; rank 0 then writes the manifest and
     moves ``latest`` (atomically, last) and drops older tags."""
     _save_engine_and_rng(strategy, root, tag, client_state)
@@ -116,7 +118,7 @@ def read_latest(root: Path) -> str | None:
     return p.read_text().strip() if p.is_file() else None
 
 
-def load_state(strategy, root: Path) -> dict[str, Any] | None:
+def load_state(strategy: DeepSpeedStrategy, root: Path) -> dict[str, Any] | None:
     """Restore the newest verified state under ``root``; None when the run never
     saved one. A manifest that does not match the files is an IntegrityError."""
     tag = read_latest(root)
@@ -164,7 +166,7 @@ def export_hf(lm: PreTrainedModel, parent_hf: Path, out: Path, state: dict[str, 
         cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def write_final(strategy, root: Path, *, client_state: dict[str, Any], train_config: dict[str, Any],
+def write_final(strategy: DeepSpeedStrategy, root: Path, *, client_state: dict[str, Any], train_config: dict[str, Any],
                 lm: PreTrainedModel, parent_hf: Path) -> None:
     """Every rank: DeepSpeed state + RNG and its share of the consolidated
     weights; rank 0: cursor, config, hf/, then ``latest`` last."""

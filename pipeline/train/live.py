@@ -34,6 +34,8 @@ from pipeline.errors import ConfigError
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
 
+    from pipeline.train.config import TrainConfig
+
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 # Columns of a metrics row that are not numbers to plot.
 NOT_SCALARS = {"checkpoint_id", "snapshot_id", "run_id", "global_step", "created_at"}
@@ -54,7 +56,7 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
             if k not in NOT_SCALARS and isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}
 
 
-def tracker_dir(lake: Lake, cfg) -> Path:
+def tracker_dir(lake: Lake, cfg: TrainConfig) -> Path:
     if getattr(cfg, "tracker_dir", ""):
         return Path(cfg.tracker_dir)
     if lake.is_local:
@@ -67,7 +69,7 @@ def tracker_dir(lake: Lake, cfg) -> Path:
 class Trackers:
     """The configured trackers of one training run (rank 0)."""
 
-    def __init__(self, lake: Lake, cfg, *, checkpoint_id: str, config: dict[str, Any]) -> None:
+    def __init__(self, lake: Lake, cfg: TrainConfig, *, checkpoint_id: str, config: dict[str, Any]) -> None:
         self.names = parse_trackers(getattr(cfg, "trackers", ""))
         self.sinks: list[Any] = []
         if not self.names:
@@ -169,7 +171,7 @@ _OPEN = {"tensorboard": _TensorBoard, "mlflow": _MLflow, "wandb": _Wandb}
 class LiveMetrics:
     """Rank 0's writer of per-step metrics rows: bounded, exactly-once commits."""
 
-    def __init__(self, lake: Lake, cfg, *, checkpoint_id: str, command: str, config_hash: str,
+    def __init__(self, lake: Lake, cfg: TrainConfig, *, checkpoint_id: str, command: str, config_hash: str,
                  trackers: Trackers | None = None) -> None:
         self.lake = lake
         self.every_steps = int(getattr(cfg, "metrics_every_steps", 0) or 0)

@@ -42,6 +42,11 @@ from pipeline.train.config import TrainConfig
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
 
+    from pipeline.policy_store import PolicyRef
+    from pipeline.train.data import Members
+    from pipeline.train.ds_adapter import DeepSpeedStrategy
+    from pipeline.train.live import LiveMetrics
+
 __all__ = ["TrainConfig", "TrainResult", "train_snapshot", "run_identity"]
 
 JOB_NAME = "pipeline.train"
@@ -133,7 +138,7 @@ def train_snapshot(lake: Lake, snapshot_id: str, cfg: TrainConfig | None = None,
                   progress=progress, crash_at=crash_at)
 
 
-def _launch(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume: bool, nproc: int, force: bool,
+def _launch(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint: str | int | None, resume: bool, nproc: int, force: bool,
             progress: bool | None, crash_at: str | None = None) -> TrainResult:
     """N processes via torchrun running pipeline.train.worker; rank 0 writes the result."""
     import socket
@@ -168,7 +173,7 @@ def _launch(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, 
 # -- the driver ----------------------------------------------------------------------
 
 
-def _train(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume: bool, force: bool,
+def _train(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint: str | int | None, resume: bool, force: bool,
            progress: bool | None, crash_at: str | None) -> TrainResult:
     from pipeline.train.ds_adapter import single_process_env
 
@@ -182,7 +187,7 @@ def _train(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, r
             os.environ.pop(k, None)
 
 
-def _train_in_env(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume: bool, force: bool,
+def _train_in_env(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint: str | int | None, resume: bool, force: bool,
                   progress: bool | None, crash_at: str | None, t_start: float) -> TrainResult:
     import torch
 
@@ -373,7 +378,7 @@ def _client_state(checkpoint_id: str, snapshot_id: str, global_step: int, sample
             "samples_seen": samples_seen, "epoch": epoch, "metrics": rows}
 
 
-def _carry_optimizer(strategy, cfg: TrainConfig, lake: Lake, parent, world_size: int) -> str | None:
+def _carry_optimizer(strategy: DeepSpeedStrategy, cfg: TrainConfig, lake: Lake, parent: PolicyRef, world_size: int) -> str | None:
     """Load the parent's DeepSpeed state (weights + AdamW moments; not its LR
     schedule) when the parent is a checkpoint of this trainer with a compatible
     layout. The parent's files were hash-verified by resolve_policy. Returns the
@@ -399,7 +404,7 @@ def _carry_optimizer(strategy, cfg: TrainConfig, lake: Lake, parent, world_size:
     return parent.checkpoint_id
 
 
-def kl_reference_spec(kl_reference: str, parent) -> str:
+def kl_reference_spec(kl_reference: str, parent: PolicyRef) -> str:
     """What ``kl_reference`` names for this update: ``"parent"`` (reuse the starting
     weights) or a policy version / checkpoint id to load. ``initial`` is policy
     version 0, the same frozen anchor at every iteration; it is the parent itself
@@ -425,7 +430,7 @@ def _snapshot_wait_ms(lake: Lake, snapshot_id: str, consumed_at: datetime) -> in
     return max(0, int((consumed_at - rows[0]["created_at"]).total_seconds() * 1000))
 
 
-def check_freshness(members, parent_version: int, max_train_lag: int | None, snapshot_id: str) -> dict[str, Any]:
+def check_freshness(members: Members, parent_version: int, max_train_lag: int | None, snapshot_id: str) -> dict[str, Any]:
     """Freshness at use: the lag between the snapshot's data and the policy this
     update starts from, ``parent_version - oldest sampled token version`` per
     member (the version that started it when the row has no per-token versions).
@@ -458,7 +463,7 @@ def check_freshness(members, parent_version: int, max_train_lag: int | None, sna
             "parent_version": parent_version}
 
 
-def _prepass(strategy, members, cfg: TrainConfig, lake: Lake, parent) -> None:
+def _prepass(strategy: DeepSpeedStrategy, members: Members, cfg: TrainConfig, lake: Lake, parent: PolicyRef) -> None:
     """Old log-probs (recompute mode) and reference log-probs (kl_coef > 0) of
     every member under frozen weights, once, before the first update. Every
     rank computes all members, in the same micro-batches: identical on any
@@ -514,7 +519,7 @@ def _prepass(strategy, members, cfg: TrainConfig, lake: Lake, parent) -> None:
     strategy.train()
 
 
-def _train_step(strategy, members, step, cfg: TrainConfig, loss_kind: str, norm_len: float) -> dict[str, Any]:
+def _train_step(strategy: DeepSpeedStrategy, members: Members, step, cfg: TrainConfig, loss_kind: str, norm_len: float) -> dict[str, Any]:
     """Forward/backward over this rank's micro-batches of ``step``, then one optimizer step."""
     import numpy as np
     import torch
@@ -613,10 +618,10 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "tokens_per_s_mean": mean("tokens_per_s"), "policy_lag_mean": mean("policy_lag")}
 
 
-def _publish(lake: Lake, *, checkpoint_id: str, parent, snapshot_id: str, cfg: TrainConfig, world_size: int,
+def _publish(lake: Lake, *, checkpoint_id: str, parent: PolicyRef, snapshot_id: str, cfg: TrainConfig, world_size: int,
              global_step: int, samples_seen: int, summary: dict[str, Any], rows: list[dict[str, Any]],
              resumed_from: int | None, t_start: float, lineage_run_id: str, final: Path,
-             live=None, extra_config: dict[str, Any] | None = None) -> TrainResult:
+             live: LiveMetrics | None = None, extra_config: dict[str, Any] | None = None) -> TrainResult:
     """Metrics rows (exactly once), then the checkpoints row: that commit publishes the version."""
     from pipeline.policy_store import hash_dir, publish_checkpoint
     from pipeline.train.checkpoint import weight_hashes
@@ -647,12 +652,12 @@ def _live_metrics(lake: Lake, cfg: TrainConfig, checkpoint_id: str, *, with_trac
                        config_hash=config_hash(cfg), trackers=trackers)
 
 
-def _close_trackers(live) -> None:
+def _close_trackers(live: LiveMetrics | None) -> None:
     if live is not None and live.trackers is not None:
         live.trackers.close()
 
 
-def _crash_while_publishing(strategy, final: Path, client_state, train_config, lm, parent) -> None:
+def _crash_while_publishing(strategy: DeepSpeedStrategy, final: Path, client_state, train_config, lm, parent: PolicyRef) -> None:
     """Failure drill: write part of the checkpoint (weights half written) and die like a SIGKILL."""
     from pipeline.train import checkpoint as ck
 
