@@ -139,7 +139,8 @@ def write_snapshot_stream(lake: Lake, parts: Iterable[pa.Table | pa.RecordBatch]
     return _publish_object_store(lake, parts, snapshot_id, manifest_extra)
 
 
-def _publish_local(lake: Lake, parts: Iterable[pa.Table | pa.RecordBatch], snapshot_id: str, manifest_extra: dict[str, Any] | None) -> Snapshot:
+def _publish_local(lake: Lake, parts: Iterable[pa.Table | pa.RecordBatch],
+                   snapshot_id: str, manifest_extra: dict[str, Any] | None) -> Snapshot:
     import uuid
 
     rel = snapshot_dir(snapshot_id)
@@ -168,7 +169,8 @@ def _publish_local(lake: Lake, parts: Iterable[pa.Table | pa.RecordBatch], snaps
     return Snapshot(snapshot_id, rel, manifest, sha256_hex(mbytes))
 
 
-def _publish_object_store(lake: Lake, parts: Iterable[pa.Table | pa.RecordBatch], snapshot_id: str, manifest_extra: dict[str, Any] | None) -> Snapshot:
+def _publish_object_store(lake: Lake, parts: Iterable[pa.Table | pa.RecordBatch],
+                          snapshot_id: str, manifest_extra: dict[str, Any] | None) -> Snapshot:
     import uuid
 
     from pipeline.lake import objects

@@ -80,7 +80,8 @@ class SnapshotReader:
         return _dataset_class()(self.table())
 
 
-def open(lake: Lake | str | os.PathLike[str], snapshot_id: str, *, verify: bool = True) -> SnapshotReader:  # noqa: A001 - the public name
+def open(lake: Lake | str | os.PathLike[str], snapshot_id: str, *,
+         verify: bool = True) -> SnapshotReader:  # noqa: A001 - the public name
     """Open snapshot ``snapshot_id`` of ``lake`` (a pipeline.lake.Lake, or its
     path / URI), verified unless ``verify=False``. Raises NotFoundError /
     IntegrityError."""

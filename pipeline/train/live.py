@@ -154,7 +154,8 @@ class _Wandb:
         except ImportError as exc:
             raise ConfigError("trackers=wandb needs the wandb package", hint="pip install wandb") from exc
         (root / "wandb").mkdir(parents=True, exist_ok=True)
-        mode: Any = os.environ.get("WANDB_MODE", "offline")  # wandb validates it (its settings take more than init's Literal)
+        # a plain string: wandb validates it (its settings accept more modes than the Literal of init's stub)
+        mode: Any = os.environ.get("WANDB_MODE", "offline")
         self.run = wandb.init(project=EXPERIMENT, name=checkpoint_id, id=checkpoint_id, resume="allow",
                               dir=str(root), config=config, mode=mode)
 
