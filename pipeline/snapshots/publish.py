@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 from pipeline.errors import IntegrityError
 from pipeline.schema import table_spec
 from pipeline.snapshots.format import (DATA_FILE, FORMAT_VERSION, MANIFEST, PENDING_DATA_PREFIX, SNAPSHOT_ID_RE, TMP_PREFIX, Snapshot,
-                                       sha256_hex, snapshot_dir, try_open, verify_snapshot)
+                                       open_snapshot, sha256_hex, snapshot_dir, try_open, verify_snapshot)
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
@@ -160,7 +160,7 @@ def _publish_local(lake: Lake, parts: Iterable[pa.Table | pa.RecordBatch],
             if try_open(lake, snapshot_id) is None:
                 raise
             verify_snapshot(lake, snapshot_id)
-            return try_open(lake, snapshot_id)  # type: ignore[return-value]
+            return open_snapshot(lake, snapshot_id)
     finally:
         try:
             fs.delete_dir(tmp)
@@ -205,7 +205,7 @@ def _publish_object_store(lake: Lake, parts: Iterable[pa.Table | pa.RecordBatch]
         return Snapshot(snapshot_id, rel, manifest, sha256_hex(mbytes))
     # another writer published this id first: verify it, return it, never overwrite it
     verify_snapshot(lake, snapshot_id)
-    return try_open(lake, snapshot_id)  # type: ignore[return-value]
+    return open_snapshot(lake, snapshot_id)
 
 
 def remove_unpublished_payloads(lake: Lake, *, min_age_s: float, dry_run: bool = False) -> list[str]:
