@@ -34,11 +34,14 @@ import re
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TextIO
 
 from pipeline import __version__
 from pipeline.commands import VERBS
 from pipeline.errors import InputFileError, NotFoundError, PipelineError
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 # Exit codes (documented in README "Exit codes and output").
 EXIT_OK = 0
@@ -120,7 +123,7 @@ def open_lake(args_or_uri: argparse.Namespace | str | None, *, create: bool = Fa
     return lake
 
 
-def _remote_lake_exists(lake) -> bool:
+def _remote_lake_exists(lake: Lake) -> bool:
     import pyarrow.fs as pafs
 
     try:

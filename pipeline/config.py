@@ -219,7 +219,7 @@ def describe(cls: type) -> list[tuple[str, Any, str]]:
     out = []
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None  # type: ignore[misc]
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None
         )
         help_ = f.metadata.get("help", "")
         rng = bounds_text(f)

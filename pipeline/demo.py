@@ -29,7 +29,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 
 @dataclass(frozen=True)
@@ -126,13 +129,13 @@ def _admission_cfg(cfg: DemoConfig):
     return load_config(AdmissionConfig, None, {"max_policy_lag": cfg.max_policy_lag})
 
 
-def _train(lake, snapshot_id: str, cfg: DemoConfig, iteration: int):
+def _train(lake: Lake, snapshot_id: str, cfg: DemoConfig, iteration: int):
     from pipeline.train.run import train_snapshot
 
     return train_snapshot(lake, snapshot_id, _train_cfg(cfg, iteration), progress=False)
 
 
-def _evaluate(lake, cfg: DemoConfig) -> tuple[int, float]:
+def _evaluate(lake: Lake, cfg: DemoConfig) -> tuple[int, float]:
     from pipeline.policy_store import resolve_policy
     from pipeline.rollout.evaluate import evaluate
 
@@ -144,7 +147,7 @@ def _evaluate(lake, cfg: DemoConfig) -> tuple[int, float]:
     return ref.policy_version, float(ev["success_rate"])
 
 
-def _line(k, lake, cfg, a, traj, reward, t0, version, heldout, train_result, rounds=()) -> IterationLine:
+def _line(k, lake: Lake, cfg, a, traj, reward, t0, version, heldout, train_result, rounds=()) -> IterationLine:
     stale, infra = _group_reasons(a.receipts) if a is not None else (0, 0)
     lag = None
     if a is not None and a.members is not None and a.members.num_rows:
@@ -158,7 +161,7 @@ def _line(k, lake, cfg, a, traj, reward, t0, version, heldout, train_result, rou
         checkpoint_id=train_result.checkpoint_id if train_result else None, groups_sampled=list(rounds))
 
 
-def run_demo(lake, cfg: DemoConfig, *, out=print) -> dict[str, Any]:
+def run_demo(lake: Lake, cfg: DemoConfig, *, out=print) -> dict[str, Any]:
     """Run the demo; returns a summary (per-iteration lines, held-out curve, timings)."""
     from pipeline.rollout.policy import init_policy
 
@@ -213,7 +216,7 @@ def run_demo(lake, cfg: DemoConfig, *, out=print) -> dict[str, Any]:
     return summary
 
 
-def _run_sync(lake, cfg: DemoConfig, lines: list[IterationLine], out) -> dict[str, Any]:
+def _run_sync(lake: Lake, cfg: DemoConfig, lines: list[IterationLine], out) -> dict[str, Any]:
     from pipeline.admission.run import plan_next_rollout
 
     idle = busy = 0.0
@@ -252,7 +255,7 @@ class Sampled:
     probes: list[dict]                  # the dry-run target report after each round that was followed by another
 
 
-def sample_to_target(lake, cfg: DemoConfig, k: int, groups: int, offset: int) -> Sampled:
+def sample_to_target(lake: Lake, cfg: DemoConfig, k: int, groups: int, offset: int) -> Sampled:
     """One sync iteration's rollouts and admission. Without ``target_groups``: one
     round of ``groups``, then admit. With it, dynamic sampling as a loop: after
     each round a dry-run admission reports the shortfall against the target,
@@ -288,7 +291,7 @@ def sample_to_target(lake, cfg: DemoConfig, k: int, groups: int, offset: int) ->
     return Sampled(a, total, reward_sum / n_traj if n_traj else None, offset, rounds, probes)
 
 
-def _run_async(lake, cfg: DemoConfig, lines: list[IterationLine], out) -> dict[str, Any]:
+def _run_async(lake: Lake, cfg: DemoConfig, lines: list[IterationLine], out) -> dict[str, Any]:
     """Rollout worker in its own process (following the newest policy between
     groups), trainer here; they meet only through the lake."""
     from pipeline.admission.run import admit

@@ -37,11 +37,14 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline import lineage
 from pipeline.errors import ConfigError, NotFoundError, PipelineError
 from pipeline.resources import resource_dir
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,7 @@ class JobLock:
     returns False when another live holder has it (``held_by`` then says who);
     an expired lease is taken over by exactly one of any number of racers."""
 
-    def __init__(self, lake, name: str, lease_s: int) -> None:
+    def __init__(self, lake: Lake, name: str, lease_s: int) -> None:
         self.lake, self.name, self.lease_s = lake, name, lease_s
         self.lease_name = f"job-{name}"
         self.lease = None
@@ -118,7 +121,7 @@ class JobLock:
 
 
 # -- running ---------------------------------------------------------------------------------
-def next_untrained_snapshot(lake) -> str | None:
+def next_untrained_snapshot(lake: Lake) -> str | None:
     """The oldest admitted snapshot (one a receipt points to: a run that lost an
     admission race can leave a registered snapshot no receipt names) that no
     published checkpoint lists in snapshot_ids."""
@@ -133,7 +136,7 @@ def next_untrained_snapshot(lake) -> str | None:
     return t.column(0)[0].as_py() if t.num_rows else None
 
 
-def resolve_args(lake, spec: JobSpec, *, now: float | None = None) -> list[str] | None:
+def resolve_args(lake: Lake, spec: JobSpec, *, now: float | None = None) -> list[str] | None:
     """Fill ``{slot}`` (minutes since the epoch: a fresh seed per scheduled run,
     the same one for a double start of the same run) and ``{next_snapshot}``."""
     slot = str(int((now if now is not None else time.time()) // 60))
@@ -161,7 +164,7 @@ def resolve_args(lake, spec: JobSpec, *, now: float | None = None) -> list[str] 
     return args
 
 
-def run_job(lake, spec: JobSpec) -> dict[str, Any]:
+def run_job(lake: Lake, spec: JobSpec) -> dict[str, Any]:
     """Run one job once, in a subprocess, under its lease lock. Never raises:
     a failure is a result with status "error" (the scheduler keeps going)."""
     started = datetime.now(timezone.utc)
@@ -172,7 +175,7 @@ def run_job(lake, spec: JobSpec) -> dict[str, Any]:
                 "started_at": started.isoformat()}
 
 
-def _run_job(lake, spec: JobSpec, started: datetime) -> dict[str, Any]:
+def _run_job(lake: Lake, spec: JobSpec, started: datetime) -> dict[str, Any]:
     lock = JobLock(lake, spec.name, spec.lease)
     if not lock.acquire():
         from pipeline.lake.lease import describe_holder
@@ -212,7 +215,7 @@ def _run_job(lake, spec: JobSpec, started: datetime) -> dict[str, Any]:
         lock.release()
 
 
-def schedule(lake, jobs: dict[str, JobSpec], *, for_seconds: float | None = None,
+def schedule(lake: Lake, jobs: dict[str, JobSpec], *, for_seconds: float | None = None,
              on_result=None) -> list[dict[str, Any]]:
     """Run every job on its cron schedule until stopped (Ctrl-C) or ``for_seconds``.
     A job whose previous run is still going is not started again."""

@@ -33,10 +33,13 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 
 from pipeline import __version__
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 PRODUCER = f"https://github.com/trajectory-lakehouse/pipeline/tree/{__version__}"
 NAMESPACE_JOB = "trajectory-lakehouse"
@@ -53,7 +56,7 @@ def enabled() -> bool:
     return os.environ.get("PIPELINE_LINEAGE", "on").lower() not in ("off", "0", "false", "no")
 
 
-def lineage_file(lake) -> Path:
+def lineage_file(lake: Lake) -> Path:
     override = os.environ.get("PIPELINE_LINEAGE_FILE")
     if override:
         return Path(override)
@@ -70,7 +73,7 @@ def _user_configured() -> bool:
             or Path("openlineage.yml").is_file())
 
 
-def client(lake):
+def client(lake: Lake):
     """An OpenLineageClient: the user's configured transport, else the lake's file."""
     from openlineage.client import OpenLineageClient
 
@@ -109,12 +112,12 @@ def location(uri: str) -> tuple[str, str]:
     return "file", str(Path(uri).absolute()).rstrip("/") or "/"
 
 
-def path_dataset(lake, rel: str, **kw: Any) -> Dataset:
+def path_dataset(lake: Lake, rel: str, **kw: Any) -> Dataset:
     ns, name = location(f"{lake.uri.rstrip('/')}/{rel}")
     return Dataset(ns, name, **kw)
 
 
-def table(lake, name: str, version: int | None = None) -> Dataset:
+def table(lake: Lake, name: str, version: int | None = None) -> Dataset:
     """A Delta table of the lake at ``version`` (None: unknown / not read)."""
     from pipeline.schema import TABLES
 
@@ -123,13 +126,13 @@ def table(lake, name: str, version: int | None = None) -> Dataset:
                         schema=name if known else None, storage=("delta", "parquet"))
 
 
-def snapshot(lake, snapshot_id: str) -> Dataset:
+def snapshot(lake: Lake, snapshot_id: str) -> Dataset:
     """A snapshot directory (immutable; its id is its version)."""
     return path_dataset(lake, f"_snapshots/{snapshot_id}", version=snapshot_id, schema="snapshot_payload",
                         storage=("file", "parquet"))
 
 
-def checkpoint(lake, checkpoint_id: str, policy_version: int | None = None) -> Dataset:
+def checkpoint(lake: Lake, checkpoint_id: str, policy_version: int | None = None) -> Dataset:
     """A checkpoint directory; its policy version is its dataset version."""
     return path_dataset(lake, f"_checkpoints/{checkpoint_id}",
                         version=None if policy_version is None else str(policy_version),
@@ -141,7 +144,7 @@ def file(path: str | os.PathLike[str]) -> Dataset:
     return Dataset(ns, name)
 
 
-def checkpoints_for_versions(lake, versions) -> list[Dataset]:
+def checkpoints_for_versions(lake: Lake, versions) -> list[Dataset]:
     """Checkpoint datasets of the given policy versions (the newest checkpoint of each)."""
     versions = {int(v) for v in versions if v is not None}
     if not versions or not lake.exists("checkpoints"):
@@ -155,7 +158,7 @@ def checkpoints_for_versions(lake, versions) -> list[Dataset]:
     return [checkpoint(lake, r["checkpoint_id"], v) for v, r in sorted(best.items())]
 
 
-def train_outputs(lake, checkpoint_id: str, policy_version: int | None) -> list[Dataset]:
+def train_outputs(lake: Lake, checkpoint_id: str, policy_version: int | None) -> list[Dataset]:
     """What a published training run wrote: the checkpoint, its row, its metrics."""
     return [checkpoint(lake, checkpoint_id, policy_version), table(lake, "checkpoints", lake.version("checkpoints")),
             table(lake, "metrics", lake.version("metrics"))]
@@ -164,23 +167,23 @@ def train_outputs(lake, checkpoint_id: str, policy_version: int | None) -> list[
 # -- per-job wrappers (one call from each job's entry point) ---------------------------
 
 
-def ingest_run(lake, paths: list[str], command: str):
+def ingest_run(lake: Lake, paths: Sequence[str | os.PathLike[str]], command: str):
     return job_run(lake, "pipeline.ingest", job_type="INGEST", engine="deltalake",
                    config={"command": command, "files": [str(p) for p in paths]},
                    inputs=[file(p) for p in paths if "://" in str(p) or Path(p).exists()])
 
 
-def ingest_done(run: JobRun, lake, report) -> None:
+def ingest_done(run: JobRun, lake: Lake, report) -> None:
     run.output(table(lake, "trajectories", report.trajectories_version),
                table(lake, "quarantine", report.quarantine_version) if report.quarantine_version is not None
                else None)
 
 
-def admit_run(lake, cfg, engine: str, dry_run: bool):
+def admit_run(lake: Lake, cfg, engine: str, dry_run: bool):
     return job_run(lake, "pipeline.admit", job_type="ADMIT", engine=engine, config=cfg)
 
 
-def admit_done(run: JobRun, lake, result) -> None:
+def admit_done(run: JobRun, lake: Lake, result) -> None:
     if result.dry_run:
         run.skip = True
         return
@@ -194,11 +197,11 @@ def admit_done(run: JobRun, lake, result) -> None:
                    table(lake, "snapshot_members", lake.version("snapshot_members")))
 
 
-def rollout_run(lake, cfg):
+def rollout_run(lake: Lake, cfg):
     return job_run(lake, "pipeline.rollout", job_type="ROLLOUT", engine=getattr(cfg, "engine", None), config=cfg)
 
 
-def rollout_done(run: JobRun, lake, summary) -> None:
+def rollout_done(run: JobRun, lake: Lake, summary) -> None:
     policy = str(getattr(run.config, "policy", "") or "")
     if policy and Path(policy).is_dir():          # a plain policy directory outside the lake's versions
         run.input(file(policy))
@@ -208,11 +211,11 @@ def rollout_done(run: JobRun, lake, summary) -> None:
                table(lake, "events", lake.version("events")) if lake.exists("events") else None)
 
 
-def maintain_run(lake, config: dict[str, Any]):
+def maintain_run(lake: Lake, config: dict[str, Any]):
     return job_run(lake, "pipeline.lake.maintain", job_type="MAINTENANCE", engine="deltalake", config=config)
 
 
-def maintain_done(run: JobRun, lake, report: dict[str, Any], dry_run: bool) -> None:
+def maintain_done(run: JobRun, lake: Lake, report: dict[str, Any], dry_run: bool) -> None:
     for name, t in report.get("tables", {}).items():
         run.input(table(lake, name, t.get("version")))
         if not dry_run:
@@ -223,7 +226,7 @@ class ScheduledRun:
     """A scheduled job (pipeline jobs): START before its command runs, COMPLETE
     or FAIL from its result; the command's own runs name this one as parent."""
 
-    def __init__(self, lake, job: str, args: list[str]) -> None:
+    def __init__(self, lake: Lake, job: str, args: list[str]) -> None:
         self.run = JobRun(lake, f"pipeline.jobs.{job}", new_run_id(), "SCHEDULED_JOB", None,
                           {"job": job, "args": list(args)})
         self.run._emit("START")
@@ -264,7 +267,7 @@ def _dataset_facets(d: Dataset) -> dict[str, Any]:
     return facets
 
 
-def _as_dataset(lake, item) -> Dataset:
+def _as_dataset(lake: Lake, item) -> Dataset:
     if isinstance(item, Dataset):
         return item
     name, version = item                      # legacy (relative name, version) under the lake
@@ -329,7 +332,7 @@ def parent_env(job_name: str, run_id: str) -> dict[str, str]:
     return {PARENT_ENV: json.dumps({"namespace": NAMESPACE_JOB, "name": job_name, "runId": run_id})}
 
 
-def emit_run_event(lake, *, event_type: str, run_id: str, job_name: str,
+def emit_run_event(lake: Lake, *, event_type: str, run_id: str, job_name: str,
                    inputs: list, outputs: list, run_facets: dict[str, Any] | None = None,
                    error: str | None = None, job_type: str | None = None, engine: str | None = None,
                    config: Any = None) -> dict[str, Any]:
@@ -409,7 +412,7 @@ def _dedupe(ds: list[Dataset]) -> list[Dataset]:
 
 
 @contextlib.contextmanager
-def job_run(lake, job_name: str, *, job_type: str, engine: str | None = None, config: Any = None,
+def job_run(lake: Lake, job_name: str, *, job_type: str, engine: str | None = None, config: Any = None,
             inputs: list[Dataset] | None = None, run_id: str | None = None) -> Iterator[JobRun]:
     """START now; COMPLETE when the block returns, FAIL (with the error) when it raises."""
     run = JobRun(lake, job_name, run_id or new_run_id(), job_type, engine, config, list(inputs or []))
@@ -423,7 +426,7 @@ def job_run(lake, job_name: str, *, job_type: str, engine: str | None = None, co
         run._emit("COMPLETE")
 
 
-def read_events(lake, run_id: str | None = None) -> list[dict[str, Any]]:
+def read_events(lake: Lake, run_id: str | None = None) -> list[dict[str, Any]]:
     """Events of the default file transport (optionally one run's)."""
     path = lineage_file(lake)
     if not path.is_file():
@@ -455,7 +458,7 @@ VERSION_COLUMNS = ["policy_version", "tokenizer_rev", "prompt_template_rev", "ha
                    "verifier_version", "task_version"]
 
 
-def _read_where(lake, name: str, columns: list[str] | None, column: str, values: list, *, version=None):
+def _read_where(lake: Lake, name: str, columns: list[str] | None, column: str, values: list, *, version=None):
     """Rows whose ``column`` is in ``values``, filter pushed down to the files.
     (The lake writes min/max stats for every scalar column: without them
     deltalake's dataset prunes every file from a string filter.)"""
@@ -464,7 +467,7 @@ def _read_where(lake, name: str, columns: list[str] | None, column: str, values:
     return lake.read(name, columns=columns, version=version, filter=ds.field(column).isin(list(values)))
 
 
-def walk(lake, checkpoint_id: str, *, with_trajectories: bool = True, max_ancestors: int = 100) -> dict[str, Any]:
+def walk(lake: Lake, checkpoint_id: str, *, with_trajectories: bool = True, max_ancestors: int = 100) -> dict[str, Any]:
     """checkpoint -> parent chain; -> snapshots (row + manifest) -> member
     trajectories -> the versions they were produced with (counts)."""
     from pipeline.snapshots.format import open_snapshot, read_snapshot_table
@@ -484,7 +487,7 @@ def walk(lake, checkpoint_id: str, *, with_trajectories: bool = True, max_ancest
             raise NotFoundError(f"checkpoint {checkpoint_id} not found", hint="pipeline sql \"SELECT checkpoint_id, "
                                 "policy_version FROM checkpoints\" lists them")
     row = by_id[checkpoint_id]
-    chain = []
+    chain: list[dict[str, Any]] = []
     cur = row
     while cur is not None and len(chain) < max_ancestors:
         chain.append({"checkpoint_id": cur["checkpoint_id"], "policy_version": cur["policy_version"],

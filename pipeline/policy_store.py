@@ -19,12 +19,15 @@ import subprocess
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from pipeline import __version__
 from pipeline.errors import IntegrityError, NotFoundError
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 HF_SUBDIR = "hf"
 _VERIFIED: dict[tuple[str, str], tuple] = {}  # (local dir, checkpoint id) -> (hashes, file stats) verified
@@ -58,7 +61,7 @@ def checkpoint_rel(checkpoint_id: str) -> str:
     return f"_checkpoints/{checkpoint_id}"
 
 
-def local_checkpoint_dir(lake, checkpoint_id: str) -> Path:
+def local_checkpoint_dir(lake: Lake, checkpoint_id: str) -> Path:
     """Where a checkpoint's files live on this machine (the lake itself when local;
     a cache directory for object-store lakes, filled by ``fetch_checkpoint``)."""
     if lake.is_local:
@@ -100,24 +103,24 @@ def verify_dir(path: Path, expected: dict[str, str], *, what: str) -> None:
                              hint="the files were modified after publication; refusing to load them")
 
 
-def _rows(lake) -> list[dict[str, Any]]:
+def _rows(lake: Lake) -> list[dict[str, Any]]:
     if not lake.exists("checkpoints"):
         return []
     t = lake.read("checkpoints", columns=["checkpoint_id", "policy_version", "path", "file_sha256", "created_at"])
     return t.to_pylist()
 
 
-def latest_policy_version(lake) -> int | None:
+def latest_policy_version(lake: Lake) -> int | None:
     rows = _rows(lake)
     return max((r["policy_version"] for r in rows), default=None)
 
 
-def next_policy_version(lake) -> int:
+def next_policy_version(lake: Lake) -> int:
     v = latest_policy_version(lake)
     return 0 if v is None else v + 1
 
 
-def resolve_policy(lake, spec: str | int | None = None, *, verify: bool = True) -> PolicyRef:
+def resolve_policy(lake: Lake, spec: str | int | None = None, *, verify: bool = True) -> PolicyRef:
     """A policy by version number, checkpoint id, ``latest`` (None), or a local
     HF directory path (not verified: a user's own model)."""
     if isinstance(spec, str) and spec not in ("latest",) and not spec.isdigit():
@@ -155,7 +158,7 @@ def resolve_policy(lake, spec: str | int | None = None, *, verify: bool = True) 
     return PolicyRef(row["checkpoint_id"], int(row["policy_version"]), local, files)
 
 
-def fetch_checkpoint(lake, checkpoint_id: str, files: dict[str, str]) -> Path:
+def fetch_checkpoint(lake: Lake, checkpoint_id: str, files: dict[str, str]) -> Path:
     """Make a checkpoint's files available locally (no-op for a local lake)."""
     local = local_checkpoint_dir(lake, checkpoint_id)
     if lake.is_local:
@@ -171,7 +174,7 @@ def fetch_checkpoint(lake, checkpoint_id: str, files: dict[str, str]) -> Path:
     return local
 
 
-def upload_checkpoint(lake, checkpoint_id: str, local: Path) -> None:
+def upload_checkpoint(lake: Lake, checkpoint_id: str, local: Path) -> None:
     """Copy a locally written checkpoint into an object-store lake (no-op when local)."""
     if lake.is_local:
         return
@@ -187,7 +190,7 @@ def upload_checkpoint(lake, checkpoint_id: str, local: Path) -> None:
 POLICY_VERSION_APP = "pipeline.policy_version"  # its version = the newest published policy version + 1
 
 
-def publish_checkpoint(lake, *, checkpoint_id: str, policy_version: int | None, parent_checkpoint_id: str | None,
+def publish_checkpoint(lake: Lake, *, checkpoint_id: str, policy_version: int | None, parent_checkpoint_id: str | None,
                        snapshot_ids: list[str], train_config: dict[str, Any], train_config_hash: str,
                        seed: int, world_size: int = 1, global_step: int = 0, samples_seen: int = 0,
                        metrics: dict[str, Any] | None = None, command: str = "train") -> dict[str, Any]:
@@ -294,7 +297,7 @@ def _origin(row: dict[str, Any]) -> str:
     return {"warm_start": "init", "import": "import"}.get(kind, "train")
 
 
-def list_policies(lake) -> list[dict[str, Any]]:
+def list_policies(lake: Lake) -> list[dict[str, Any]]:
     """One row per published version: version, checkpoint id, origin (init /
     import / train), tokenizer_rev, parent, architecture, created_at."""
     if not lake.exists("checkpoints"):
@@ -319,13 +322,13 @@ def list_policies(lake) -> list[dict[str, Any]]:
     return out
 
 
-def policy_info(lake, policy_version: int) -> dict[str, Any] | None:
+def policy_info(lake: Lake, policy_version: int) -> dict[str, Any] | None:
     """The ``list_policies`` row of one version (None when not published)."""
     rows = [r for r in list_policies(lake) if r["policy_version"] == int(policy_version)]
     return rows[-1] if rows else None
 
 
-def import_policy(lake, hf_dir: str | Path) -> dict[str, Any]:
+def import_policy(lake: Lake, hf_dir: str | Path) -> dict[str, Any]:
     """Register a Hugging Face causal LM directory as the next policy version.
 
     Checks that transformers can read its config and tokenizer and that it has
@@ -389,7 +392,7 @@ def import_policy(lake, hf_dir: str | Path) -> dict[str, Any]:
             "already_present": bool(prior)}
 
 
-def policy_train_config(lake, ref: PolicyRef) -> dict[str, Any]:
+def policy_train_config(lake: Lake, ref: PolicyRef) -> dict[str, Any]:
     """The train config a published policy recorded ({} for a plain directory)."""
     if ref.policy_version < 0 or not lake.exists("checkpoints"):
         return {}
@@ -405,7 +408,7 @@ RETIRED_FILE = "retired.json"      # in a checkpoint directory: the DeepSpeed fi
 RETIRABLE = ("ds/", "rng/")         # never hf/: the exported model every lineage query points to
 
 
-def retired_files(lake, checkpoint_id: str) -> set[str]:
+def retired_files(lake: Lake, checkpoint_id: str) -> set[str]:
     """The files of a published checkpoint that retention removed (verification skips them)."""
     fs, root = lake.filesystem()
     try:
@@ -415,7 +418,7 @@ def retired_files(lake, checkpoint_id: str) -> set[str]:
         return set()
 
 
-def retire_checkpoints(lake, keep: int, *, dry_run: bool = False) -> dict[str, Any]:
+def retire_checkpoints(lake: Lake, keep: int, *, dry_run: bool = False) -> dict[str, Any]:
     """Remove the DeepSpeed state (``ds/``, ``rng/``) of every published version
     but the newest ``keep`` ones and the parents of interrupted training runs
     (``_checkpoints/_runs/*/run.json``: a resume may carry their optimizer).

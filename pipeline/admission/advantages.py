@@ -62,7 +62,8 @@ def _group_stats(rewards: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, n
 
 
 @register("grpo", group_baseline=True)
-def grpo(rewards, groups, *, eps, scaling="group", baseline=None):
+def grpo(rewards: np.ndarray, groups: np.ndarray, *, eps: float, scaling: str = "group",
+         baseline: float | None = None) -> np.ndarray:
     mean, std, _ = _group_stats(rewards, groups)
     centred = rewards - mean                                                    # [N]
     if scaling == "group":
@@ -73,20 +74,23 @@ def grpo(rewards, groups, *, eps, scaling="group", baseline=None):
 
 
 @register("dr_grpo", group_baseline=True)
-def dr_grpo(rewards, groups, *, eps, scaling="group", baseline=None):
+def dr_grpo(rewards: np.ndarray, groups: np.ndarray, *, eps: float, scaling: str = "group",
+            baseline: float | None = None) -> np.ndarray:
     mean, _, _ = _group_stats(rewards, groups)
     return rewards - mean
 
 
 @register("rloo", group_baseline=True)
-def rloo(rewards, groups, *, eps, scaling="group", baseline=None):
+def rloo(rewards: np.ndarray, groups: np.ndarray, *, eps: float, scaling: str = "group",
+         baseline: float | None = None) -> np.ndarray:
     mean, _, count = _group_stats(rewards, groups)
     # r - (sum - r)/(G-1) = G/(G-1) * (r - mean); a lone member has no others: 0
     return np.where(count > 1, count / np.maximum(count - 1, 1) * (rewards - mean), 0.0)
 
 
 @register("reinforce_batch_norm", group_baseline=False)
-def reinforce_batch_norm(rewards, groups, *, eps, scaling="group", baseline=None):
+def reinforce_batch_norm(rewards: np.ndarray, groups: np.ndarray, *, eps: float, scaling: str = "group",
+                         baseline: float | None = None) -> np.ndarray:
     if rewards.size == 0:
         return rewards.astype(np.float64)
     b = float(np.mean(rewards)) if baseline is None else float(baseline)

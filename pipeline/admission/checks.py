@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Callable, Collection
+from typing import Any, Callable, Collection
 
 import numpy as np
 
 from pipeline.admission import rules
 from pipeline.admission.config import AdmissionConfig
 
-OPS: dict[str, Callable[[float, float], bool]] = {
+OPS: dict[str, Callable[[Any, Any], Any]] = {  # elementwise over numpy arrays too
     ">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt, "==": operator.eq}
 
 
@@ -177,6 +177,8 @@ def batch_config_outcomes(cfg: AdmissionConfig, configs: dict[str, list], admit:
         return out
     keys = {int(i): tuple(configs[f][i] for f in fields) for i in idx}
     ref = rules.snapshot_config(keys.values())
+    if ref is None:          # no admitted group: nothing to compare
+        return out
     for i, key in keys.items():
         if key == ref:
             out[i] = "pass"

@@ -88,7 +88,7 @@ def finalize(members: pa.Table, groups: pa.Table, cfg: AdmissionConfig, *, confi
     receipts = _receipts(groups, m, stats, labels, outcomes, decision, config_hash=config_hash,
                          current_policy_version=current_policy_version)
     admitted, baseline = _admitted(cfg, m, labels, decision, previous_baseline)
-    values, counts_ = np.unique(decision.astype(str), return_counts=True) if groups.num_rows else ([], [])
+    values, counts_ = np.unique(decision.astype(str), return_counts=True) if groups.num_rows else (np.array([]), np.array([]))
     counts = {str(v): int(c) for v, c in zip(values, counts_)}
     return Decisions(receipts, admitted, counts, baseline)
 

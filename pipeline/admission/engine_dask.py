@@ -23,7 +23,7 @@ import os
 from concurrent.futures import CancelledError
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dask
 import numpy as np
@@ -36,6 +36,9 @@ from pipeline.admission import rules
 from pipeline.admission.decide import conform, group_schema, member_schema
 from pipeline.admission.rules import MISMATCH_REASONS, REF_FIELDS
 from pipeline.errors import ConfigError, PipelineError
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 SCHEDULER_ENV = "PIPELINE_DASK_SCHEDULER"
 WORKER_TIMEOUT_ENV = "PIPELINE_DASK_WORKER_TIMEOUT_S"
@@ -124,7 +127,7 @@ def decide_partition(df: pd.DataFrame, cfg: AdmissionConfig, current_policy_vers
         [q.notna().to_numpy()] + [(df["status"] == s).to_numpy() for s, _ in rules.STATUS_REASONS]
         + [(df["verdict"].isin(list(rules.NO_REWARD_VERDICTS)) | df["reward"].isna()).to_numpy()],
         [q.to_numpy(dtype=object)] + [r for _, r in rules.STATUS_REASONS] + [rules.NO_REWARD],
-        default=None).astype(object)
+        default=None).astype(object)  # type: ignore[arg-type]  # numpy's stub omits the object default np.select takes
     df["member_reason"] = member_reason
     # 2. reference configuration among the rest
     rest = df[pd.isna(df["member_reason"])]
@@ -146,7 +149,7 @@ def decide_partition(df: pd.DataFrame, cfg: AdmissionConfig, current_policy_vers
     if cfg.max_queue_wait_ms is not None:
         conds.append((df["queue_wait_ms"] > cfg.max_queue_wait_ms).to_numpy())
         why.append(rules.STALE_WAIT)
-    later = np.select(conds, why, default=None).astype(object)
+    later = np.select(conds, why, default=None).astype(object)  # type: ignore[arg-type]  # as above
     df["reason"] = np.where(pd.isna(df["member_reason"]), later, df["member_reason"])
     df.loc[pd.isna(df["reason"]), "reason"] = None
     # 4. group columns
@@ -286,7 +289,7 @@ def _lost(address: str, exc: BaseException | None) -> PipelineError:
                          hint="check the scheduler and rerun pipeline admit (admission is idempotent)")
 
 
-def run_with_quality(lake, version: int, cfg: AdmissionConfig, *, decided: pa.Array, quality_fn,
+def run_with_quality(lake: Lake, version: int, cfg: AdmissionConfig, *, decided: pa.Array, quality_fn,
                      current_policy_version: int, now: datetime, dask_scheduler: str | None = None,
                      worker_timeout: float | None = None) -> tuple[pa.Table, pa.Table, dict[str, Any], int]:
     """-> (members, groups, quality summary, candidate rows). ``quality_fn(candidates)``

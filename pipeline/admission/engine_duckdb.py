@@ -13,8 +13,9 @@ import pyarrow as pa
 
 from pipeline.admission.config import AdmissionConfig
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.admission.decide import Decisions
+    from pipeline.lake.delta import Lake
 
 _SQL_AGG = {"min": "min", "max": "max", "mean": "avg"}
 
@@ -54,7 +55,7 @@ def _run(con, sql: str, p: dict[str, Any]) -> pa.Table:
     return con.sql(sql, params={k: v for k, v in p.items() if k in used}).to_arrow_table()
 
 
-def run(lake, candidates: pa.Table, quality_rejects: pa.Table, cfg: AdmissionConfig, *,
+def run(lake: Lake | None, candidates: pa.Table, quality_rejects: pa.Table, cfg: AdmissionConfig, *,
         current_policy_version: int, now: datetime) -> tuple[pa.Table, pa.Table]:
     """-> (members, groups) per pipeline/admission/decide.py's contract."""
     from pipeline.query.duck import connect

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -26,6 +26,9 @@ from pipeline.snapshots.format import Snapshot
 
 from pipeline.snapshots.publish import write_snapshot_stream
 from pipeline.errors import IntegrityError
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 SOURCE = ("trajectory_id", "content_hash", "run_id", "task_id", "group_size", "policy_version",
           "token_policy_versions", "prompt_ids", "response_ids", "response_logprobs", "loss_mask",
@@ -101,7 +104,7 @@ def _parts(path: str, runs: list[np.ndarray], admitted: pa.Table, snapshot_id: s
         del t, dec
 
 
-def materialize(lake, version: int, admitted: pa.Table, *, snapshot_id: str, batch_rows: int,
+def materialize(lake: Lake, version: int, admitted: pa.Table, *, snapshot_id: str, batch_rows: int,
                 manifest_extra: dict[str, Any], spill_dir: str | None = None,
                 sources: list[tuple[Any, Any]] | None = None) -> tuple[Snapshot, int]:
     """Write snapshot ``snapshot_id`` of ``admitted`` (snapshot_members columns,

@@ -9,6 +9,7 @@ SQL and the Dask engine produce exactly its members/groups tables
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Set
 from datetime import datetime, timedelta
 from statistics import fmean, pstdev
 
@@ -54,7 +55,7 @@ def _ref_config(rows: list[dict]) -> tuple | None:
 
 
 def reference_members_groups(rows: list[dict], cfg: AdmissionConfig, *, current_policy_version: int,
-                             now: datetime, decided: set[str] = frozenset(),
+                             now: datetime, decided: Set[str] = frozenset(),
                              quality: dict[str, str] | None = None) -> tuple[list[dict], list[dict]]:
     quality = quality or {}
     by_group: dict[str, list[dict]] = defaultdict(list)
@@ -88,6 +89,7 @@ def reference_members_groups(rows: list[dict], cfg: AdmissionConfig, *, current_
             tid = r["trajectory_id"]
             if reason[tid] is not None:
                 continue
+            assert ref is not None  # this member has no reason, so the group has a reference configuration
             for (f, why), ref_value in zip(MISMATCH, ref):
                 if _key(r, f) != ref_value:
                     reason[tid] = why
@@ -112,7 +114,7 @@ def reference_members_groups(rows: list[dict], cfg: AdmissionConfig, *, current_
             members_out.append(row)
         gates = {}
         for i, gt in enumerate(cfg.gates):  # reward-decomposition gates over valid members
-            vals = [c.get(gt.component) for c in comps if c.get(gt.component) is not None]
+            vals = [v for c in comps if (v := c.get(gt.component)) is not None]
             gates[f"gate_{i}"] = (None if not vals else
                                   min(vals) if gt.agg == "min" else max(vals) if gt.agg == "max" else fmean(vals))
         difficulties = [r["difficulty"] for r in grp if r["difficulty"] is not None]

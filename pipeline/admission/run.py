@@ -38,7 +38,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -49,6 +49,11 @@ from pipeline.admission.decide import conform, finalize, group_schema, member_sc
 from pipeline.snapshots.format import compute_snapshot_id, snapshot_dir
 from pipeline.errors import IntegrityError, PipelineError
 from pipeline.schema import table_spec
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
+
+    from pipeline.admission.scope import Scope
 
 LOCK_APP = "admission"
 MAX_ATTEMPTS = 5
@@ -84,7 +89,7 @@ class AdmissionResult:
         return d
 
 
-def resolve_current_policy_version(lake, cfg: AdmissionConfig, explicit: int | None) -> int | None:
+def resolve_current_policy_version(lake: Lake, cfg: AdmissionConfig, explicit: int | None) -> int | None:
     """explicit > config > newest published policy > newest policy_version in trajectories."""
     if explicit is not None:
         return int(explicit)
@@ -112,7 +117,7 @@ def _pause_point(attempt: int) -> None:
         time.sleep(max(0.0, float(raw[1:]) - time.time()) if raw.startswith("@") else float(raw))
 
 
-def _previous_baseline(lake, cfg: AdmissionConfig) -> float | None:
+def _previous_baseline(lake: Lake, cfg: AdmissionConfig) -> float | None:
     if cfg.advantage != "reinforce_batch_norm" or cfg.baseline_momentum is None or not lake.exists("snapshots"):
         return None
     from pipeline.snapshots.format import open_snapshot
@@ -158,7 +163,7 @@ STATE_PENDING = "pipeline.pending_after"         # ... and its pending bound (IS
 STATE_TARGET = "pipeline.target"                 # ... and its --target-groups report (JSON), when asked
 
 
-def _previous_state(lake, rv: int) -> tuple[int, datetime] | None:
+def _previous_state(lake: Lake, rv: int) -> tuple[int, datetime] | None:
     """(trajectories version, pending bound) recorded by the admission commit at
     receipts version ``rv``; None when unknown (then everything is read)."""
     if rv < 0:
@@ -169,7 +174,7 @@ def _previous_state(lake, rv: int) -> tuple[int, datetime] | None:
     return int(meta[STATE_VERSION]), datetime.fromisoformat(meta[STATE_PENDING])
 
 
-def _trajectory_sources(lake, tv: int, previous: tuple[int, datetime] | None) -> list[tuple[Any, Any]]:
+def _trajectory_sources(lake: Lake, tv: int, previous: tuple[int, datetime] | None) -> list[tuple[Any, Any]]:
     """(dataset, filter) pairs holding every candidate row of trajectories version ``tv``."""
     import pyarrow.dataset as ds
 
@@ -186,12 +191,13 @@ def _trajectory_sources(lake, tv: int, previous: tuple[int, datetime] | None) ->
     return out
 
 
-def _decisions_from_engine(lake, tv: int, cfg: AdmissionConfig, engine: str, decided: pa.Array,
+def _decisions_from_engine(lake: Lake, tv: int, cfg: AdmissionConfig, engine: str, decided: pa.Array,
                            current: int, now: datetime, dask_scheduler: str | None,
-                           timings: dict[str, float], sources: list[tuple[Any, Any]]
+                           timings: dict[str, float], sources: list[tuple[Any, Any]] | None
                            ) -> tuple[pa.Table, pa.Table, dict[str, Any], int]:
     t0 = time.perf_counter()
     if engine == "duckdb":
+        assert sources is not None  # the caller lists them for this engine
         cands = pa.concat_tables([cand.scan(d, cfg, decided, filter=f) for d, f in sources])
         timings["scan_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -215,10 +221,10 @@ def _decisions_from_engine(lake, tv: int, cfg: AdmissionConfig, engine: str, dec
     return conform(members, member_schema(cfg)), conform(groups, group_schema(cfg)), qsummary, n
 
 
-def admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: int | None = None,
+def admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_version: int | None = None,
           dry_run: bool = False, engine: Literal["duckdb", "dask"] = "duckdb", dask_scheduler: str | None = None,
           target_groups: int | None = None, now: datetime | None = None,
-          command: str = "pipeline admit", scope=None) -> AdmissionResult:
+          command: str = "pipeline admit", scope: Scope | None = None) -> AdmissionResult:
     """Decide every ready, undecided group (of ``scope``: pipeline/admission/scope.py); write receipts
     and one snapshot of the admitted members, all sampled with one tokenizer. Reported as an
     OpenLineage run (pipeline.lineage)."""
@@ -232,10 +238,10 @@ def admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: i
     return result
 
 
-def _admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: int | None = None,
+def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_version: int | None = None,
            dry_run: bool = False, engine: Literal["duckdb", "dask"] = "duckdb", dask_scheduler: str | None = None,
            target_groups: int | None = None, now: datetime | None = None,
-           command: str = "pipeline admit", scope=None) -> AdmissionResult:
+           command: str = "pipeline admit", scope: Scope | None = None) -> AdmissionResult:
     from pipeline.admission import scope as scoping
 
     # a scoped run leaves groups undecided whatever their age: no incremental-scan state, so the
@@ -258,6 +264,7 @@ def _admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: 
         rv = lake.version("receipts")
         rv = -1 if rv is None else rv
         tv = lake.version("trajectories")
+        assert tv is not None  # the table exists: checked above
         decided = (lake.read("receipts", columns=["group_id"], version=rv).column("group_id").combine_chunks()
                    if rv >= 0 else pa.array([], pa.string()))
         sources = _trajectory_sources(lake, tv, _previous_state(lake, rv)) if engine == "duckdb" else None
@@ -309,7 +316,7 @@ def _admit(lake, cfg: AdmissionConfig | None = None, *, current_policy_version: 
                         "winning the receipts commit)", hint="rerun pipeline admit")
 
 
-def _policy_tokenizer(lake, version: int) -> str | None:
+def _policy_tokenizer(lake: Lake, version: int) -> str | None:
     """The tokenizer_rev of a published policy version (None when unknown)."""
     try:
         from pipeline.policy_store import policy_info
@@ -333,7 +340,7 @@ def stamp_receipts(core: pa.Table, run_id: str, snapshot_id: str | None, schema:
     return pa.table({f.name: cols[f.name] for f in schema}).cast(schema)
 
 
-def _publish_snapshot(lake, cfg, chash, admitted, snapshot_id, run_id, tv, source_versions, current,
+def _publish_snapshot(lake: Lake, cfg, chash, admitted, snapshot_id, run_id, tv, source_versions, current,
                       n_groups, baseline, command, candidate_quality, sources=None) -> tuple[int, dict[str, Any]]:
     from pipeline.admission.materialize import materialize
     from pipeline.config import config_dict
@@ -378,14 +385,14 @@ def _publish_snapshot(lake, cfg, chash, admitted, snapshot_id, run_id, tv, sourc
 # Filters are applied in Arrow after reading the (small, scalar) columns rather
 # than pushed into the Delta dataset: pruning by file statistics buys nothing
 # for random ids and must never be able to hide a row from these checks.
-def _landed(lake, run_id: str, version: int | None) -> bool:
+def _landed(lake: Lake, run_id: str, version: int | None) -> bool:
     if version is not None and lake.commit_metadata("receipts", version).get("pipeline.admission_run_id") == run_id:
         return True
     t = lake.read("receipts", columns=["admission_run_id"])
     return bool(pc.any(pc.equal(t.column("admission_run_id"), run_id)).as_py())
 
 
-def _check_decided_once(lake, group_ids: pa.ChunkedArray) -> None:
+def _check_decided_once(lake: Lake, group_ids: pa.ChunkedArray) -> None:
     """After our commit: every group we decided has exactly one receipt."""
     ids = group_ids.combine_chunks()
     t = lake.read("receipts", columns=["group_id"])
@@ -428,7 +435,7 @@ def plan_next_rollout(target: dict[str, Any] | None, *, default: int, max_groups
     return max(1, min(int(max_groups), int(n)))
 
 
-def last_target(lake, *, lookback: int = 50) -> dict[str, Any] | None:
+def last_target(lake: Lake, *, lookback: int = 50) -> dict[str, Any] | None:
     """The target report of the newest admission commit that recorded one
     (``--target-groups``), looking back at most ``lookback`` receipts versions."""
     v = lake.version("receipts")

@@ -30,9 +30,14 @@ re-admitted under another policy for an ablation).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+if TYPE_CHECKING:
+    from pipeline.admission.config import AdmissionConfig
 
 POLICIES = ("score_zero", "filter", "soft_penalty")
 TRUNCATED = "max_length"        # the harness's stop_reason for a length limit
@@ -46,7 +51,7 @@ def overlong_penalty(length: np.ndarray, max_len: int, interval: int) -> np.ndar
     return np.where(length <= start, 0.0, np.where(length <= max_len, (start - length) / interval, -1.0))
 
 
-def shaped_reward(reward: pa.ChunkedArray | pa.Array, response_len: pa.ChunkedArray | pa.Array, cfg) -> pa.Array:
+def shaped_reward(reward: pa.ChunkedArray | pa.Array, response_len: pa.ChunkedArray | pa.Array, cfg: AdmissionConfig) -> pa.Array:
     """The reward admission uses under ``cfg.truncation`` (null stays null)."""
     if cfg.truncation != "soft_penalty" or len(reward) == 0:
         return reward
@@ -55,7 +60,7 @@ def shaped_reward(reward: pa.ChunkedArray | pa.Array, response_len: pa.ChunkedAr
     return pc.add(reward, pa.array(pen, pa.float64()))
 
 
-def truncated_rejects(cands: pa.Table, cfg) -> pa.Table:
+def truncated_rejects(cands: pa.Table, cfg: AdmissionConfig) -> pa.Table:
     """(trajectory_id, reason) of the members ``filter`` excludes; empty otherwise."""
     empty = pa.table({"trajectory_id": pa.array([], pa.string()), "reason": pa.array([], pa.string())})
     if cfg.truncation != "filter" or cands.num_rows == 0:

@@ -81,7 +81,7 @@ def _list_values(arr: pa.Array, spec: ColumnSpec) -> tuple[np.ndarray, memoryvie
     vals = np.ascontiguousarray(vals.astype(np_dtype, copy=False))
     if width == 4 and np_dtype == "<f4" and not np.isfinite(vals[offsets[0]:offsets[-1]]).all():
         raise ValueError(f"content hash: {spec.name} holds NaN or ±inf elements, which the contract rejects")
-    return offsets * width, memoryview(vals).cast("B"), width
+    return offsets * width, vals.data.cast("B"), width
 
 
 def _map_payloads(arr: pa.Array) -> list[bytes]:
@@ -128,7 +128,7 @@ def content_hashes(table: pa.Table, table_name: str = "trajectories") -> pa.Arra
         pieces.append(field8)
     header = np.ascontiguousarray(np.concatenate(pieces, axis=1))  # [n, W]
     width = header.shape[1]
-    header_mv = memoryview(header).cast("B")
+    header_mv = header.data.cast("B")
     # -- payload sections -------------------------------------------------------
     strings = [table.column(c.name).combine_chunks().fill_null("") for c in cols
                if pa.types.is_string(c.arrow_type)]

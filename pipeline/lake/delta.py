@@ -931,7 +931,8 @@ def _compaction_plan(adds: pa.Table, target_bytes: int) -> list[list[tuple[str, 
             (r["path"], pv, r["size_bytes"]))
     plan = []
     for files in by_part.values():
-        bin_, size = [], 0
+        bin_: list[tuple[str, dict[str, str | None], int]] = []
+        size = 0
         for f in files:
             if bin_ and size + f[2] > target_bytes:
                 if len(bin_) > 1:

@@ -320,7 +320,7 @@ def precheck(path: str, data: bytes | pa.Buffer) -> None:
                              hint="the file is corrupt or truncated; re-export it") from None
 
 
-def ingest_files(lake, paths: Iterable[str | os.PathLike[str]], *, command: str = "ingest",
+def ingest_files(lake: Lake, paths: Iterable[str | os.PathLike[str]], *, command: str = "ingest",
                  progress: bool = False) -> IngestReport:
     """See :func:`_ingest_files`; reported as an OpenLineage run (pipeline.lineage)."""
     from pipeline import lineage
@@ -332,7 +332,7 @@ def ingest_files(lake, paths: Iterable[str | os.PathLike[str]], *, command: str 
     return report
 
 
-def _ingest_files(lake, paths: Iterable[str | os.PathLike[str]], *, command: str = "ingest",
+def _ingest_files(lake: Lake, paths: Iterable[str | os.PathLike[str]], *, command: str = "ingest",
                   progress: bool = False) -> IngestReport:
     """Land valid rows (one commit) and quarantine the rest (one commit).
 
@@ -373,7 +373,7 @@ def _ingest_files(lake, paths: Iterable[str | os.PathLike[str]], *, command: str
     return _land(lake, sources, [fp for _, fp in heads], report, command=command)
 
 
-def ingest_table(lake, table, *, source: str = "memory", command: str = "ingest_table") -> IngestReport:
+def ingest_table(lake: Lake, table, *, source: str = "memory", command: str = "ingest_table") -> IngestReport:
     """See :func:`_ingest_table`; reported as an OpenLineage run (pipeline.lineage)."""
     from pipeline import lineage
 
@@ -383,7 +383,7 @@ def ingest_table(lake, table, *, source: str = "memory", command: str = "ingest_
     return report
 
 
-def _ingest_table(lake, table, *, source: str = "memory", command: str = "ingest_table") -> IngestReport:
+def _ingest_table(lake: Lake, table, *, source: str = "memory", command: str = "ingest_table") -> IngestReport:
     """Land an in-memory ``pyarrow.Table`` (or pandas / polars DataFrame) with
     the same validation, quarantine, dedupe and exactly-once guarantees as
     ``pipeline ingest``. The table's content fingerprint (sha256 of its Arrow IPC
@@ -424,9 +424,12 @@ def _new_ingest_id() -> str:
 
 
 MAX_RACES = 20
+# What _land reads (again after a lost race): per source, (path, fingerprint, raw table, raw JSONL lines or
+# None, parse rejects).
+Sources = Callable[[], Iterator[tuple[str, str, pa.Table, list[str] | None, list[Reject]]]]
 
 
-def _land(lake, sources, fingerprints: list[str], report: IngestReport, *, command: str) -> IngestReport:
+def _land(lake: Lake, sources: Sources, fingerprints: list[str], report: IngestReport, *, command: str) -> IngestReport:
     """Validate, dedupe, stage and commit ``sources()`` (path, fingerprint, raw
     table, raw JSONL lines or None, parse rejects). If a concurrent append lands
     some of the same ids between our read and our commit (KeyRace), everything
@@ -446,7 +449,7 @@ def _land(lake, sources, fingerprints: list[str], report: IngestReport, *, comma
                       hint="rerun: what landed is not landed twice")
 
 
-def _land_once(lake, sources, fingerprints: list[str], report: IngestReport, *, command: str) -> IngestReport:
+def _land_once(lake: Lake, sources: Sources, fingerprints: list[str], report: IngestReport, *, command: str) -> IngestReport:
     # tables are created only when something is committed: a file that fails to parse leaves no version
     seen = _Seen.read(lake)
     staged, landed, q_tables = _stage_sources(lake, sources, seen, report)
@@ -494,8 +497,7 @@ class _Seen:
                                          promote_options="permissive")
 
 
-def _stage_sources(lake: Lake, sources: Callable[[], Iterator[tuple[str, str, pa.Table, list[str] | None, list[Reject]]]],
-                   seen: _Seen, report: IngestReport) -> tuple[list[Any], int, list[pa.Table]]:
+def _stage_sources(lake: Lake, sources: Sources, seen: _Seen, report: IngestReport) -> tuple[list[Any], int, list[pa.Table]]:
     """(staged files, rows staged, quarantine tables): each source validated and
     deduplicated in order while a writer thread stages the previous one's rows.
     On any error the files staged so far are removed."""

@@ -34,11 +34,14 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import ConfigError, ConflictError, PipelineError
 from pipeline.lake import objects
 from pipeline.lake.liveness import holder_is_dead, identity
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 LOCK_DIR = "_locks"
 _GEN = re.compile(r"^lease\.(\d{20})$")
@@ -78,11 +81,11 @@ def _rel(name: str, gen: int | None = None) -> str:
     return d if gen is None else f"{d}/lease.{gen:020d}"
 
 
-def _generations(lake, name: str) -> list[int]:
+def _generations(lake: Lake, name: str) -> list[int]:
     return sorted(int(m.group(1)) for n in objects.list_names(lake, _rel(name)) if (m := _GEN.match(n)))
 
 
-def _read(lake, name: str, gen: int) -> dict[str, Any] | None:
+def _read(lake: Lake, name: str, gen: int) -> dict[str, Any] | None:
     raw = objects.get(lake, _rel(name, gen))
     if raw is None:
         return None
@@ -140,7 +143,7 @@ class Lease:
         if not created:  # ours after all if a retried PUT's first attempt landed
             rec = _read(self.lake, self.name, nxt) or {}
             created = rec.get("token") == self.token and not rec.get("released")
-        if not created or (_generations(self.lake, self.name) or [None])[-1] != nxt:
+        if not created or _generations(self.lake, self.name)[-1:] != [nxt]:
             self.expires = old_expires
             raise LeaseLostError(f"lease {self.name!r} was taken over while renewing", hint="stop: another owner "
                                  "runs now")
@@ -171,7 +174,7 @@ class Lease:
         self.release()
 
 
-def _forget_below(lake, name: str, gen: int, also: list[int] | None = None) -> None:
+def _forget_below(lake: Lake, name: str, gen: int, also: list[int] | None = None) -> None:
     """Delete superseded generations (< gen): never read again once gen exists."""
     for g in set(_generations(lake, name) + list(also or [])):
         if g < gen:
@@ -181,7 +184,7 @@ def _forget_below(lake, name: str, gen: int, also: list[int] | None = None) -> N
                 pass  # best effort: a leftover superseded generation is harmless
 
 
-def holder(lake, name: str) -> dict[str, Any] | None:
+def holder(lake: Lake, name: str) -> dict[str, Any] | None:
     """The live owner's record (owner, expires, generation, host, pid), or None."""
     _check_name(name)
     for _ in range(MAX_ROUNDS):
@@ -195,7 +198,7 @@ def holder(lake, name: str) -> dict[str, Any] | None:
     return None
 
 
-def _legacy(lake, name: str, *, ttl: float, remove: bool) -> dict[str, Any] | None:
+def _legacy(lake: Lake, name: str, *, ttl: float, remove: bool) -> dict[str, Any] | None:
     """A lease file of the previous format (one object at ``_locks/<name>``):
     its live record, else None (an expired one is moved out of the way)."""
     if lake.is_local:
@@ -233,7 +236,7 @@ def _legacy(lake, name: str, *, ttl: float, remove: bool) -> dict[str, Any] | No
     return rec if _live(rec) else None
 
 
-def try_acquire(lake, name: str, *, owner: str | None = None, ttl: float, info: dict[str, Any] | None = None
+def try_acquire(lake: Lake, name: str, *, owner: str | None = None, ttl: float, info: dict[str, Any] | None = None
                 ) -> tuple[Lease | None, dict[str, Any] | None]:
     """(lease, None) when acquired, else (None, the live holder's record).
     ``info``: extra fields written into the lease body."""
@@ -261,7 +264,7 @@ def try_acquire(lake, name: str, *, owner: str | None = None, ttl: float, info: 
             if not mine or mine.get("token") != token:
                 continue  # another racer created generation nxt: it holds the lease (or look again)
             # ours after all: a retried PUT whose first attempt had landed
-        if (_generations(lake, name) or [None])[-1] != nxt:
+        if _generations(lake, name)[-1:] != [nxt]:
             # we read an old listing: a newer generation already existed, so ours is no lease
             objects.delete(lake, _rel(name, nxt))
             continue
@@ -270,12 +273,12 @@ def try_acquire(lake, name: str, *, owner: str | None = None, ttl: float, info: 
     return None, seen
 
 
-def acquire(lake, name: str, *, owner: str | None = None, ttl: float) -> Lease | None:
+def acquire(lake: Lake, name: str, *, owner: str | None = None, ttl: float) -> Lease | None:
     """The lease, or None when a live owner holds it (``holder`` says who)."""
     return try_acquire(lake, name, owner=owner, ttl=ttl)[0]
 
 
-def require(lake, name: str, *, owner: str | None = None, ttl: float) -> Lease:
+def require(lake: Lake, name: str, *, owner: str | None = None, ttl: float) -> Lease:
     """The lease, or LeaseHeldError naming the live owner."""
     lease, rec = try_acquire(lake, name, owner=owner, ttl=ttl)
     if lease is None:

@@ -16,9 +16,12 @@ so `--as-of` queries and lineage can read the exact rows it saw.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.schema import ALL_TABLES, table_spec
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,7 @@ class MaintainConfig:
         "(their hf/ model always stays); 0 = keep every state (like verl's max checkpoints to keep)"})
 
 
-def snapshot_source_versions(lake) -> dict[str, set[int]]:
+def snapshot_source_versions(lake: Lake) -> dict[str, set[int]]:
     """table -> versions some snapshot was materialized from."""
     out: dict[str, set[int]] = {}
     if not lake.exists("snapshots"):
@@ -43,7 +46,7 @@ def snapshot_source_versions(lake) -> dict[str, set[int]]:
     return out
 
 
-def maintain(lake, *, retention_hours: int = 168, dry_run: bool = False,
+def maintain(lake: Lake, *, retention_hours: int = 168, dry_run: bool = False,
              tables: list[str] | None = None, orphan_min_age_s: float | None = None,
              keep_checkpoints: int = 0) -> dict[str, Any]:
     """Compact, checkpoint, vacuum and clean every table, and apply checkpoint retention
@@ -59,7 +62,7 @@ def maintain(lake, *, retention_hours: int = 168, dry_run: bool = False,
     return report
 
 
-def _maintain(lake, *, retention_hours: int = 168, dry_run: bool = False,
+def _maintain(lake: Lake, *, retention_hours: int = 168, dry_run: bool = False,
               tables: list[str] | None = None, orphan_min_age_s: float | None = None,
               keep_checkpoints: int = 0) -> dict[str, Any]:
     from pipeline.lake.delta import ORPHAN_MIN_AGE_S
@@ -116,7 +119,7 @@ def _maintain(lake, *, retention_hours: int = 168, dry_run: bool = False,
     return report
 
 
-def remove_snapshot_temps(lake, *, min_age_s: float, dry_run: bool = False) -> list[str]:
+def remove_snapshot_temps(lake: Lake, *, min_age_s: float, dry_run: bool = False) -> list[str]:
     """Temporary snapshot directories (``_snapshots/.tmp-*``) left by admissions
     that died before publishing, older than ``min_age_s``."""
     import time
@@ -154,7 +157,7 @@ def remove_snapshot_temps(lake, *, min_age_s: float, dry_run: bool = False) -> l
     return out
 
 
-def compaction_plan(lake, name: str) -> tuple[int, int]:
+def compaction_plan(lake: Lake, name: str) -> tuple[int, int]:
     """(files ``lake.compact(name)`` would rewrite, files the table would have after it),
     from the same bin plan compaction itself uses."""
     import inspect

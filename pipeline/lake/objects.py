@@ -19,6 +19,8 @@ The only module importing boto3 (deltalake does not expose its object store).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import os
 import threading
 import uuid
@@ -26,19 +28,22 @@ from pathlib import Path
 
 from pipeline.errors import ConfigError, PipelineError
 
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
-def _local_path(lake, rel: str) -> Path:
+
+def _local_path(lake: Lake, rel: str) -> Path:
     return Path(lake.uri) / rel
 
 
-def _require_supported(lake) -> None:
+def _require_supported(lake: Lake) -> None:
     if not lake.is_local and not lake.uri.startswith("s3://"):
         scheme = lake.uri.split("://", 1)[0]
         raise ConfigError(f"conditional writes (job leases, snapshot publication) are implemented for local and "
                           f"s3:// lakes, not {scheme}://", hint="use an S3-compatible endpoint for the lake")
 
 
-def s3_bucket_key(lake, rel: str) -> tuple[str, str]:
+def s3_bucket_key(lake: Lake, rel: str) -> tuple[str, str]:
     rest = lake.uri.split("://", 1)[1]
     bucket, _, prefix = rest.partition("/")
     return bucket, f"{prefix.strip('/')}/{rel}".lstrip("/")
@@ -48,7 +53,7 @@ _CLIENTS: dict[tuple, object] = {}
 _CLIENTS_LOCK = threading.Lock()  # boto3's default session is not thread-safe (jobs schedule runs threads)
 
 
-def s3_client(lake):
+def s3_client(lake: Lake):
     """A boto3 S3 client built from the lake's storage options (cached per process)."""
     try:
         import boto3
@@ -85,7 +90,7 @@ def _is_missing(exc: Exception) -> bool:
     return code in ("NoSuchKey", "404", "NotFound")
 
 
-def put_if_absent(lake, rel: str, data: bytes) -> bool:
+def put_if_absent(lake: Lake, rel: str, data: bytes) -> bool:
     """Create ``rel`` with ``data`` unless it exists. True when this call created it.
 
     A retried request whose first attempt did land is refused by the store
@@ -117,7 +122,7 @@ def put_if_absent(lake, rel: str, data: bytes) -> bool:
         raise
 
 
-def get(lake, rel: str) -> bytes | None:
+def get(lake: Lake, rel: str) -> bytes | None:
     """The object's bytes, or None when it does not exist."""
     _require_supported(lake)
     if lake.is_local:
@@ -134,7 +139,7 @@ def get(lake, rel: str) -> bytes | None:
         raise
 
 
-def list_names(lake, rel_dir: str) -> list[str]:
+def list_names(lake: Lake, rel_dir: str) -> list[str]:
     """Names of the objects directly under ``rel_dir`` (no sub-directories)."""
     _require_supported(lake)
     if lake.is_local:
@@ -151,7 +156,7 @@ def list_names(lake, rel_dir: str) -> list[str]:
     return out
 
 
-def delete(lake, rel: str) -> None:
+def delete(lake: Lake, rel: str) -> None:
     """Remove ``rel``; a missing object is fine."""
     _require_supported(lake)
     if lake.is_local:

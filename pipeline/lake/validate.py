@@ -369,7 +369,8 @@ def _check_column(arr: pa.Array, spec: ColumnSpec, fails: _Failures) -> None:
     t = spec.arrow_type
     if spec.enum:
         bad = _mask(pc.invert(pc.is_in(arr, value_set=pa.array(list(spec.enum))))) & ~_mask(arr.is_null())
-        fails.add(bad, "bad_enum", lambda i: f"{name}={arr[i].as_py()!r} is not one of {', '.join(spec.enum)}",
+        choices = ", ".join(spec.enum)
+        fails.add(bad, "bad_enum", lambda i: f"{name}={arr[i].as_py()!r} is not one of {choices}",
                   column=name)
     if pa.types.is_floating(t) and spec.finite:
         bad = _mask(pc.invert(pc.is_finite(arr)))
@@ -441,8 +442,11 @@ def _inv_same_length(t: pa.Table, inv: Invariant, fails: _Failures) -> None:
         present = _mask(pc.is_valid(lens))
         lens = _np(lens.fill_null(-1))
         bad = present & (base >= 0) & (lens != base)
-        fails.add(bad, "length_mismatch",
-                  lambda i, o=other, L=lens: f"{o} has {L[i]} elements, {first} has {base[i]}", depends=(first, other))
+
+        def message(i: int, o: str = other, L: np.ndarray = lens) -> str:
+            return f"{o} has {L[i]} elements, {first} has {base[i]}"
+
+        fails.add(bad, "length_mismatch", message, depends=(first, other))
 
 
 def _inv_not_before(t: pa.Table, inv: Invariant, fails: _Failures) -> None:
@@ -462,7 +466,8 @@ def _inv_any_equal(t: pa.Table, inv: Invariant, fails: _Failures) -> None:
               f"token to learn from", depends=(inv.params["column"],))
 
 
-def _pair(t: pa.Table, a: str, b: str, fails: _Failures, check) -> None:
+def _pair(t: pa.Table, a: str, b: str, fails: _Failures,
+          check: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
     """Run element-wise ``check(va, vb) -> bad flags`` over rows where list
     columns a and b are both present and equally long; flag rows with any bad."""
     va, oa = _flat(t.column(a))
@@ -553,7 +558,8 @@ def safe_raw(raw: pa.Table) -> pa.Table:
     """``raw`` made safe to render in quarantine (``to_pylist``): repeated column
     names get a ``#k`` suffix, text that is not valid UTF-8 is shown with
     backslash escapes. For display only: validation reads the original."""
-    names, seen = [], {}
+    names: list[str] = []
+    seen: dict[str, int] = {}
     for c in raw.column_names:
         seen[c] = seen.get(c, 0) + 1
         names.append(c if seen[c] == 1 else f"{c}#{seen[c]}")
@@ -601,8 +607,8 @@ def validate_table(raw: pa.Table, *, table: str = "trajectories",
         m[r.row] = True
         for code, msg in (r.problems or ((r.code, r.message),)):
             fails.add(m, code, msg)
-        for c in r.columns:
-            fails.broken[c] = fails.broken.get(c, np.zeros(n, bool)) | m
+        for broken in r.columns:
+            fails.broken[broken] = fails.broken.get(broken, np.zeros(n, bool)) | m
     names = [c for c in raw.column_names if c not in set(pandas_index_columns(raw))]
     dup = sorted({c for c in names if names.count(c) > 1})
     if dup:
@@ -651,11 +657,13 @@ def validate_table(raw: pa.Table, *, table: str = "trajectories",
         if mismatch.any():
             m = np.zeros(n, bool)
             m[keep[mismatch]] = True
-            fails.add(m, "hash_mismatch",
-                      lambda i, g=given, c=computed, k=keep: (
-                          f"content_hash {g[int(np.searchsorted(k, i))].as_py()} does not match the canonical hash "
-                          f"{c[int(np.searchsorted(k, i))].as_py()}; recompute it with pipeline.lake.content_hash "
-                          f"(schemas/README.md) or omit the column"))
+
+            def message(i: int, g: pa.Array = given, h: pa.Array = computed, k: np.ndarray = keep) -> str:
+                return (f"content_hash {g[int(np.searchsorted(k, i))].as_py()} does not match the canonical hash "
+                        f"{h[int(np.searchsorted(k, i))].as_py()}; recompute it with pipeline.lake.content_hash "
+                        f"(schemas/README.md) or omit the column")
+
+            fails.add(m, "hash_mismatch", message)
             sel = pa.array(~mismatch)
             valid = valid.filter(sel)
             computed = computed.filter(sel)

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import pyarrow as pa
 
 from pipeline.errors import PipelineError
 from pipeline.schema import ALL_TABLES, table_spec
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 
 
@@ -51,9 +54,10 @@ def _version(v: str) -> int | datetime:
         raise PipelineError(f"--as-of {v!r}: expected a version number or an ISO-8601 time") from None
 
 
-def connect(lake, *, as_of: dict[str, int | datetime] | int | datetime | None = None,
+def connect(lake: Lake | None, *, as_of: dict[str, int | datetime] | int | datetime | None = None,
             threads: int | None = None, tables: set[str] | None = None) -> duckdb.DuckDBPyConnection:
-    """A DuckDB connection with one view per existing lake table (only ``tables`` when given)."""
+    """A DuckDB connection with one view per existing lake table (only ``tables`` when given;
+    ``lake=None`` with ``tables=set()``: a connection with no lake views)."""
     from pipeline.errors import NotFoundError
 
     con = duckdb.connect(config={"threads": threads} if threads else {})
@@ -63,6 +67,8 @@ def connect(lake, *, as_of: dict[str, int | datetime] | int | datetime | None = 
     for name in ALL_TABLES:
         if tables is not None and name not in tables:
             continue
+        if lake is None:
+            raise ValueError(f"no lake to read table {name!r} from")
         version = as_of if isinstance(as_of, (int, datetime)) and not isinstance(as_of, bool) else versions.get(name)
         try:
             dt = lake.table(name, version)
@@ -137,11 +143,11 @@ def _parquet_view(con: duckdb.DuckDBPyConnection, name: str, dt) -> bool:
     if parts:
         from pipeline.lake.delta import Lake
 
-        files = Lake.live_file_uris(dt)          # partition values as log strings, cast below
-        if any(set(pv) != set(parts) for _, pv in files):
+        listed = Lake.live_file_uris(dt)          # partition values as log strings, cast below
+        if any(set(pv) != set(parts) for _, pv in listed):
             return False
         groups = {}
-        for uri, pv in files:
+        for uri, pv in listed:
             groups.setdefault(tuple(pv[c] for c in parts), []).append(uri)
 
     def scan(files: list[str], extra: str = "") -> str:
@@ -187,7 +193,7 @@ def _literal(value: Any, duck_type: str) -> str:
     return f"{_quote(str(value))}::{duck_type}"
 
 
-def query(lake, sql: str, *, params: dict[str, Any] | None = None,
+def query(lake: Lake, sql: str, *, params: dict[str, Any] | None = None,
           as_of: dict[str, int | datetime] | int | datetime | None = None) -> pa.Table:
     """Run ``sql`` over the lake's views; returns an Arrow table."""
     stripped = _strip_comments(sql)

@@ -14,11 +14,14 @@ import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import pandas as pd
 
 from pipeline.report.html import Note, Plot, Section, Table, render
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 
 
@@ -34,7 +37,7 @@ class ReportOptions:
 class _Queries:
     """Runs named queries once each; remembers results and failures."""
 
-    def __init__(self, lake, opts: ReportOptions) -> None:
+    def __init__(self, lake: Lake, opts: ReportOptions) -> None:
         self.lake = lake
         self.opts = opts
         self.cache: dict[tuple, pd.DataFrame | Exception] = {}
@@ -486,7 +489,7 @@ def rollout(q: _Queries) -> Section:
     return s
 
 
-def time_breakdown(lake) -> dict[str, dict[str, Any]]:
+def time_breakdown(lake: Lake) -> dict[str, dict[str, Any]]:
     """job -> runs, seconds (START to COMPLETE), failed runs, from the lake's lineage events."""
     from pipeline.lineage import read_events
 
@@ -590,7 +593,7 @@ def alerts(q: _Queries) -> Section:
     return s
 
 
-def choose_bucket(lake) -> str:
+def choose_bucket(lake: Lake) -> str:
     """The time bucket that gives the over-time plots a usable number of points
     for the span of the data (finished_at of the trajectories)."""
     from pipeline.query.duck import query
@@ -632,7 +635,7 @@ def _bars(categories, series, **kw) -> bytes:
 # -- entry point ------------------------------------------------------------------------------------
 
 
-def build_report(lake, opts: ReportOptions = ReportOptions()) -> tuple[str, dict[str, Any]]:
+def build_report(lake: Lake, opts: ReportOptions = ReportOptions()) -> tuple[str, dict[str, Any]]:
     """The HTML page and a summary (sections, plots, notes)."""
     import dataclasses
 
@@ -662,7 +665,7 @@ def build_report(lake, opts: ReportOptions = ReportOptions()) -> tuple[str, dict
     return page, summary
 
 
-def write_report(lake, out: str | Path, opts: ReportOptions = ReportOptions()) -> dict[str, Any]:
+def write_report(lake: Lake, out: str | Path, opts: ReportOptions = ReportOptions()) -> dict[str, Any]:
     page, summary = build_report(lake, opts)
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -19,11 +19,14 @@ from __future__ import annotations
 import tempfile
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 
 def evaluate(policy, env_name: str = "arithmetic-tool", *, n: int = 200, seed: int = 0, engine: str = "hf",
-             lake=None, threads: int | None = 1, max_turns: int = 4, max_tokens_per_turn: int = 16,
+             lake: Lake | None = None, threads: int | None = 1, max_turns: int = 4, max_tokens_per_turn: int = 16,
              max_total_tokens: int = 64, samples: int = 1, temperature: float | None = None) -> dict[str, Any]:
     """``policy``: a PolicyRef, an HF directory, or (with ``lake``) a version / id / 'latest'."""
     from pipeline.policy_store import PolicyRef, resolve_policy
@@ -119,7 +122,7 @@ def eval_id(result: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def record_evaluation(lake, result: dict[str, Any], *, command: str) -> dict[str, Any]:
+def record_evaluation(lake: Lake, result: dict[str, Any], *, command: str) -> dict[str, Any]:
     """Append ``result`` (of :func:`evaluate`) to the ``evaluations`` table, once
     per evaluation id. Returns the row written (or already there)."""
     from datetime import datetime, timezone

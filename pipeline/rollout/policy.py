@@ -23,12 +23,15 @@ import random
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.config import config_dict, config_hash
 from pipeline.errors import ConflictError
 from pipeline.policy_store import HF_SUBDIR, PolicyRef, local_checkpoint_dir, publish_checkpoint, resolve_policy
 from pipeline.rollout import vocab
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ def demonstrations(cfg: PolicyInitConfig) -> tuple[list[list[int]], list[list[in
     return seqs, masks
 
 
-def init_policy(lake, cfg: PolicyInitConfig | None = None, *, progress=None, **overrides: Any) -> PolicyRef:
+def init_policy(lake: Lake, cfg: PolicyInitConfig | None = None, *, progress=None, **overrides: Any) -> PolicyRef:
     """Build, warm-start, save and publish policy version 0. Idempotent for the
     same config (returns the already published version). ``progress(n)`` is
     called after every warm-start step (the CLI's progress bar)."""

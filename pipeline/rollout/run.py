@@ -42,10 +42,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pipeline.config import config_dict
 from pipeline.rollout.engine import Sampling, derive_seed
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,7 @@ class RolloutSummary:
         return dataclasses.asdict(self)
 
 
-def _spool_dir(lake, cfg: RolloutConfig) -> Path:
+def _spool_dir(lake: Lake, cfg: RolloutConfig) -> Path:
     if cfg.spool_dir:
         return Path(cfg.spool_dir)
     base = Path(lake.uri) if lake.is_local else Path(os.environ.get("PIPELINE_CACHE",
@@ -146,7 +149,7 @@ def _spool_dir(lake, cfg: RolloutConfig) -> Path:
 class _PolicyHolder:
     """The engine for the current policy; swaps to a newer one when following."""
 
-    def __init__(self, lake, cfg: RolloutConfig) -> None:
+    def __init__(self, lake: Lake, cfg: RolloutConfig) -> None:
         self.lake, self.cfg = lake, cfg
         self.engine = None
         self.checkpoint_id: str | None = None
@@ -198,7 +201,7 @@ def plan(cfg: RolloutConfig, env, worker: int) -> list[tuple[int, str, Any, list
     return out
 
 
-def reconcile(lake, cfg: RolloutConfig, tasks: dict[str, Any], spool_records: list[dict[str, Any]]) -> dict:
+def reconcile(lake: Lake, cfg: RolloutConfig, tasks: dict[str, Any], spool_records: list[dict[str, Any]]) -> dict:
     """The state of this worker's planned episodes (``tasks``) from everything on
     record for the run: its spool, the run's events in the lake (whichever worker
     shipped them) and the trajectory ids already landed (an episode whose row
@@ -221,7 +224,7 @@ def reconcile(lake, cfg: RolloutConfig, tasks: dict[str, Any], spool_records: li
     return state
 
 
-def run_worker(lake, cfg: RolloutConfig, worker: int, *, guard=None) -> RolloutSummary:
+def run_worker(lake: Lake, cfg: RolloutConfig, worker: int, *, guard=None) -> RolloutSummary:
     """Run worker ``worker``'s share of the run. ``guard()`` is called before every
     wave and every shipment and raises when this worker may no longer write (its
     run's owner is gone or lost the lease)."""
@@ -452,7 +455,7 @@ class RunOwner:
     the end. Losing it (the owner stalled past its lease and another invocation
     took the run over) calls ``on_lost`` and makes ``check`` raise."""
 
-    def __init__(self, lake, cfg: RolloutConfig, on_lost=None) -> None:
+    def __init__(self, lake: Lake, cfg: RolloutConfig, on_lost=None) -> None:
         import multiprocessing as mp
         import threading
 
@@ -555,7 +558,7 @@ def _merge(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: float) -> R
     return s
 
 
-def run_rollout(lake, cfg: RolloutConfig | None = None, **overrides: Any) -> RolloutSummary:
+def run_rollout(lake: Lake, cfg: RolloutConfig | None = None, **overrides: Any) -> RolloutSummary:
     """Sample ``cfg.groups`` groups of ``cfg.group_size`` and land them (see module doc)."""
     if cfg is None:
         from pipeline.config import load_config
@@ -574,7 +577,7 @@ def run_rollout(lake, cfg: RolloutConfig | None = None, **overrides: Any) -> Rol
     return summary
 
 
-def _run_rollout(lake, cfg: RolloutConfig) -> RolloutSummary:
+def _run_rollout(lake: Lake, cfg: RolloutConfig) -> RolloutSummary:
     import multiprocessing as mp
 
     def kill_workers() -> None:
@@ -596,7 +599,7 @@ def _run_rollout(lake, cfg: RolloutConfig) -> RolloutSummary:
         owner.release()
 
 
-def _run_pool(lake, cfg: RolloutConfig, owner: RunOwner) -> RolloutSummary:
+def _run_pool(lake: Lake, cfg: RolloutConfig, owner: RunOwner) -> RolloutSummary:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool

@@ -32,9 +32,12 @@ import os
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 
 def _safe(worker_id: str) -> str:
@@ -171,7 +174,7 @@ def _drop_torn_tail(path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
-def _land(lake, table: str, rows: pa.Table, *, command: str, app_id: str, txn_version: int) -> int:
+def _land(lake: Lake, table: str, rows: pa.Table, *, command: str, app_id: str, txn_version: int) -> int:
     """Land ``rows`` in ``table`` (trajectories or events) under the app transaction
     ``(app_id, txn_version)``; returns the rows landed. ``Lake.append`` drops every
     row whose key is already in the table (``trajectory_id``; ``(episode_id,
@@ -184,7 +187,7 @@ def _land(lake, table: str, rows: pa.Table, *, command: str, app_id: str, txn_ve
     return res.rows if res.landed else 0
 
 
-def ship_all(lake, spool_dir: str | os.PathLike[str], *, fsync: bool = True,
+def ship_all(lake: Lake, spool_dir: str | os.PathLike[str], *, fsync: bool = True,
              command: str = "pipeline rollout") -> ShipReport:
     """Ship every worker spool found in ``spool_dir`` (one run's), whichever worker
     wrote it: a rerun calls this before its workers start, so the lake holds every
@@ -220,7 +223,7 @@ def _spool_worker_id(path: Path) -> str | None:
     return None
 
 
-def ship(lake, spool: Spool, *, command: str = "pipeline rollout") -> ShipReport:
+def ship(lake: Lake, spool: Spool, *, command: str = "pipeline rollout") -> ShipReport:
     """Cut the pending tail into a batch and land every batch not yet in the lake
     (also the ones a crashed run declared but never landed)."""
     from pipeline.lake.ingest import quarantine_rows, stamp_derived

@@ -72,7 +72,7 @@ def decide_group(versions: Sequence[int], statuses: Sequence[str], rewards: Sequ
     keys = [(versions[i], *(tuple(configs[i]) if configs is not None else ())) for i in range(n)]
     ref = R.reference_config(keys[i] for i in range(n) if reasons[i] == VALID)
     for i in range(n):
-        if reasons[i] == VALID:
+        if reasons[i] == VALID and ref is not None:   # ref is None only when no member is valid
             # 2. comparability, then 3. freshness
             reasons[i] = (R.first_mismatch(keys[i], ref)
                           or R.freshness(current_version - versions[i], waits_ms[i], max_policy_lag=rules.max_policy_lag,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime, timezone
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -36,6 +36,9 @@ from pipeline.config import config_hash
 from pipeline.errors import PipelineError
 from pipeline.sim.config import SimConfig
 from pipeline.sim.gate import EXPIRED, INFRA_FAILED, VALID, Decision, FreshnessGate
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 PROMPT_LEN = 4
 MASK = np.array([1, 1, 0, 0, 1, 1], np.int8)  # model turn, tool observation, model turn
@@ -59,23 +62,23 @@ def trajectory_rows(sim, idx: Sequence[int], now: float) -> pa.Table:
     from pipeline.schema import table_spec
 
     cfg: SimConfig = sim.cfg
-    idx = np.asarray(list(idx), np.int64)
-    n = len(idx)
+    ids = np.asarray(list(idx), np.int64)
+    n = len(ids)
     prefix = ids_prefix(cfg)
     G = sim.G
-    groups = idx // G
-    version = np.asarray([sim.version[i] for i in idx], np.int64)
-    status = [sim.status[i] for i in idx]
-    reward = [sim.reward[i] for i in idx]
-    start = np.asarray([sim.start[i] for i in idx], float)
-    end = np.asarray([sim.end[i] for i in idx], float)
+    groups = ids // G
+    version = np.asarray([sim.version[i] for i in ids], np.int64)
+    status = [sim.status[i] for i in ids]
+    reward = [sim.reward[i] for i in ids]
+    start = np.asarray([sim.start[i] for i in ids], float)
+    end = np.asarray([sim.end[i] for i in ids], float)
     cls = [sim.classes[sim.g_class[g]].name for g in groups]
     epoch = _epoch_us(cfg)
     created = epoch + np.round(start * 1e6).astype(np.int64)
     finished = np.maximum(epoch + np.round(end * 1e6).astype(np.int64), created)
     L = len(MASK)
     mask = np.tile(MASK, n)
-    resp = ((idx[:, None] * 7919 + np.arange(L)[None, :]) % 29000 + 3).astype(np.int32).ravel()
+    resp = ((ids[:, None] * 7919 + np.arange(L)[None, :]) % 29000 + 3).astype(np.int32).ravel()
     tpv = np.where(mask == 1, np.repeat(version, L), -1).astype(np.int32)
     logp = np.where(mask == 1, np.float32(-0.5), np.float32(0.0)).astype(np.float32)
     prompt = ((np.repeat(groups, PROMPT_LEN) * 31 + np.tile(np.arange(PROMPT_LEN), n)) % 29000 + 3).astype(np.int32)
@@ -86,7 +89,7 @@ def trajectory_rows(sim, idx: Sequence[int], now: float) -> pa.Table:
     stop = ["env_timeout" if s == INFRA_FAILED else "wall_clock" if s == EXPIRED else "eos" for s in status]
     comps = [None if r is None else [("task_success", float(r))] for r in reward]
     cols = {
-        "trajectory_id": pa.array([f"{prefix}-t{i}" for i in idx]),
+        "trajectory_id": pa.array([f"{prefix}-t{i}" for i in ids]),
         "group_id": pa.array([f"{prefix}-g{g}" for g in groups]),
         "group_size": pa.array(np.full(n, G, np.int32)),
         "task_id": pa.array([f"{c}-{sim.g_task[g]}" for c, g in zip(cls, groups)]),
@@ -101,7 +104,7 @@ def trajectory_rows(sim, idx: Sequence[int], now: float) -> pa.Table:
         "verifier_version": pa.array(["sim-verifier"] * n),
         "temperature": pa.array(np.ones(n)),
         "top_p": pa.array(np.ones(n)),
-        "sampling_seed": pa.array(idx),
+        "sampling_seed": pa.array(ids),
         "status": pa.array(status),
         "verdict": pa.array(verdict),
         "stop_reason": pa.array(stop),
@@ -198,7 +201,7 @@ def admission_config(cfg: SimConfig, **extra: Any):
 class LakeGate:
     """Lands each admission run's complete groups and lets the real ``admit`` decide them."""
 
-    def __init__(self, lake, cfg: SimConfig, *, quality: bool = False) -> None:
+    def __init__(self, lake: Lake, cfg: SimConfig, *, quality: bool = False) -> None:
         self.lake = lake
         self.cfg = cfg
         self.acfg = admission_config(cfg, quality=quality)
@@ -289,7 +292,7 @@ class LakeGate:
         return out
 
 
-def simulate_in_lake(lake, cfg: SimConfig, *, quality: bool = False) -> dict[str, Any]:
+def simulate_in_lake(lake: Lake, cfg: SimConfig, *, quality: bool = False) -> dict[str, Any]:
     """Run the simulation with the real admission job as its gate; the summary
     gains a ``lake`` section (rows landed, snapshots, gate agreement)."""
     from pipeline.sim.engine import Simulation

@@ -28,12 +28,15 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.errors import IntegrityError, NotFoundError
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 FORMAT_VERSION = 1
 DATA_FILE = "members.parquet"
@@ -83,7 +86,7 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def try_open(lake, snapshot_id: str) -> Snapshot | None:
+def try_open(lake: Lake, snapshot_id: str) -> Snapshot | None:
     fs, root = lake.filesystem()
     rel = snapshot_dir(snapshot_id)
     try:
@@ -109,7 +112,7 @@ def _parse_manifest(snapshot_id: str, mbytes: bytes) -> dict[str, Any]:
     return manifest
 
 
-def _registered(lake, snapshot_id: str) -> bool:
+def _registered(lake: Lake, snapshot_id: str) -> bool:
     if not lake.exists("snapshots"):
         return False
     import pyarrow.compute as pc
@@ -132,7 +135,7 @@ def data_file(snap: Snapshot) -> str:
     return names[0]
 
 
-def open_snapshot(lake, snapshot_id: str) -> Snapshot:
+def open_snapshot(lake: Lake, snapshot_id: str) -> Snapshot:
     check_snapshot_id(snapshot_id)
     snap = try_open(lake, snapshot_id)
     if snap is None:
@@ -145,7 +148,7 @@ def open_snapshot(lake, snapshot_id: str) -> Snapshot:
     return snap
 
 
-def _read_file(lake, snap: Snapshot, name: str) -> pa.Buffer:
+def _read_file(lake: Lake, snap: Snapshot, name: str) -> pa.Buffer:
     fs, root = lake.filesystem()
     try:
         with fs.open_input_file(f"{root}/{snap.path}/{name}") as f:
@@ -159,7 +162,7 @@ def _read_file(lake, snap: Snapshot, name: str) -> pa.Buffer:
                              hint="the snapshot's files were deleted; restore the directory from a copy") from None
 
 
-def verify_snapshot(lake, snapshot_id: str) -> dict[str, Any]:
+def verify_snapshot(lake: Lake, snapshot_id: str) -> dict[str, Any]:
     """Rehash every file against the manifest, check the manifest against the
     snapshots table (when it has the row), and recompute the id from the members.
     Raises IntegrityError on any mismatch."""
@@ -193,7 +196,7 @@ def verify_snapshot(lake, snapshot_id: str) -> dict[str, Any]:
             "members": table.num_rows, "manifest_sha256": snap.manifest_sha256, "registered": row_sha is not None}
 
 
-def read_snapshot_table(lake, snap: Snapshot | str, *, verify: bool = True, columns: list[str] | None = None) -> pa.Table:
+def read_snapshot_table(lake: Lake, snap: Snapshot | str, *, verify: bool = True, columns: list[str] | None = None) -> pa.Table:
     """The snapshot's members with payload. ``verify`` rehashes the files first."""
     if isinstance(snap, str):
         snap = open_snapshot(lake, snap)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,10 +14,13 @@ import pyarrow.parquet as pq
 from pipeline.errors import IntegrityError
 from pipeline.schema import table_spec
 from pipeline.snapshots.format import (DATA_FILE, FORMAT_VERSION, MANIFEST, PENDING_DATA_PREFIX, SNAPSHOT_ID_RE, TMP_PREFIX, Snapshot,
-                                       sha256_hex, snapshot_dir, try_open, verify_snapshot)
+                                       open_snapshot, sha256_hex, snapshot_dir, try_open, verify_snapshot)
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 
-def write_snapshot_files(lake, payload: pa.Table, *, snapshot_id: str,
+def write_snapshot_files(lake: Lake, payload: pa.Table, *, snapshot_id: str,
                          manifest_extra: dict[str, Any] | None = None) -> Snapshot:
     """Write ``payload`` (schemas/snapshot_payload.yaml; sorted here) and the manifest.
 
@@ -33,10 +36,10 @@ def write_snapshot_files(lake, payload: pa.Table, *, snapshot_id: str,
 class _HashingWriter:
     """File-like sink that sha256-hashes and counts what passes through."""
 
-    def __init__(self, sink) -> None:
+    def __init__(self, sink: Any) -> None:  # a pyarrow NativeFile
         self.sink, self.h, self.n, self.closed = sink, hashlib.sha256(), 0, False
 
-    def write(self, data) -> int:
+    def write(self, data: bytes | memoryview) -> int:
         mv = memoryview(data)
         self.h.update(mv)
         self.sink.write(mv)
@@ -75,7 +78,7 @@ def _barrier_point(snapshot_id: str) -> None:
         time.sleep(0.0005)
 
 
-def _write_payload(fs, path: str, parts: Iterable[pa.Table | pa.RecordBatch]) -> tuple[str, int, int]:
+def _write_payload(fs: Any, path: str, parts: Iterable[pa.Table | pa.RecordBatch]) -> tuple[str, int, int]:
     """Stream the sorted parts into one Parquet file -> (sha256, bytes, rows)."""
     schema = table_spec("snapshot_payload").arrow_schema()
     rows = 0
@@ -110,7 +113,7 @@ def _manifest_bytes(snapshot_id: str, data_name: str, sha: str, nbytes: int, row
     return manifest, json.dumps(manifest, sort_keys=True, indent=1, default=str).encode()
 
 
-def write_snapshot_stream(lake, parts: Iterable[pa.Table | pa.RecordBatch], *, snapshot_id: str,
+def write_snapshot_stream(lake: Lake, parts: Iterable[pa.Table | pa.RecordBatch], *, snapshot_id: str,
                           manifest_extra: dict[str, Any] | None = None) -> Snapshot:
     """The streaming form of ``write_snapshot_files`` (same format): ``parts``
     must already be in (group_id, trajectory_id) order; memory stays at one part.
@@ -136,7 +139,8 @@ def write_snapshot_stream(lake, parts: Iterable[pa.Table | pa.RecordBatch], *, s
     return _publish_object_store(lake, parts, snapshot_id, manifest_extra)
 
 
-def _publish_local(lake, parts, snapshot_id: str, manifest_extra: dict[str, Any] | None) -> Snapshot:
+def _publish_local(lake: Lake, parts: Iterable[pa.Table | pa.RecordBatch],
+                   snapshot_id: str, manifest_extra: dict[str, Any] | None) -> Snapshot:
     import uuid
 
     rel = snapshot_dir(snapshot_id)
@@ -156,7 +160,7 @@ def _publish_local(lake, parts, snapshot_id: str, manifest_extra: dict[str, Any]
             if try_open(lake, snapshot_id) is None:
                 raise
             verify_snapshot(lake, snapshot_id)
-            return try_open(lake, snapshot_id)  # type: ignore[return-value]
+            return open_snapshot(lake, snapshot_id)
     finally:
         try:
             fs.delete_dir(tmp)
@@ -165,7 +169,8 @@ def _publish_local(lake, parts, snapshot_id: str, manifest_extra: dict[str, Any]
     return Snapshot(snapshot_id, rel, manifest, sha256_hex(mbytes))
 
 
-def _publish_object_store(lake, parts, snapshot_id: str, manifest_extra: dict[str, Any] | None) -> Snapshot:
+def _publish_object_store(lake: Lake, parts: Iterable[pa.Table | pa.RecordBatch],
+                          snapshot_id: str, manifest_extra: dict[str, Any] | None) -> Snapshot:
     import uuid
 
     from pipeline.lake import objects
@@ -200,10 +205,10 @@ def _publish_object_store(lake, parts, snapshot_id: str, manifest_extra: dict[st
         return Snapshot(snapshot_id, rel, manifest, sha256_hex(mbytes))
     # another writer published this id first: verify it, return it, never overwrite it
     verify_snapshot(lake, snapshot_id)
-    return try_open(lake, snapshot_id)  # type: ignore[return-value]
+    return open_snapshot(lake, snapshot_id)
 
 
-def remove_unpublished_payloads(lake, *, min_age_s: float, dry_run: bool = False) -> list[str]:
+def remove_unpublished_payloads(lake: Lake, *, min_age_s: float, dry_run: bool = False) -> list[str]:
     """Payload files ``_snapshots/<id>/members.<rand>.parquet`` that the id's
     manifest does not name (a losing or killed publisher's on an object store),
     older than ``min_age_s`` (a publication in progress looks the same until

@@ -26,10 +26,13 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 MEMBER_COLUMNS = ["trajectory_id", "group_id", "group_size", "advantage", "reward", "policy_lag", "policy_version",
                   "token_policy_versions", "prompt_ids", "response_ids", "response_logprobs", "loss_mask"]
@@ -38,7 +41,7 @@ MEMBER_COLUMNS = ["trajectory_id", "group_id", "group_size", "advantage", "rewar
 class SnapshotReader:
     """A verified snapshot. ``table``/``batches`` give Arrow, ``dataset`` torch."""
 
-    def __init__(self, lake, snapshot_id: str, *, verify: bool = True) -> None:
+    def __init__(self, lake: Lake, snapshot_id: str, *, verify: bool = True) -> None:
         from pipeline.snapshots.format import open_snapshot, verify_snapshot
 
         self.lake = lake
@@ -77,7 +80,8 @@ class SnapshotReader:
         return _dataset_class()(self.table())
 
 
-def open(lake, snapshot_id: str, *, verify: bool = True) -> SnapshotReader:  # noqa: A001 - the public name
+def open(lake: Lake | str | os.PathLike[str], snapshot_id: str, *,
+         verify: bool = True) -> SnapshotReader:  # noqa: A001 - the public name
     """Open snapshot ``snapshot_id`` of ``lake`` (a pipeline.lake.Lake, or its
     path / URI), verified unless ``verify=False``. Raises NotFoundError /
     IntegrityError."""
@@ -148,7 +152,7 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
 
     B = len(items)
     L = max(len(x["prompt_ids"]) + len(x["response_ids"]) for x in items)
-    out = {k: torch.zeros(B, L, dtype=d) for k, d in (("input_ids", torch.int64), ("attention_mask", torch.int64),
+    out: dict[str, Any] = {k: torch.zeros(B, L, dtype=d) for k, d in (("input_ids", torch.int64), ("attention_mask", torch.int64),
                                                      ("loss_mask", torch.float32),
                                                      ("behaviour_logprobs", torch.float32),
                                                      ("advantages", torch.float32))}

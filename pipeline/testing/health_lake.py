@@ -19,6 +19,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -26,6 +27,9 @@ import pyarrow.compute as pc
 
 from pipeline.admission.config import AdmissionConfig
 from pipeline.schema import table_spec
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 START = datetime(2026, 11, 1, tzinfo=timezone.utc)
 ADMISSION = AdmissionConfig(quality=False)   # the receipts' admission config (current_policy_version per run)
@@ -128,7 +132,7 @@ def _sampled_earlier(t: pa.Table, rows: np.ndarray, version: int) -> pa.Table:
     return t.set_column(i, t.schema.field(i), col)
 
 
-def build_health_lake(lake, spec: HealthLakeSpec = HealthLakeSpec()) -> dict[str, int]:
+def build_health_lake(lake: Lake, spec: HealthLakeSpec = HealthLakeSpec()) -> dict[str, int]:
     """Write trajectories (+ receipts, snapshot_members, checkpoints, events per ``spec``)."""
     from pipeline.admission.candidates import extract, source_columns
     from pipeline.lake.ingest import stamp_derived

@@ -10,11 +10,14 @@ vocabulary and GRPO advantages per group.
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 TINY = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 512}
@@ -34,7 +37,7 @@ def tiny_tokenizer(vocab_size: int):
 SYNTH_TOKENIZER_REV = "tok-1"
 
 
-def publish_tiny_policy(lake, *, checkpoint_id: str = "tiny-v0", seed: int = 0, **arch: Any):
+def publish_tiny_policy(lake: Lake, *, checkpoint_id: str = "tiny-v0", seed: int = 0, **arch: Any):
     """Build, save and publish a tiny random Llama as policy version 0 (or next)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -102,7 +105,7 @@ def synthetic_payload(n: int, *, seed: int = 0, vocab_size: int = 256, group_siz
     })
 
 
-def publish_payload_snapshot(lake, payload: pa.Table, *, config_hash: str = "test-admission",
+def publish_payload_snapshot(lake: Lake, payload: pa.Table, *, config_hash: str = "test-admission",
                              estimator: str = "grpo", current_policy_version: int = 0) -> str:
     """Write ``payload`` as a snapshot (files + snapshots row); returns its id."""
     from pipeline.snapshots.format import compute_snapshot_id
@@ -125,5 +128,5 @@ def publish_payload_snapshot(lake, payload: pa.Table, *, config_hash: str = "tes
     return sid
 
 
-def publish_synthetic_snapshot(lake, n: int = 32, **kw: Any) -> str:
+def publish_synthetic_snapshot(lake: Lake, n: int = 32, **kw: Any) -> str:
     return publish_payload_snapshot(lake, synthetic_payload(n, **kw))

@@ -26,13 +26,18 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from pipeline.errors import IntegrityError, NotFoundError
 from pipeline.policy_store import HF_SUBDIR, hash_dir
+
+if TYPE_CHECKING:  # transformers and deepspeed are imported where a model is loaded
+    from transformers import PreTrainedModel
+
+    from pipeline.train.ds_adapter import DeepSpeedStrategy
 
 LATEST = "latest"
 FINAL_TAG = "final"
@@ -83,7 +88,7 @@ def _tag_files(root: Path, tag: str) -> dict[str, str]:
     return out
 
 
-def _save_engine_and_rng(strategy, root: Path, tag: str, client_state: dict[str, Any]) -> None:
+def _save_engine_and_rng(strategy: DeepSpeedStrategy, root: Path, tag: str, client_state: dict[str, Any]) -> None:
     """Every rank: DeepSpeed state under ds/<tag> and its own RNG states under
     rng/<tag>/rank<r>.pt, then a barrier (DeepSpeed saves no RNG state itself)."""
     strategy.save(root / "ds", tag, client_state)
@@ -93,7 +98,7 @@ def _save_engine_and_rng(strategy, root: Path, tag: str, client_state: dict[str,
     strategy.barrier()
 
 
-def save_state(strategy, root: Path, tag: str, client_state: dict[str, Any]) -> None:
+def save_state(strategy: DeepSpeedStrategy, root: Path, tag: str, client_state: dict[str, Any]) -> None:
     """Every rank: DeepSpeed state + own RNG; rank 0 then writes the manifest and
     moves ``latest`` (atomically, last) and drops older tags."""
     _save_engine_and_rng(strategy, root, tag, client_state)
@@ -113,7 +118,7 @@ def read_latest(root: Path) -> str | None:
     return p.read_text().strip() if p.is_file() else None
 
 
-def load_state(strategy, root: Path) -> dict[str, Any] | None:
+def load_state(strategy: DeepSpeedStrategy, root: Path) -> dict[str, Any] | None:
     """Restore the newest verified state under ``root``; None when the run never
     saved one. A manifest that does not match the files is an IntegrityError."""
     tag = read_latest(root)
@@ -141,7 +146,7 @@ def load_state(strategy, root: Path) -> dict[str, Any] | None:
 # -- the published checkpoint ---------------------------------------------------
 
 
-def export_hf(lm: torch.nn.Module, parent_hf: Path, out: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+def export_hf(lm: PreTrainedModel, parent_hf: Path, out: Path, state: dict[str, torch.Tensor] | None = None) -> None:
     """HF directory of the trained weights: tokenizer and other files copied
     from the parent policy, then config + safetensors (fp32) from ``state``
     (the consolidated state dict; ZeRO-3 keeps only partitions in ``lm``) or
@@ -161,8 +166,8 @@ def export_hf(lm: torch.nn.Module, parent_hf: Path, out: Path, state: dict[str, 
         cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def write_final(strategy, root: Path, *, client_state: dict[str, Any], train_config: dict[str, Any],
-                lm: torch.nn.Module, parent_hf: Path) -> None:
+def write_final(strategy: DeepSpeedStrategy, root: Path, *, client_state: dict[str, Any], train_config: dict[str, Any],
+                lm: PreTrainedModel, parent_hf: Path) -> None:
     """Every rank: DeepSpeed state + RNG and its share of the consolidated
     weights; rank 0: cursor, config, hf/, then ``latest`` last."""
     if strategy.is_rank_0() and root.exists():

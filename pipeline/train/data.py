@@ -20,13 +20,16 @@ from __future__ import annotations
 import functools
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import pyarrow as pa
 
 from pipeline.errors import PipelineError
 from pipeline.snapshots import MEMBER_COLUMNS as COLUMNS  # one list of member columns
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
 
 
 class TrainDataError(PipelineError):
@@ -98,7 +101,7 @@ def members_from_table(table: pa.Table) -> Members:
     )
 
 
-def load_members(lake, snapshot_id: str) -> tuple[Members, dict[str, Any]]:
+def load_members(lake: Lake, snapshot_id: str) -> tuple[Members, dict[str, Any]]:
     """Verify the snapshot (files against the manifest, the manifest against the
     snapshots table, the id against the members) and read its members, through
     the same reader any external trainer uses (``pipeline.snapshots.open``).
@@ -171,7 +174,7 @@ def check_members(m: Members, *, vocab_size: int, max_positions: int | None = No
                                                                           "re-run admission")
 
 
-def receipt_counts(lake, snapshot_id: str) -> dict[str, int] | None:
+def receipt_counts(lake: Lake, snapshot_id: str) -> dict[str, int] | None:
     """group -> number of valid members from the admission receipts of this snapshot (None without receipts)."""
     if not lake.exists("receipts"):
         return None
@@ -185,7 +188,7 @@ def receipt_counts(lake, snapshot_id: str) -> dict[str, int] | None:
     return {g: len(v or []) for g, v in zip(t.column("group_id").to_pylist(), t.column("valid_members").to_pylist())}
 
 
-def collate(m: Members, idx: tuple[int, ...] | list[int], *, need: tuple[str, ...] = ()) -> dict[str, Any]:
+def collate(m: Members, idx: Sequence[int], *, need: tuple[str, ...] = ()) -> dict[str, Any]:
     """One micro-batch as tensors (layout in the module docstring). ``need``
     names per-member arrays to gather into [B, R]: "old", "ref", "rollout"."""
     import torch
@@ -198,6 +201,8 @@ def collate(m: Members, idx: tuple[int, ...] | list[int], *, need: tuple[str, ..
     mask = np.zeros((B, Rmax), dtype=np.float32)                                  # [B, R]
     adv = np.zeros((B, Rmax), dtype=np.float32)                                   # [B, R]
     extra = {k: np.zeros((B, Rmax), dtype=np.float32) for k in need}
+    per_member: dict[str, Sequence[np.ndarray | None]] = {
+        "old": m.old_logprobs, "ref": m.ref_logprobs, "rollout": m.rollout_logprobs}
     rows, cols, targets = [], [], []
     for b, i in enumerate(idx):
         p, r = m.prompt[i], m.response[i]
@@ -211,7 +216,8 @@ def collate(m: Members, idx: tuple[int, ...] | list[int], *, need: tuple[str, ..
         cols.append(b * Rmax + j)
         targets.append(r[j])
         for k in need:
-            src = {"old": m.old_logprobs, "ref": m.ref_logprobs, "rollout": m.rollout_logprobs}[k][i]
+            src = per_member[k][i]
+            assert src is not None, f"collate(need={k!r}): member {i} has no {k} log-probs"
             extra[k][b, :R[b]] = src * mk
     _check_layout(m, idx, input_ids, rows, targets, mask, P, R)
     out = {
@@ -249,7 +255,7 @@ def _check_layout(m: Members, idx, input_ids: np.ndarray, rows: list[np.ndarray]
             raise _fail(m, i, "loss mask is non-zero on an observation token")
 
 
-def snapshot_revisions(lake, snapshot_id: str) -> dict[str, set[str]]:
+def snapshot_revisions(lake: Lake, snapshot_id: str) -> dict[str, set[str]]:
     """tokenizer_rev / prompt_template_rev values the admission receipts of this
     snapshot recorded for its admitted groups (empty sets when not recorded)."""
     out: dict[str, set[str]] = {"tokenizer_rev": set(), "prompt_template_rev": set()}
@@ -268,7 +274,7 @@ def _family(template_rev: str) -> str:
     return template_rev.rsplit("/", 1)[0] if "/" in template_rev else template_rev
 
 
-def check_comparable(lake, snapshot_id: str, *, policy_tokenizer: str, policy_templates: list[str] | None,
+def check_comparable(lake: Lake, snapshot_id: str, *, policy_tokenizer: str, policy_templates: list[str] | None,
                      policy_name: str) -> dict[str, set[str]]:
     """Refuse a snapshot the policy cannot learn from: sampled with another
     tokenizer than the policy's, or with a revision of a prompt template whose

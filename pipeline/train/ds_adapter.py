@@ -76,7 +76,8 @@ def _import_deepspeed():
         # The CPU accelerator compiles a shared-memory all-reduce kernel on first
         # init (45 s - 3 min here) that only inference_all_reduce uses; training
         # collectives go through torch.distributed (gloo) either way.
-        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+        comm_torch: Any = sys.modules["deepspeed.comm.torch"]
+        comm_torch.build_shm_op = lambda: None
     return deepspeed
 
 
@@ -147,7 +148,7 @@ def init_distributed() -> None:
 
 
 def is_zero3(config: dict[str, Any] | None) -> bool:
-    return bool(config) and config.get("zero_optimization", {}).get("stage") == 3
+    return bool(config and config.get("zero_optimization", {}).get("stage") == 3)
 
 
 def zero3_init(config: dict[str, Any] | None):

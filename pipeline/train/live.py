@@ -27,9 +27,14 @@ import os
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import ConfigError
+
+if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    from pipeline.lake.delta import Lake
+
+    from pipeline.train.config import TrainConfig
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 # Columns of a metrics row that are not numbers to plot.
@@ -51,7 +56,7 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
             if k not in NOT_SCALARS and isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}
 
 
-def tracker_dir(lake, cfg) -> Path:
+def tracker_dir(lake: Lake, cfg: TrainConfig) -> Path:
     if getattr(cfg, "tracker_dir", ""):
         return Path(cfg.tracker_dir)
     if lake.is_local:
@@ -64,7 +69,7 @@ def tracker_dir(lake, cfg) -> Path:
 class Trackers:
     """The configured trackers of one training run (rank 0)."""
 
-    def __init__(self, lake, cfg, *, checkpoint_id: str, config: dict[str, Any]) -> None:
+    def __init__(self, lake: Lake, cfg: TrainConfig, *, checkpoint_id: str, config: dict[str, Any]) -> None:
         self.names = parse_trackers(getattr(cfg, "trackers", ""))
         self.sinks: list[Any] = []
         if not self.names:
@@ -149,8 +154,10 @@ class _Wandb:
         except ImportError as exc:
             raise ConfigError("trackers=wandb needs the wandb package", hint="pip install wandb") from exc
         (root / "wandb").mkdir(parents=True, exist_ok=True)
+        # a plain string: wandb validates it (its settings accept more modes than the Literal of init's stub)
+        mode: Any = os.environ.get("WANDB_MODE", "offline")
         self.run = wandb.init(project=EXPERIMENT, name=checkpoint_id, id=checkpoint_id, resume="allow",
-                              dir=str(root), config=config, mode=os.environ.get("WANDB_MODE", "offline"))
+                              dir=str(root), config=config, mode=mode)
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log({f"train/{k}": v for k, v in values.items()}, step=step)
@@ -165,7 +172,7 @@ _OPEN = {"tensorboard": _TensorBoard, "mlflow": _MLflow, "wandb": _Wandb}
 class LiveMetrics:
     """Rank 0's writer of per-step metrics rows: bounded, exactly-once commits."""
 
-    def __init__(self, lake, cfg, *, checkpoint_id: str, command: str, config_hash: str,
+    def __init__(self, lake: Lake, cfg: TrainConfig, *, checkpoint_id: str, command: str, config_hash: str,
                  trackers: Trackers | None = None) -> None:
         self.lake = lake
         self.every_steps = int(getattr(cfg, "metrics_every_steps", 0) or 0)

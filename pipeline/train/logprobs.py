@@ -112,12 +112,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 if inside.any():
                     rows = torch.nonzero(inside).squeeze(-1)
                     dz[rows, y[rows] - v0] += g[rows, 0]
-                if need_h:
+                if d_hidden is not None:                                      # need_h
                     d_hidden[i:i + chunk] += dz @ w                           # [C, H]
-                if need_w:
+                if d_weight is not None:                                      # need_w
                     d_weight[v0:v0 + step] += dz.T @ h                        # [Vc, H]
-        return (d_hidden.to(hidden.dtype) if need_h else None,
-                d_weight.to(weight.dtype) if need_w else None, None, None, None)
+        return (d_hidden.to(hidden.dtype) if d_hidden is not None else None,
+                d_weight.to(weight.dtype) if d_weight is not None else None, None, None, None)
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk: int = 1024,

@@ -15,11 +15,14 @@ once in its backward), and [T, V] logits still never exist.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pipeline.train.logprobs import token_logprobs
+
+if TYPE_CHECKING:  # transformers is imported where a model is loaded
+    from transformers import PreTrainedModel
 
 
 class ChunkedHead(torch.nn.Linear):
@@ -29,14 +32,14 @@ class ChunkedHead(torch.nn.Linear):
     chunk: int = 1024
     vocab_chunk: int = 0
 
-    def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None):  # type: ignore[override]
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None):
         if targets is None:
             return torch.nn.functional.linear(hidden, self.weight)
         return token_logprobs(hidden, self.weight, targets, chunk=self.chunk, vocab_chunk=self.vocab_chunk)
 
 
 class PolicyLogprobs(torch.nn.Module):
-    def __init__(self, lm: torch.nn.Module, *, chunk: int = 1024, vocab_chunk: int = 0) -> None:
+    def __init__(self, lm: PreTrainedModel, *, chunk: int = 1024, vocab_chunk: int = 0) -> None:
         super().__init__()
         cfg = lm.config
         for attr in ("final_logit_softcapping", "logit_scale"):
@@ -61,7 +64,7 @@ class PolicyLogprobs(torch.nn.Module):
 
 
 def load_causal_lm(hf_dir: str | Path, *, activation_checkpointing: bool = False,
-                   ds_config: dict | None = None) -> torch.nn.Module:
+                   ds_config: dict | None = None) -> PreTrainedModel:
     """The HF model of a policy directory, fp32, in train mode. With a ZeRO-3
     ``ds_config`` the model is built partitioned and rank 0 streams the weights
     in one tensor at a time (``_load_partitioned``): the full model never sits
@@ -89,7 +92,7 @@ def load_causal_lm(hf_dir: str | Path, *, activation_checkpointing: bool = False
     return lm
 
 
-def _load_partitioned(lm: torch.nn.Module, hf_dir: Path) -> None:
+def _load_partitioned(lm: PreTrainedModel, hf_dir: Path) -> None:
     """Copy the safetensors weights of ``hf_dir`` into a ZeRO-3-partitioned
     model: per parameter, gather, rank 0 overwrites it from the file (read
     lazily), DeepSpeed re-partitions. Every parameter must be in the files."""

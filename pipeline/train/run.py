@@ -36,9 +36,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Sequence
 
 from pipeline.config import config_dict, config_hash
 from pipeline.errors import ConflictError, NotFoundError, PipelineError
@@ -88,7 +86,7 @@ class TrainResult:
 # -- 1. identity ---------------------------------------------------------------------
 
 
-def _consumers(lake, snapshot_id: str) -> list[dict[str, Any]]:
+def _consumers(lake: Lake, snapshot_id: str) -> list[dict[str, Any]]:
     if not lake.exists("checkpoints"):
         return []
     rows = lake.read("checkpoints", columns=["checkpoint_id", "snapshot_ids", "policy_version",
@@ -108,7 +106,7 @@ def run_identity(snapshot_id: str, parent_checkpoint_id: str, cfg: TrainConfig, 
     return run_key, f"ck-{run_key[:20]}"
 
 
-def _published_result(lake, checkpoint_id: str, snapshot_id: str) -> TrainResult:
+def _published_result(lake: Lake, checkpoint_id: str, snapshot_id: str) -> TrainResult:
     from pipeline.policy_store import resolve_policy
     from pipeline.train.checkpoint import weight_hashes
 
@@ -124,7 +122,7 @@ def _published_result(lake, checkpoint_id: str, snapshot_id: str) -> TrainResult
 # -- public entry ------------------------------------------------------------------
 
 
-def train_snapshot(lake, snapshot_id: str, cfg: TrainConfig | None = None, *, from_checkpoint: str | int | None = None,
+def train_snapshot(lake: Lake, snapshot_id: str, cfg: TrainConfig | None = None, *, from_checkpoint: str | int | None = None,
                    resume: bool = False, nproc: int = 1, force: bool = False, progress: bool | None = None,
                    crash_at: str | None = None) -> TrainResult:
     """Train on ``snapshot_id`` starting from ``from_checkpoint`` (a checkpoint
@@ -144,7 +142,7 @@ def train_snapshot(lake, snapshot_id: str, cfg: TrainConfig | None = None, *, fr
                   progress=progress, crash_at=crash_at)
 
 
-def _launch(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume: bool, nproc: int, force: bool,
+def _launch(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint: str | int | None, resume: bool, nproc: int, force: bool,
             progress: bool | None, crash_at: str | None = None) -> TrainResult:
     """N processes via torchrun running pipeline.train.worker; rank 0 writes the result."""
     import socket
@@ -179,7 +177,7 @@ def _launch(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume
 # -- the driver ----------------------------------------------------------------------
 
 
-def _train(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume: bool, force: bool,
+def _train(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint: str | int | None, resume: bool, force: bool,
            progress: bool | None, crash_at: str | None) -> TrainResult:
     from pipeline.train.ds_adapter import single_process_env
 
@@ -193,7 +191,7 @@ def _train(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume:
             os.environ.pop(k, None)
 
 
-def _train_in_env(lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint, resume: bool, force: bool,
+def _train_in_env(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint: str | int | None, resume: bool, force: bool,
                   progress: bool | None, crash_at: str | None, t_start: float) -> TrainResult:
     import torch
 
@@ -318,7 +316,7 @@ def _identify(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint
                                  "--from-checkpoint or --nproc is a different run")
     lineage_run_id = lineage.new_run_id()
     inputs = [lineage.snapshot(lake, snapshot_id), lineage.checkpoint(lake, parent.checkpoint_id, parent.policy_version)]
-    ol = dict(job_type="TRAIN", engine="deepspeed", config=config_dict(cfg) | {"world_size": world_size})
+    ol: dict[str, Any] = dict(job_type="TRAIN", engine="deepspeed", config=config_dict(cfg) | {"world_size": world_size})
     return _Run(lake, snapshot_id, cfg, world_size, rank, parent, run_key, checkpoint_id, generation, work, final,
                 lineage_run_id, inputs, ol)
 
@@ -498,7 +496,7 @@ def _client_state(checkpoint_id: str, snapshot_id: str, global_step: int, sample
             "samples_seen": samples_seen, "epoch": epoch, "metrics": rows}
 
 
-def _carry_optimizer(strategy, cfg: TrainConfig, lake, parent, world_size: int) -> str | None:
+def _carry_optimizer(strategy: DeepSpeedStrategy, cfg: TrainConfig, lake: Lake, parent: PolicyRef, world_size: int) -> str | None:
     """Load the parent's DeepSpeed state (weights + AdamW moments; not its LR
     schedule) when the parent is a checkpoint of this trainer with a compatible
     layout. The parent's files were hash-verified by resolve_policy. Returns the
@@ -524,7 +522,7 @@ def _carry_optimizer(strategy, cfg: TrainConfig, lake, parent, world_size: int) 
     return parent.checkpoint_id
 
 
-def kl_reference_spec(kl_reference: str, parent) -> str:
+def kl_reference_spec(kl_reference: str, parent: PolicyRef) -> str:
     """What ``kl_reference`` names for this update: ``"parent"`` (reuse the starting
     weights) or a policy version / checkpoint id to load. ``initial`` is policy
     version 0, the same frozen anchor at every iteration; it is the parent itself
@@ -536,7 +534,7 @@ def kl_reference_spec(kl_reference: str, parent) -> str:
     return kl_reference
 
 
-def _snapshot_wait_ms(lake, snapshot_id: str, consumed_at: datetime) -> int | None:
+def _snapshot_wait_ms(lake: Lake, snapshot_id: str, consumed_at: datetime) -> int | None:
     """How long the snapshot waited between its publication and its use (ms);
     with the members' ``queue_wait_ms`` (finish -> landing) this measures the
     queue to the point of use. None when the snapshots table has no row for it."""
@@ -550,7 +548,7 @@ def _snapshot_wait_ms(lake, snapshot_id: str, consumed_at: datetime) -> int | No
     return max(0, int((consumed_at - rows[0]["created_at"]).total_seconds() * 1000))
 
 
-def check_freshness(members, parent_version: int, max_train_lag: int | None, snapshot_id: str) -> dict[str, Any]:
+def check_freshness(members: Members, parent_version: int, max_train_lag: int | None, snapshot_id: str) -> dict[str, Any]:
     """Freshness at use: the lag between the snapshot's data and the policy this
     update starts from, ``parent_version - oldest sampled token version`` per
     member (the version that started it when the row has no per-token versions).
@@ -583,7 +581,7 @@ def check_freshness(members, parent_version: int, max_train_lag: int | None, sna
             "parent_version": parent_version}
 
 
-def _prepass(strategy, members, cfg: TrainConfig, lake, parent) -> None:
+def _prepass(strategy: DeepSpeedStrategy, members: Members, cfg: TrainConfig, lake: Lake, parent: PolicyRef) -> None:
     """Old log-probs (recompute mode) and reference log-probs (kl_coef > 0) of
     every member under frozen weights, once, before the first update. Every
     rank computes all members, in the same micro-batches: identical on any
@@ -611,9 +609,9 @@ def _prepass(strategy, members, cfg: TrainConfig, lake, parent) -> None:
                                 b["targets"].to(strategy.device))
                 flat = torch.zeros(b["shape"][0] * b["shape"][1], dtype=torch.float32)
                 flat[b["cols"]] = lp.float().cpu()
-                flat = flat.view(*b["shape"]).numpy()
+                grid = flat.view(*b["shape"]).numpy()
                 for k, i in enumerate(idx):
-                    target[i] = flat[k, :len(members.response[i])].astype(np.float32).copy()
+                    target[i] = grid[k, :len(members.response[i])].astype(np.float32).copy()
 
     strategy.eval()
     if need_old:
@@ -661,7 +659,7 @@ class _StepSums:
         return dict(zip(self.NAMES, (float(v) for v in strategy.all_reduce_sum(self.values))))
 
 
-def _train_step(strategy, members, step, cfg: TrainConfig, loss_kind: str, norm_len: float) -> dict[str, Any]:
+def _train_step(strategy: DeepSpeedStrategy, members: Members, step: Step, cfg: TrainConfig, loss_kind: str, norm_len: float) -> dict[str, Any]:
     """Forward/backward over this rank's micro-batches of ``step``, then one optimizer step."""
     from pipeline.train import losses as L
 
@@ -693,7 +691,7 @@ def _zero_weight_pass(strategy: DeepSpeedStrategy) -> None:
     strategy.backward(0.0 * (lp.sum() + ent.sum()))
 
 
-def _micro_batch(strategy: DeepSpeedStrategy, members: Members, mb: list[int], cfg: TrainConfig, loss_kind: str,
+def _micro_batch(strategy: DeepSpeedStrategy, members: Members, mb: Sequence[int], cfg: TrainConfig, loss_kind: str,
                  norm: Norm, sums: _StepSums) -> dict[str, float]:
     """Forward/backward of one micro-batch; adds its sums to ``sums``, returns the loss's metrics."""
     import torch
@@ -778,10 +776,10 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "tokens_per_s_mean": mean("tokens_per_s"), "policy_lag_mean": mean("policy_lag")}
 
 
-def _publish(lake, *, checkpoint_id: str, parent, snapshot_id: str, cfg: TrainConfig, world_size: int,
+def _publish(lake: Lake, *, checkpoint_id: str, parent: PolicyRef, snapshot_id: str, cfg: TrainConfig, world_size: int,
              global_step: int, samples_seen: int, summary: dict[str, Any], rows: list[dict[str, Any]],
              resumed_from: int | None, t_start: float, lineage_run_id: str, final: Path,
-             live=None, extra_config: dict[str, Any] | None = None) -> TrainResult:
+             live: LiveMetrics | None = None, extra_config: dict[str, Any] | None = None) -> TrainResult:
     """Metrics rows (exactly once), then the checkpoints row: that commit publishes the version."""
     from pipeline.policy_store import hash_dir, publish_checkpoint
     from pipeline.train.checkpoint import weight_hashes
@@ -803,7 +801,7 @@ def _publish(lake, *, checkpoint_id: str, parent, snapshot_id: str, cfg: TrainCo
                        time.perf_counter() - t_start, lineage_run_id)
 
 
-def _live_metrics(lake, cfg: TrainConfig, checkpoint_id: str, *, with_trackers: bool = True):
+def _live_metrics(lake: Lake, cfg: TrainConfig, checkpoint_id: str, *, with_trackers: bool = True):
     from pipeline.train.live import LiveMetrics, Trackers
 
     trackers = (Trackers(lake, cfg, checkpoint_id=checkpoint_id, config=config_dict(cfg))
@@ -812,12 +810,12 @@ def _live_metrics(lake, cfg: TrainConfig, checkpoint_id: str, *, with_trackers: 
                        config_hash=config_hash(cfg), trackers=trackers)
 
 
-def _close_trackers(live) -> None:
+def _close_trackers(live: LiveMetrics | None) -> None:
     if live is not None and live.trackers is not None:
         live.trackers.close()
 
 
-def _crash_while_publishing(strategy, final: Path, client_state, train_config, lm, parent) -> None:
+def _crash_while_publishing(strategy: DeepSpeedStrategy, final: Path, client_state, train_config, lm, parent: PolicyRef) -> None:
     """Failure drill: write part of the checkpoint (weights half written) and die like a SIGKILL."""
     from pipeline.train import checkpoint as ck
 
