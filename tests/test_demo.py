@@ -144,7 +144,6 @@ def test_async_kill_worker_and_trainer_then_restart_loses_and_duplicates_nothing
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_sync_demo_with_the_vllm_engine(lake):
-    pytest.importorskip("vllm", reason="the [vllm] extra is not installed (scripts/setup-env.sh --vllm)")
     summary = run_demo(lake, _cfg(engine="vllm", iterations=1), out=lambda *a: None)
     _check_loop_invariants(lake, summary)
     assert summary["engine"] == "vllm"
