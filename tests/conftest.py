@@ -143,3 +143,39 @@ def s3_lake(s3_server):
     boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="testing",
                  aws_secret_access_key="testing").create_bucket(Bucket=bucket)
     return Lake(f"s3://{bucket}/lake", storage_options=opts)
+
+
+# -- the trainer's template lake: a tiny published policy + one synthetic snapshot, built once, copied per test
+
+@pytest.fixture(scope="session")
+def template_lake(tmp_path_factory):
+    from pipeline.lake.delta import Lake
+    from pipeline.testing.train_fixtures import publish_synthetic_snapshot, publish_tiny_policy
+
+    root = tmp_path_factory.mktemp("train-template") / "lake"
+    lake = Lake(root)
+    publish_tiny_policy(lake, checkpoint_id="tiny-v0")
+    sid = publish_synthetic_snapshot(lake, 48, seed=7, median_len=20, prompt_len=6)
+    return root, sid
+
+
+@pytest.fixture
+def tlake(template_lake, tmp_path):
+    """(Lake, snapshot_id): a fresh copy of the template."""
+    from pipeline.lake.delta import Lake
+
+    src, sid = template_lake
+    dst = tmp_path / "lake"
+    shutil.copytree(src, dst)
+    return Lake(dst), sid
+
+
+@pytest.fixture
+def tlake2(template_lake, tmp_path):
+    """A second, independent copy (to compare two runs)."""
+    from pipeline.lake.delta import Lake
+
+    src, sid = template_lake
+    dst = tmp_path / "lake2"
+    shutil.copytree(src, dst)
+    return Lake(dst), sid
