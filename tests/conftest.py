@@ -75,6 +75,35 @@ def pytest_runtest_setup(item):
         require_chromium()
 
 
+# -- kills inside a critical section -----------------------------------------------------------------
+# A process run with PIPELINE_TEST_PAUSE_AT=<point>=<marker> writes its pid to <marker> when its own code
+# reaches pause_point(<point>) (pipeline/lake/delta.py) and waits there; killing it then lands the kill
+# inside that section, never in interpreter start-up.
+
+
+def _kill_at_marker(proc, marker, timeout: float = 600) -> None:
+    import signal
+
+    deadline = time.monotonic() + timeout
+    while not marker.exists():
+        if proc.poll() is not None:
+            out = proc.stderr.read() if proc.stderr else (proc.stdout.read() if proc.stdout else "")
+            pytest.fail(f"the process ended (rc {proc.returncode}) before its marker {marker.name}: "
+                        f"{out[-3000:] if out else ''}")
+        assert time.monotonic() < deadline, f"no marker {marker} after {timeout} s"
+        time.sleep(0.05)
+    assert int(marker.read_text()) == proc.pid, "the marker was written by another process"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+
+
+@pytest.fixture
+def kill_at_marker():
+    """kill_at_marker(proc, marker): SIGKILL ``proc`` once it wrote ``marker`` (it is parked there)."""
+    return _kill_at_marker
+
+
 @pytest.fixture
 def lake(tmp_path):
     """An empty local lake under a temp dir."""

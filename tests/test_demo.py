@@ -86,23 +86,6 @@ def test_demo_cli_json(tmp_path):
     assert again.returncode == 2 and "already holds a policy" in again.stderr
 
 
-def _kill_at_marker(proc: subprocess.Popen, marker, timeout: float = 600) -> None:
-    """SIGKILL ``proc`` once its own code wrote ``marker`` (PIPELINE_TEST_PAUSE_AT: it then
-    waits there), so the kill lands inside that section; the marker holds the pid that got there."""
-    import signal
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not marker.exists():
-        assert proc.poll() is None, f"ended (rc {proc.returncode}) before {marker.name}: {proc.stderr.read()[-2000:]}"
-        assert time.monotonic() < deadline, f"never reached {marker.name}"
-        time.sleep(0.05)
-    assert int(marker.read_text()) == proc.pid, "the marker was written by another process"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-
-
 def _env_without_pause(**extra):
     import os
 
@@ -111,7 +94,7 @@ def _env_without_pause(**extra):
 
 
 @pytest.mark.slow
-def test_async_kill_worker_and_trainer_then_restart_loses_and_duplicates_nothing(lake, tmp_path):
+def test_async_kill_worker_and_trainer_then_restart_loses_and_duplicates_nothing(lake, tmp_path, kill_at_marker):
     """The async pieces are separate processes meeting in the lake: SIGKILL the
     rollout worker mid-ship (a batch's trajectories committed, its events not) and
     the trainer mid-publish (its checkpoints row committed, the run not finished),
@@ -129,7 +112,7 @@ def test_async_kill_worker_and_trainer_then_restart_loses_and_duplicates_nothing
     shipped = tmp_path / "worker-mid-ship"
     worker = subprocess.Popen(worker_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               env=_env_without_pause(PIPELINE_TEST_PAUSE_AT=f"append:trajectories:committed={shipped}"))
-    _kill_at_marker(worker, shipped)
+    kill_at_marker(worker, shipped)
     landed = query(lake, "SELECT trajectory_id FROM trajectories").column(0).to_pylist()
     assert 0 < len(landed) < groups * g, "the worker was killed mid-run"
     ended = set(query(lake, "SELECT episode_id FROM events WHERE event_type = 'TERMINAL'").column(0).to_pylist()
@@ -143,7 +126,7 @@ def test_async_kill_worker_and_trainer_then_restart_loses_and_duplicates_nothing
     published = tmp_path / "trainer-mid-publish"
     trainer = subprocess.Popen(train_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                env=_env_without_pause(PIPELINE_TEST_PAUSE_AT=f"append:checkpoints:committed={published}"))
-    _kill_at_marker(trainer, published)
+    kill_at_marker(trainer, published)
     assert latest_policy_version(lake) == 1, "killed right after the publishing commit"
     rerun = subprocess.run(train_cmd + ["--json"], capture_output=True, text=True, timeout=600,
                            env=_env_without_pause())

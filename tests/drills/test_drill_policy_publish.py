@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -64,22 +62,6 @@ def train_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def kill_at_marker(proc: subprocess.Popen, marker: Path, timeout: float = 600) -> None:
-    """SIGKILL ``proc`` once it wrote ``marker`` (it then waits there to be killed); the
-    marker holds the pid that reached the point: the killed process itself."""
-    deadline = time.monotonic() + timeout
-    while not marker.exists():
-        if proc.poll() is not None:
-            pytest.fail(f"the process ended (rc {proc.returncode}) before its marker {marker.name}: "
-                        f"{proc.stdout.read()[-3000:] if proc.stdout else ''}")
-        assert time.monotonic() < deadline, f"no marker {marker} after {timeout} s"
-        time.sleep(0.05)
-    assert int(marker.read_text()) == proc.pid, "the marker was written by another process"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
-
-
 def consumed_snapshots(lake) -> list[str]:
     """Snapshots some published checkpoint trained on (the trainer's resume rule)."""
     rows = lake.read("checkpoints", columns=["snapshot_ids"]).column("snapshot_ids").to_pylist()
@@ -88,7 +70,7 @@ def consumed_snapshots(lake) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("point", [FILES_PARTLY_WRITTEN, ROW_STAGED])
-def test_pipeline_train_killed_mid_publish(tlake, tmp_path, point):
+def test_pipeline_train_killed_mid_publish(tlake, tmp_path, point, kill_at_marker):
     from pipeline.lake.maintain import maintain
 
     lake, sid = tlake                       # policy version 0 (tiny-v0) and an unconsumed snapshot
