@@ -53,7 +53,8 @@ elif kill_at == "after_receipts":
         return r
     Lake.append = append
 elif kill_at.startswith("ready="):  # a readiness marker: imports done, the job starts now
-    open(kill_at[6:], "w").write(str(os.getpid()))
+    open(kill_at[6:] + ".tmp", "w").write(str(os.getpid()))
+    os.replace(kill_at[6:] + ".tmp", kill_at[6:])   # whole or absent
 res = run.admit(lake, AdmissionConfig(quality=False), current_policy_version=0,
                 now=datetime(2026, 11, 2, tzinfo=timezone.utc))
 print(json.dumps({"snapshot_id": res.snapshot_id, "decided": res.receipts.num_rows}))

@@ -28,8 +28,9 @@ def main(argv: list[str]) -> int:
     uri, start, cmd, args = argv[0], argv[1], argv[2], argv[3:]
     lake = Lake(uri)
     if start != "-":
-        with open(f"{start}.ready-{os.getpid()}", "w") as f:
+        with open(f"{start}.tmp-{os.getpid()}", "w") as f:
             f.write(str(os.getpid()))
+        os.replace(f"{start}.tmp-{os.getpid()}", f"{start}.ready-{os.getpid()}")   # whole or absent
     while start != "-" and not os.path.exists(start):
         time.sleep(0.002)
     released = time.time()

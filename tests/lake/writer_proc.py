@@ -36,7 +36,9 @@ def main(argv: list[str]) -> int:
     landed = lake.transaction_version("trajectories", app_id) if lake.exists("trajectories") else None
     batch(app_id, 0, rows, seed)  # warm up the data generator's imports before the marker
     if os.environ.get("WRITER_READY"):
-        Path(os.environ["WRITER_READY"]).write_text(str(os.getpid()))
+        ready = Path(os.environ["WRITER_READY"])
+        ready.with_name(ready.name + ".tmp").write_text(str(os.getpid()))
+        ready.with_name(ready.name + ".tmp").replace(ready)    # whole or absent
     for k in range(max(landed or 0, 0), n):
         lake.append("trajectories", batch(app_id, k, rows, seed), command="test writer",
                     app_id=app_id, txn_version=k)
