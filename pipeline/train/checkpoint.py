@@ -170,6 +170,8 @@ def write_final(strategy: DeepSpeedStrategy, root: Path, *, client_state: dict[s
                 lm: PreTrainedModel, parent_hf: Path) -> None:
     """Every rank: DeepSpeed state + RNG and its share of the consolidated
     weights; rank 0: cursor, config, hf/, then ``latest`` last."""
+    from pipeline.lake.delta import pause_point
+
     if strategy.is_rank_0() and root.exists():
         shutil.rmtree(root)           # an unpublished leftover of a crashed publish
     strategy.barrier()
@@ -180,6 +182,7 @@ def write_final(strategy: DeepSpeedStrategy, root: Path, *, client_state: dict[s
         atomic_write(root / "cursor.json", json.dumps(cursor, sort_keys=True, indent=1, default=str))
         atomic_write(root / "train_config.json", json.dumps(train_config, sort_keys=True, indent=1, default=str))
         export_hf(lm, parent_hf, root / HF_SUBDIR, state)
+        pause_point("checkpoint:final:hf-written")   # kill tests: every file but `latest`, no checkpoints row
         atomic_write(root / LATEST, FINAL_TAG)
     strategy.barrier()
 

@@ -274,7 +274,6 @@ def test_eval_runs_an_imported_model(lake, qwen2_dir):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_engine_loads_an_imported_model(lake, qwen2_dir):
-    pytest.importorskip("vllm")
     from pipeline.rollout.run import RolloutConfig, run_rollout
 
     cli(lake, "policy", "import", "--hf-dir", str(qwen2_dir))

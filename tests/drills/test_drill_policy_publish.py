@@ -1,13 +1,24 @@
-"""Drill 2: the trainer dies while publishing a new policy version (weights half written).
+"""Drill 2: the trainer dies while publishing a new policy version.
 
 docs/drills.md "Drill 2" is the recovery procedure this test walks through.
-A real trainer-like process writes a checkpoint directory file by file and is
-SIGKILLed in the middle of the weights file. The store-level guarantees:
+The real trainer, ``pipeline train --batch-snapshot S`` (a tiny Llama and a
+tiny snapshot: pipeline.testing.train_fixtures), is SIGKILLed inside its
+publish, at a readiness marker its own code writes when it gets there
+(``PIPELINE_TEST_PAUSE_AT``, pipeline.lake.delta.pause_point), so the kill
+provably lands in the section under test:
+- ``checkpoint:final:hf-written``: the checkpoint directory is partly written
+  (DeepSpeed state and hf/ weights written, ``latest`` not, no row);
+- ``append:checkpoints:staged``: every file written and hashed, the row's data
+  file staged, the ``checkpoints`` commit not made.
+The store-level guarantees:
 - a checkpoint directory without its ``checkpoints`` row is never resolved:
   workers keep resolving the last published, hash-verified version;
-- the restarted trainer publishes the next version number (the dead attempt
-  never took one), re-training the snapshot the dead attempt did not publish
-  (it was not consumed), and a retried publish of the same checkpoint lands once;
+- the restarted trainer (the same command, ``--resume``) publishes the next
+  version number (the dead attempt never took one), re-training the snapshot
+  the dead attempt did not publish (it was not consumed), and a retried
+  publish of the same checkpoint lands once;
+- the row file the killed publish staged is never read, and ``maintain``
+  removes it;
 - a published checkpoint whose files were corrupted afterwards is refused.
 """
 
@@ -15,10 +26,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,34 +36,9 @@ from pipeline.errors import IntegrityError, NotFoundError
 from pipeline.policy_store import (latest_policy_version, local_checkpoint_dir, next_policy_version,
                                    publish_checkpoint, resolve_policy)
 
-# The "trainer": write hf/config.json, then the weights in chunks (fsync each),
-# signal after the first chunk, and only then finish + publish (never reached when killed).
-TRAINER = r"""
-import json, os, sys, time
-from pathlib import Path
-from pipeline.lake.delta import Lake
-from pipeline.policy_store import local_checkpoint_dir, next_policy_version, publish_checkpoint
-
-lake = Lake(sys.argv[1]); ckpt = sys.argv[2]; snapshot = sys.argv[3]; marker = Path(sys.argv[4])
-slow = sys.argv[5] == "slow"
-parent = sys.argv[6] if len(sys.argv) > 6 else None
-version = next_policy_version(lake)
-hf = local_checkpoint_dir(lake, ckpt) / "hf"
-hf.mkdir(parents=True, exist_ok=True)
-(hf / "config.json").write_text(json.dumps({"model_type": "llama", "policy_version": version}))
-with open(hf / "model.safetensors", "wb") as f:
-    for k in range(8):
-        f.write(os.urandom(1 << 16)); f.flush(); os.fsync(f.fileno())
-        if k == 0:
-            marker.write_text(str(version))
-        if slow:
-            time.sleep(30)
-(hf / "tokenizer.json").write_text("{}")
-publish_checkpoint(lake, checkpoint_id=ckpt, policy_version=version, parent_checkpoint_id=parent,
-                   snapshot_ids=[snapshot], train_config={"lr": 1e-5}, train_config_hash="cfg", seed=0,
-                   global_step=version, samples_seen=64 * version)
-print(json.dumps({"published": ckpt, "version": version}))
-"""
+SETS = ["lr=0.003", "micro_batch_tokens=256", "epochs=2", "seed=3", "save_every=2"]
+FILES_PARTLY_WRITTEN = "checkpoint:final:hf-written"
+ROW_STAGED = "append:checkpoints:staged"
 
 
 def write_checkpoint(lake, ckpt: str, seed: int) -> Path:
@@ -65,10 +49,17 @@ def write_checkpoint(lake, ckpt: str, seed: int) -> Path:
     return hf
 
 
-def trainer(lake, ckpt, snapshot, marker, *, slow, parent=None) -> subprocess.Popen:
-    args = [sys.executable, "-c", TRAINER, lake.uri, ckpt, snapshot, str(marker), "slow" if slow else "fast"]
-    return subprocess.Popen(args + ([parent] if parent else []), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+def train_cmd(lake, sid: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "pipeline", "train", "--lake", lake.uri, "--batch-snapshot", sid, "--json",
+            "--no-progress"] + [a for s in SETS for a in ("--set", s)] + list(extra)
+
+
+def train_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PIPELINE_TEST_PAUSE_AT"):
+        if k not in extra:
+            env.pop(k, None)
+    return env
 
 
 def consumed_snapshots(lake) -> list[str]:
@@ -78,57 +69,63 @@ def consumed_snapshots(lake) -> list[str]:
 
 
 @pytest.mark.slow
-def test_trainer_killed_mid_publish(lake, tmp_path):
-    write_checkpoint(lake, "ckpt-v0", 0)
-    publish_checkpoint(lake, checkpoint_id="ckpt-v0", policy_version=0, parent_checkpoint_id=None, snapshot_ids=[],
-                       train_config={}, train_config_hash="cfg", seed=0)
-    assert resolve_policy(lake).checkpoint_id == "ckpt-v0"
+@pytest.mark.parametrize("point", [FILES_PARTLY_WRITTEN, ROW_STAGED])
+def test_pipeline_train_killed_mid_publish(tlake, tmp_path, point, kill_at_marker):
+    from pipeline.lake.maintain import maintain
 
-    # the trainer trains on snap-A and dies writing the weights of version 1
-    marker = tmp_path / "first-chunk-written"
-    proc = trainer(lake, "ckpt-dead", "snap-A", marker, slow=True, parent="ckpt-v0")
-    deadline = time.monotonic() + 120
-    while not marker.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "trainer never started writing"
-        time.sleep(0.05)
-    assert marker.read_text() == "1"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
+    lake, sid = tlake                       # policy version 0 (tiny-v0) and an unconsumed snapshot
+    assert resolve_policy(lake).checkpoint_id == "tiny-v0"
 
-    half = local_checkpoint_dir(lake, "ckpt-dead") / "hf"
-    assert (half / "config.json").exists() and (half / "model.safetensors").stat().st_size == 1 << 16
-    # workers keep resolving the last complete version; the half-written one does not exist for them
+    # the trainer trains on the snapshot and is killed inside the publish of version 1
+    marker = tmp_path / "in-publish"
+    proc = subprocess.Popen(train_cmd(lake, sid), env=train_env(PIPELINE_TEST_PAUSE_AT=f"{point}={marker}"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    kill_at_marker(proc, marker)
+
+    (dead,) = [p for p in (Path(lake.uri) / "_checkpoints").glob("ck-*")]
+    ckpt = dead.name
+    assert (dead / "hf" / "config.json").exists() and (dead / "hf" / "model.safetensors").exists()
+    # `latest` is written after every other file: the first kill left the directory partly written
+    assert (dead / "latest").exists() == (point == ROW_STAGED)
+    staged = lake.remove_orphans("checkpoints", min_age_s=0, dry_run=True)
+    assert len(staged) == (1 if point == ROW_STAGED else 0), staged   # the killed publish's row file
+    # workers keep resolving the last complete version; the dead one does not exist for them
     ref = resolve_policy(lake)
-    assert (ref.checkpoint_id, ref.policy_version) == ("ckpt-v0", 0)
+    assert (ref.checkpoint_id, ref.policy_version) == ("tiny-v0", 0)
     with pytest.raises(NotFoundError):
         resolve_policy(lake, 1)
     with pytest.raises(NotFoundError):
-        resolve_policy(lake, "ckpt-dead")
-    assert latest_policy_version(lake) == 0
-    # snap-A was not consumed: no published row lists it
-    assert "snap-A" not in consumed_snapshots(lake)
+        resolve_policy(lake, ckpt)
+    assert latest_policy_version(lake) == 0 and lake.read("checkpoints").num_rows == 1
+    # the snapshot was not consumed: no published row lists it
+    assert sid not in consumed_snapshots(lake)
 
-    # restart: a new trainer process re-trains snap-A and publishes version 1 under a new checkpoint id
+    # restart: the same command (+ --resume) re-trains the snapshot and publishes version 1
     assert next_policy_version(lake) == 1
-    proc = trainer(lake, "ckpt-v1", "snap-A", tmp_path / "m2", slow=False, parent="ckpt-v0")
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
-    assert json.loads(out.strip().splitlines()[-1]) == {"published": "ckpt-v1", "version": 1}
+    rerun = subprocess.run(train_cmd(lake, sid, "--resume"), env=train_env(), capture_output=True, text=True,
+                           timeout=900)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    out = json.loads(rerun.stdout.strip().splitlines()[-1])
+    assert (out["checkpoint_id"], out["policy_version"]) == (ckpt, 1)   # the run's id: same directory
+    assert out["resumed_from_step"], "the rerun continued from the killed run's saved state"
     ref = resolve_policy(lake)
-    assert (ref.checkpoint_id, ref.policy_version) == ("ckpt-v1", 1)
+    assert (ref.checkpoint_id, ref.policy_version) == (ckpt, 1)
 
     # a publish retried after an ambiguous failure (the process died after the commit) lands once
-    publish_checkpoint(lake, checkpoint_id="ckpt-v1", policy_version=1, parent_checkpoint_id="ckpt-v0",
-                       snapshot_ids=["snap-A"], train_config={"lr": 1e-5}, train_config_hash="cfg", seed=0)
+    again = publish_checkpoint(lake, checkpoint_id=ckpt, policy_version=None, parent_checkpoint_id="tiny-v0",
+                               snapshot_ids=[sid], train_config={}, train_config_hash="cfg", seed=0)
+    assert again["policy_version"] == 1
     rows = lake.read("checkpoints", columns=["checkpoint_id", "policy_version"]).to_pylist()
-    versions = sorted(r["policy_version"] for r in rows)
-    assert versions == [0, 1], "a policy version number was reused or skipped"
-    assert sorted(r["checkpoint_id"] for r in rows) == ["ckpt-v0", "ckpt-v1"]
-    consumed = consumed_snapshots(lake)
-    assert consumed.count("snap-A") == 1, "a snapshot was consumed twice"
+    assert sorted(r["policy_version"] for r in rows) == [0, 1], "a policy version number was reused or skipped"
+    assert sorted(r["checkpoint_id"] for r in rows) == sorted(["tiny-v0", ckpt])
+    assert consumed_snapshots(lake).count(sid) == 1, "a snapshot was consumed twice"
     assert next_policy_version(lake) == 2
+
+    # what the killed publish staged is cleaned up by maintain; the published rows stay
+    report = maintain(lake, tables=["checkpoints"], orphan_min_age_s=0)
+    assert report["tables"]["checkpoints"]["orphans_removed"] == len(staged)
+    assert lake.remove_orphans("checkpoints", min_age_s=0, dry_run=True) == []
+    assert resolve_policy(lake).checkpoint_id == ckpt and lake.read("checkpoints").num_rows == 2
 
 
 def test_corrupted_published_checkpoint_is_refused(lake):

@@ -4,9 +4,11 @@
     python race_proc.py LAKE START_FILE maintain
     python race_proc.py LAKE START_FILE publish CHECKPOINT_ID
 
-Imports everything first, then waits for START_FILE to exist, so racers
-started one by one begin their read-decide-commit at the same moment. Prints
-one JSON line with the outcome.
+Imports everything first, writes the readiness marker START_FILE.ready-<pid>,
+then waits for START_FILE to exist (the test writes it once every racer is
+ready), so racers started one by one begin their read-decide-commit at the
+same moment. Prints one JSON line with the outcome, and in ``raced`` the wall
+clock times at which it was released and finished.
 """
 
 from __future__ import annotations
@@ -25,8 +27,13 @@ def main(argv: list[str]) -> int:
 
     uri, start, cmd, args = argv[0], argv[1], argv[2], argv[3:]
     lake = Lake(uri)
+    if start != "-":
+        with open(f"{start}.tmp-{os.getpid()}", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(f"{start}.tmp-{os.getpid()}", f"{start}.ready-{os.getpid()}")   # whole or absent
     while start != "-" and not os.path.exists(start):
         time.sleep(0.002)
+    released = time.time()
     if cmd == "ingest":
         out = ingest_files(lake, args).as_dict()
     elif cmd == "maintain":
@@ -37,7 +44,7 @@ def main(argv: list[str]) -> int:
         out = {"policy_version": row["policy_version"]}
     else:
         raise SystemExit(f"unknown command {cmd}")
-    print(json.dumps(out, default=str), flush=True)
+    print(json.dumps(dict(out, raced=[released, time.time()]), default=str), flush=True)
     return 0
 
 

@@ -42,24 +42,37 @@ def test_four_processes_append_without_loss_or_duplicates(lake):
 
 
 @pytest.mark.slow
-def test_sigkill_at_random_points_never_duplicates_or_loses_a_batch(lake):
+def test_sigkill_at_random_points_never_duplicates_or_loses_a_batch(lake, tmp_path):
+    """Each run is killed at a random point of its append loop: after its readiness
+    marker (imports done, appends next), once 0-3 more of its batches landed, plus
+    up to about one batch's time. Only kills of a process still running after its
+    marker count: a kill in interpreter start-up tests nothing."""
     lake.ensure("trajectories")
     rng = random.Random(1234)
     n_batches, rows = 150, 10
     kills = 0
     for run in range(24):
+        before = lake.transaction_version("trajectories", "crashy")
+        ready = tmp_path / f"ready-{run}"
         p = subprocess.Popen([sys.executable, WRITER, lake.uri, "crashy", str(n_batches), str(rows)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
-        time.sleep(rng.uniform(0.3, 2.0))
-        if p.poll() is None:
-            p.send_signal(signal.SIGKILL)
-            kills += 1
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env() | {"WRITER_READY": str(ready)})
+        target = (-1 if before is None else before) + rng.randint(0, 3)
+        deadline = time.monotonic() + 120
+        while not ready.exists() or (lake.transaction_version("trajectories", "crashy") or -1) < target:
+            if p.poll() is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.06))
+        in_section = ready.exists() and int(ready.read_text()) == p.pid and p.poll() is None
+        p.send_signal(signal.SIGKILL)
         p.wait(timeout=60)
+        if in_section and p.returncode == -signal.SIGKILL:
+            kills += 1
         landed = lake.transaction_version("trajectories", "crashy")
         ids = lake.read("trajectories", columns=["trajectory_id"]).column(0)
         # every committed batch is complete and present exactly once
         assert len(ids) == pc.count_distinct(ids).as_py() == ((landed + 1) * rows if landed is not None else 0)
-    assert kills >= 20, f"only {kills} runs were killed mid-way; the test did not exercise crashes"
+    assert kills >= 20, f"only {kills} runs were killed inside their appends; the test did not exercise crashes"
     done = subprocess.run([sys.executable, WRITER, lake.uri, "crashy", str(n_batches), str(rows)],
                           capture_output=True, text=True, env=_env(), timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

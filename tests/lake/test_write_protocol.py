@@ -36,17 +36,29 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def _race(uri: str, tmp: Path, commands: list[list[str]], env: dict[str, str] | None = None) -> list[dict]:
-    """Start every command, release them together, return their JSON outputs."""
+    """Start every command, release them together once each wrote its readiness marker
+    (imports done), check they ran at the same time, return their JSON outputs."""
     start = tmp / f"go-{time.time_ns()}"
     procs = [subprocess.Popen([sys.executable, RACER, uri, str(start), *c], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=_env(env)) for c in commands]
-    time.sleep(0.5)  # only lets the interpreters import; the racers wait for `start`, not for this sleep
-    start.write_text("go")
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-3000:]
-        outs.append(json.loads(out.strip().splitlines()[-1]))
+    try:
+        deadline = time.time() + 300
+        while {int(m.read_text() or 0) for m in tmp.glob(f"{start.name}.ready-*")} != {p.pid for p in procs}:
+            assert all(p.poll() is None for p in procs), [p.communicate()[1][-3000:] for p in procs]
+            assert time.time() < deadline, "the racers did not get ready"
+            time.sleep(0.01)
+        start.write_text("go")
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=600)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    # a race, not a queue: the last racer was released before the first one finished
+    assert max(o["raced"][0] for o in outs) < min(o["raced"][1] for o in outs), [o["raced"] for o in outs]
     return outs
 
 
@@ -189,6 +201,7 @@ def _kill_at(uri: str, tmp: Path, point: str, command: list[str], env: dict[str,
             pytest.fail(f"the process ended before reaching {point}: {p.stderr.read()[-2000:]}")
         assert time.time() < deadline, f"{point} never reached"
         time.sleep(0.01)
+    assert int(marker.read_text()) == p.pid      # it is parked at the point: the kill lands there
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=60)
     assert p.returncode == -signal.SIGKILL

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -15,17 +14,16 @@ import pytest
 
 from pipeline.report.build import ReportOptions, write_report
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-needs_chromium = pytest.mark.skipif(
-    CHROMIUM is None, reason="headless Chromium not installed: apt-get update && apt-get install -y chromium")
+# headless Chromium: the `chromium` marker and the `chromium_bin` fixture (tests/conftest.py) skip
+# these tests where it is not installed, and fail them under CI=true
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--hide-scrollbars", "--enable-logging=stderr", "--v=0"]
 
 
-def chromium(page: Path, tmp: Path, *mode: str) -> subprocess.CompletedProcess:
-    return subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={tmp / 'profile'}", *mode, page.resolve().as_uri()],
+def chromium(binary: str, page: Path, tmp: Path, *mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run([binary, *FLAGS, f"--user-data-dir={tmp / 'profile'}", *mode, page.resolve().as_uri()],
                           capture_output=True, text=True, timeout=180)
 
 
@@ -88,17 +86,17 @@ def test_report_is_self_contained(full_lake, tmp_path):
 
 
 @pytest.mark.slow
-@needs_chromium
-def test_report_renders_in_headless_chromium(full_lake, tmp_path):
+@pytest.mark.chromium
+def test_report_renders_in_headless_chromium(full_lake, tmp_path, chromium_bin):
     out = tmp_path / "report.html"
     write_report(full_lake, out, ReportOptions(bucket="hour"))
     shot = tmp_path / "shot.png"
-    r = chromium(out, tmp_path, f"--screenshot={shot}", "--window-size=1400,2400")
+    r = chromium(chromium_bin, out, tmp_path, f"--screenshot={shot}", "--window-size=1400,2400")
     assert shot.exists(), r.stderr[-2000:]
     assert console_errors(r.stderr) == []
     assert pixel_std(shot) > BLANK_STD, "the screenshot is (nearly) blank"
     # the DOM after the load event: the page's own check marked every plot as decoded
-    d = chromium(out, tmp_path, "--dump-dom", "--virtual-time-budget=5000")
+    d = chromium(chromium_bin, out, tmp_path, "--dump-dom", "--virtual-time-budget=5000")
     assert console_errors(d.stderr) == []
     assert 'data-images-checked="yes"' in d.stdout
     decoded = re.findall(r'data-decoded="(\w+)"', d.stdout)
@@ -106,8 +104,8 @@ def test_report_renders_in_headless_chromium(full_lake, tmp_path):
 
 
 @pytest.mark.slow
-@needs_chromium
-def test_browser_checks_can_fail(tmp_path):
+@pytest.mark.chromium
+def test_browser_checks_can_fail(tmp_path, chromium_bin):
     """The same checks catch a JS error, a broken image and a blank page."""
     bad = tmp_path / "bad.html"
     bad.write_text('<html><body style="background:#fff"><img alt="x" src="data:image/png;base64,AAAA">'
@@ -116,10 +114,10 @@ def test_browser_checks_can_fail(tmp_path):
                    'i.setAttribute("data-decoded", i.naturalWidth > 0 ? "yes" : "no"); });'
                    'undefinedFunction(); });</script></body></html>')
     shot = tmp_path / "bad.png"
-    r = chromium(bad, tmp_path, f"--screenshot={shot}", "--window-size=400,300")
+    r = chromium(chromium_bin, bad, tmp_path, f"--screenshot={shot}", "--window-size=400,300")
     assert console_errors(r.stderr), r.stderr[-2000:]
     assert pixel_std(shot) < BLANK_STD   # a white page with a broken-image icon counts as blank
-    d = chromium(bad, tmp_path, "--dump-dom", "--virtual-time-budget=3000")
+    d = chromium(chromium_bin, bad, tmp_path, "--dump-dom", "--virtual-time-budget=3000")
     assert 'data-decoded="no"' in d.stdout
 
 

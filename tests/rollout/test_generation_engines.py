@@ -68,7 +68,6 @@ def test_hf_samples_depend_only_on_their_seed(policy_dir):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_logprobs_match_forward_pass(policy_dir, lake):
-    pytest.importorskip("vllm")
     from pipeline.rollout.hf import load_model
     from pipeline.rollout.vllm_engine import VLLMEngine
 
