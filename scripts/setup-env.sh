@@ -32,7 +32,7 @@ if [ "$WITH_BROWSER" = 1 ]; then
       || { echo "error: could not install chromium (apt-get install chromium); the report's browser test needs it" >&2; exit 1; }
   fi
   # installed is not enough: it must start headless (a missing shared library shows here, not in the test)
-  chromium --headless --no-sandbox --disable-gpu --dump-dom 'data:text/html,<p>ok</p>' 2>/dev/null | grep -q '<p>ok</p>' \
+  timeout 120 chromium --headless --no-sandbox --disable-gpu --dump-dom 'data:text/html,<p>ok</p>' 2>/dev/null | grep -q '<p>ok</p>' \
     || { echo "error: chromium is installed but does not run headless (chromium --headless --dump-dom failed)" >&2; exit 1; }
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
