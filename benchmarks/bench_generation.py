@@ -71,7 +71,9 @@ def _pair(name: str, hf_dir: Path, n_prompts: int, n: int, repeat: int) -> Resul
         ratio=vl_rate / hf_rate, target=None, higher_is_better=True,
         measured=f"vLLM {vl_rate:,.0f} tok/s ({vl_tok} tokens in {vl_s:.2f}s; start-up {vl_start:.1f}s)",
         baseline=f"transformers {hf_rate:,.0f} tok/s ({hf_tok} tokens in {hf_s:.2f}s; start-up {hf_start:.1f}s)",
-        note="1 thread each")
+        note="1 thread each",
+        raw={"prompts": n_prompts, "n": n, "vllm": {"tokens": vl_tok, "s": vl_s, "startup_s": vl_start},
+             "transformers": {"tokens": hf_tok, "s": hf_s, "startup_s": hf_start}})
 
 
 def run(quick: bool = False) -> list[Result]:
