@@ -68,7 +68,7 @@ def _scale(doc: dict) -> str:
 def markdown(results_dir: Path = HERE / "results", bench_dir: Path = HERE) -> str:
     docs = load(results_dir)
     names = sorted({p.stem.removeprefix("bench_") for p in bench_dir.glob("bench_*.py")} | set(docs))
-    rows = ["| benchmark: measured / baseline | measured | baseline | ratio | target | | run |",
+    rows = ["| benchmark: measured / baseline | measured | baseline | ratio | target | met? | run |",
             "|---|---|---|---:|---|---|---|"]
     runs = ["| results file | started (UTC) | machine | load at start | scale | wall | git commit |",
             "|---|---|---|---|---|---:|---|"]
