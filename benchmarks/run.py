@@ -95,8 +95,10 @@ def machine_info() -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=HERE,
                                 timeout=10).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                    text=True, cwd=HERE, timeout=10).stdout.strip())
+        # changes to tracked files other than the results themselves (an earlier run rewrites those)
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", HERE.parent,
+                                     ":!benchmarks/results"], capture_output=True, text=True, cwd=HERE.parent,
+                                    timeout=10).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         commit, dirty = "", None
     return {
