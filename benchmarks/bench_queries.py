@@ -61,7 +61,12 @@ def _lakes(n: int, events: int, commits: int):
     from pipeline.lake.maintain import maintain
     from pipeline.testing.health_lake import HealthLakeSpec, build_health_lake
 
-    root = Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / f"bench_queries_{n}_{events}_{commits}"
+    import hashlib
+
+    import pipeline.testing.health_lake as builder
+
+    code = hashlib.sha256(Path(builder.__file__).read_bytes()).hexdigest()[:8]  # a changed builder: a new lake
+    root = Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / f"bench_queries_{n}_{events}_{commits}_{code}"
     done = root / "DONE"
     if not done.exists():
         for d in ("raw", "maintained"):
