@@ -171,7 +171,8 @@ def run(quick: bool = False) -> list[Result]:
                dec["s"] / rd["s"], 3.0,
                f"{dec['s']:.1f} s, peak {dec['peak_rss_gb']:.2f} GB, {dec['counts']}",
                f"{rd['s']:.1f} s, peak {rd['peak_rss_gb']:.2f} GB",
-               note=f"timings {json.dumps({k: round(v, 2) for k, v in dec['timings'].items()})}"),
+               note=f"timings {json.dumps({k: round(v, 2) for k, v in dec['timings'].items()})}",
+               raw={"trajectories": n, "median_response": median, "reps": reps, "best": best}),
     ] + ([
         Result(f"admission {size}: decisions with quality suites off / same baseline", nogx["s"] / rd["s"], None,
                f"{nogx['s']:.1f} s, peak {nogx['peak_rss_gb']:.2f} GB", f"{rd['s']:.1f} s")] if nogx else []) + [

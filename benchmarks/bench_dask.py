@@ -88,7 +88,8 @@ def run(quick: bool = False) -> list[Result]:
             results.append(Result(
                 f"admission {n // 1000}k: dask on 2 workers / duckdb", ratio, None,
                 f"{best['dask']:.1f} s", f"{best['duckdb']:.1f} s",
-                note="cluster wins" if ratio < 1 else "duckdb wins on one machine"))
+                note="cluster wins" if ratio < 1 else "duckdb wins on one machine",
+                raw={"trajectories": n, "best_s": best, "counts": counts["duckdb"], "reps": reps}))
     finally:
         for p in procs[::-1]:
             p.terminate()

@@ -9,7 +9,7 @@ more than per-step overhead. Engine start-up is excluded from tokens/s and
 reported separately. Ratio = vLLM tokens/s / transformers tokens/s (higher is
 better for vLLM).
 
-    .venv/bin/python benchmarks/run.py --only generation
+    .venv/bin/python benchmarks/run.py --only generation     # 64 prompts (env BENCH_GENERATION_PROMPTS)
 """
 
 from __future__ import annotations
@@ -71,14 +71,16 @@ def _pair(name: str, hf_dir: Path, n_prompts: int, n: int, repeat: int) -> Resul
         ratio=vl_rate / hf_rate, target=None, higher_is_better=True,
         measured=f"vLLM {vl_rate:,.0f} tok/s ({vl_tok} tokens in {vl_s:.2f}s; start-up {vl_start:.1f}s)",
         baseline=f"transformers {hf_rate:,.0f} tok/s ({hf_tok} tokens in {hf_s:.2f}s; start-up {hf_start:.1f}s)",
-        note="1 thread each")
+        note="1 thread each",
+        raw={"prompts": n_prompts, "n": n, "vllm": {"tokens": vl_tok, "s": vl_s, "startup_s": vl_start},
+             "transformers": {"tokens": hf_tok, "s": hf_s, "startup_s": hf_start}})
 
 
 def run(quick: bool = False) -> list[Result]:
     from pipeline.lake.delta import Lake
     from pipeline.rollout.policy import init_policy
 
-    n_prompts, n, repeat = (8, 4, 1) if quick else (64, 8, 3)
+    n_prompts, n, repeat = (8, 4, 1) if quick else (int(os.environ.get("BENCH_GENERATION_PROMPTS", 64)), 8, 3)
     with tempfile.TemporaryDirectory(prefix="bench-gen-") as tmp:
         ref = init_policy(Lake(Path(tmp) / "lake"), warm_start_steps=30 if quick else 300)
         results = [_pair("policy v0 (hidden 64, 2 layers)", ref.hf_dir, n_prompts, n, repeat)]

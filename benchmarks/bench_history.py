@@ -10,12 +10,13 @@
     serialised by the write protocol) vs one process landing the same rows in
     one append: rows/s ratio (reported; the moonshot is >= 0.8x).
 
-    .venv/bin/python benchmarks/run.py --only history            # N = 1M
+    .venv/bin/python benchmarks/run.py --only history            # N = 1M (env BENCH_HISTORY_N)
     .venv/bin/python benchmarks/bench_history.py --existing 200000
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -117,7 +118,7 @@ for k, t in enumerate(tables):
 def run(quick: bool = False, existing: int | None = None) -> list[Result]:
     from pipeline.lake.delta import Lake
 
-    n = existing or (100_000 if quick else 1_000_000)
+    n = existing or (100_000 if quick else int(os.environ.get("BENCH_HISTORY_N", 1_000_000)))
     reps = 2 if quick else 5
     root = Path(tempfile.mkdtemp(prefix="bench-history-"))
     try:
@@ -144,9 +145,13 @@ def run(quick: bool = False, existing: int | None = None) -> list[Result]:
         total = procs * batches * rows
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    raw = {"history_rows": n, "new_rows": NEW, "reps": reps,
+           "ingest_s": {k: [t[0] for t in v] for k, v in times.items()},
+           "admit_s": {k: [t[1] for t in v] for k, v in times.items()},
+           "writers": {"procs": procs, "batches": batches, "rows": rows, "many_s": t_many, "one_s": t_one}}
     return [
         Result(f"ingest 5k new on {n:,}-row lake / on empty lake", ing["big"] / ing["empty"], 1.2,
-               f"{ing['big']:.2f} s", f"{ing['empty']:.2f} s"),
+               f"{ing['big']:.2f} s", f"{ing['empty']:.2f} s", raw=raw),
         Result(f"admit 5k new on {n:,}-row lake / on empty lake", adm["big"] / adm["empty"], 1.2,
                f"{adm['big']:.2f} s", f"{adm['empty']:.2f} s", note="quality suites on (the default)"),
         Result(f"{procs} writers x {batches} x {rows}-row appends / 1 append (rows/s)", t_one / t_many, None,

@@ -11,6 +11,7 @@ would flatter the ratio. Baseline and ingest alternate order each repetition.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -51,7 +52,7 @@ def run(quick: bool = False) -> list[Result]:
     from pipeline.lake.delta import Lake
     from pipeline.lake.ingest import ingest_files
 
-    n = 5_000 if quick else 100_000
+    n = 5_000 if quick else int(os.environ.get("BENCH_INGEST_N", 100_000))
     root = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
     try:
         files = _make_inputs(root, n)
@@ -109,9 +110,11 @@ def run(quick: bool = False) -> list[Result]:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     size = f"{n // 1000}k traj, {in_bytes / 2**30:.2f} GiB parquet"
+    raw = {"trajectories": n, "input_bytes": in_bytes, "ingest_s": ing, "pq_read_write_s": base,
+           "pq_write_only_s": write_only, "reingest_noop_s": noop, "reps": 2 if quick else 3}
     return [
         Result(f"ingest {size}: pipeline ingest / (pq read+write, matched settings)", ing / base, 1.5,
-               f"{ing:.1f}s ({n / ing:,.0f} traj/s)", f"{base:.1f}s ({n / base:,.0f} traj/s)"),
+               f"{ing:.1f}s ({n / ing:,.0f} traj/s)", f"{base:.1f}s ({n / base:,.0f} traj/s)", raw=raw),
         Result(f"ingest {size}: pipeline ingest / pq.write_table only", ing / write_only, None,
                f"{ing:.1f}s", f"{write_only:.1f}s", note="strict baseline: rows already in memory"),
         Result("re-ingest same files (no-op) / first ingest", noop / ing, None, f"{noop:.2f}s", f"{ing:.1f}s"),

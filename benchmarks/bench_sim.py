@@ -51,7 +51,8 @@ def run(quick: bool) -> list[Result]:
         measured=f"{t_sim:.2f} s, {events:,} events ({events / t_sim:,.0f} events/s; "
                  f"{t_sim * 24 / hours:.2f} s per simulated day)",
         baseline=f"{t_noop:.3f} s ({events / t_noop:,.0f} events/s)",
-        note="absolute: a simulated day must take seconds")]
+        note="absolute: a simulated day must take seconds",
+        raw={"hours": hours, "workers": cfg.workers, "events": events, "sim_s": t_sim, "noop_s": t_noop})]
 
     sweeps = parse_sweep(["mode=sync,async", "max_policy_lag=0,1,2,4,8"])
     t0 = time.perf_counter()
@@ -63,5 +64,6 @@ def run(quick: bool) -> list[Result]:
         name=f"sim lag sweep ({len(res['rows'])} runs x {hours:g} h): sweep / no-op heap loop",
         ratio=t_sweep / t_noop_sweep, target=None,
         measured=f"{t_sweep:.2f} s for {total_events:,} events ({t_sweep / len(res['rows']):.2f} s per run)",
-        baseline=f"{t_noop_sweep:.3f} s"))
+        baseline=f"{t_noop_sweep:.3f} s",
+        raw={"runs": len(res["rows"]), "events": total_events, "sweep_s": t_sweep, "noop_s": t_noop_sweep}))
     return out

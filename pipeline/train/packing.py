@@ -46,11 +46,37 @@ def naive_batches(lengths: list[int] | np.ndarray, rows_per_batch: int) -> list[
     return [list(range(i, min(i + rows_per_batch, n))) for i in range(0, n, rows_per_batch)]
 
 
+def sorted_batches(lengths: list[int] | np.ndarray, rows_per_batch: int) -> list[list[int]]:
+    """Baseline: sort by length (longest first), then fixed row count. No token budget:
+    a batch of the longest rows may cost many times what a batch of short ones does."""
+    order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable").tolist()
+    return [order[i:i + rows_per_batch] for i in range(0, len(order), rows_per_batch)]
+
+
+def bucketed_batches(lengths: list[int] | np.ndarray, budget_tokens: int) -> list[list[int]]:
+    """Baseline: power-of-two length buckets, each with a fixed row count of
+    ``budget_tokens // bucket bound`` (the usual bucket-by-sequence-length
+    batching: within the same token budget, padding up to the bucket bound)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    bound = np.left_shift(1, np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64))
+    batches: list[list[int]] = []
+    for b in np.unique(bound).tolist():
+        idx = np.flatnonzero(bound == b).tolist()
+        rows = max(1, budget_tokens // b)
+        batches += [idx[i:i + rows] for i in range(0, len(idx), rows)]
+    return batches
+
+
+def batch_slots(lengths: list[int] | np.ndarray, batches: list[list[int]]) -> list[int]:
+    """Token slots each batch computes: rows x its longest row (real tokens + padding)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return [len(b) * int(lengths[b].max()) for b in batches if b]
+
+
 def padding_ratio(lengths: list[int] | np.ndarray, batches: list[list[int]]) -> float:
     """Padded slots / all slots over the batches."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    real = sum(int(lengths[b].sum()) for b in batches)
-    slots = sum(len(b) * int(lengths[b].max()) for b in batches if b)
+    real = sum(int(np.asarray(lengths, dtype=np.int64)[b].sum()) for b in batches)
+    slots = sum(batch_slots(lengths, batches))
     return 0.0 if slots == 0 else 1.0 - real / slots
 
 

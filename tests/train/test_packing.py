@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.testing.trajectories import response_lengths
-from pipeline.train.packing import naive_batches, pack_by_length, padding_ratio, plan_steps
+from pipeline.train.packing import (batch_slots, bucketed_batches, naive_batches, pack_by_length, padding_ratio,
+                                    plan_steps, sorted_batches)
 
 
 def test_budget_and_cover():
@@ -32,6 +33,14 @@ def test_packer_pads_far_less_than_arrival_order_on_lognormal_mix():
     packed = pack_by_length(lengths, 16384)
     naive = naive_batches(lengths, max(1, round(len(lengths) / len(packed))))
     assert padding_ratio(lengths, packed) < 0.5 * padding_ratio(lengths, naive)
+
+
+def test_benchmark_baselines_by_hand():
+    lengths = [5, 100, 7, 30, 31, 2]
+    assert sorted_batches(lengths, 2) == [[1, 4], [3, 2], [0, 5]]
+    # bounds 8, 128, 8, 32, 32, 2; budget 64 -> rows 8, 0 -> 1, 8, 2, 2, 32
+    assert bucketed_batches(lengths, 64) == [[5], [0, 2], [3, 4], [1]]
+    assert batch_slots(lengths, [[5], [0, 2], [3, 4], [1]]) == [2, 14, 62, 100]
 
 
 def test_plan_is_independent_of_world_size_and_ranks_stay_in_lockstep():
