@@ -80,7 +80,7 @@ def connect(lake: Lake | None, *, as_of: dict[str, int | datetime] | int | datet
                 con.register(f"__ds_{name}", table_spec(name).arrow_schema().empty_table())
                 con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT * FROM "__ds_{name}"')
             continue
-        if not (lake.is_local and _parquet_view(con, name, dt)):
+        if not (lake.is_local and _parquet_view(con, name, dt, same_schema=_never_evolved(lake, name, dt))):
             con.register(f"__ds_{name}", lake.arrow_dataset(name, dt))
             con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT * FROM "__ds_{name}"')
     if tables is None or "component_tags" in tables:
@@ -110,7 +110,7 @@ _DUCK_TYPES = {"string": "VARCHAR", "date32": "DATE", "int32": "INTEGER", "int64
 MAX_UNION_BRANCHES = 64
 
 
-def _parquet_view(con: duckdb.DuckDBPyConnection, name: str, dt) -> bool:
+def _parquet_view(con: duckdb.DuckDBPyConnection, name: str, dt, *, same_schema: bool = False) -> bool:
     """View ``name`` as DuckDB's own ``read_parquet`` over exactly the data files of
     this Delta version; False when the table needs the general path.
 
@@ -118,7 +118,10 @@ def _parquet_view(con: duckdb.DuckDBPyConnection, name: str, dt) -> bool:
     the add actions are the version's file set), no deletion vectors, no
     column mapping. Partition values come from the log's add actions, never
     from directory names (the writer may hash unsafe values into paths).
-    ``union_by_name`` reads files written before a column was appended. Over
+    ``union_by_name`` reads files written before a column was appended; it
+    reads every file's footer first, which costs up to ~1.6x on a lake of
+    hundreds of small files, so it is used only when the table's schema ever
+    changed (``same_schema=False``). Over
     deltalake's pyarrow dataset the same queries ran up to 3x slower
     (benchmarks/bench_queries.py).
     """
@@ -152,7 +155,8 @@ def _parquet_view(con: duckdb.DuckDBPyConnection, name: str, dt) -> bool:
 
     def scan(files: list[str], extra: str = "") -> str:
         listed = "[" + ", ".join(_quote(f) for f in files) + "]"
-        return f"read_parquet({listed}, union_by_name = true, hive_partitioning = false{extra})"
+        by_name = "false" if same_schema else "true"
+        return f"read_parquet({listed}, union_by_name = {by_name}, hive_partitioning = false{extra})"
 
     if len(groups) <= MAX_UNION_BRANCHES:
         branches = []
@@ -173,6 +177,20 @@ def _parquet_view(con: duckdb.DuckDBPyConnection, name: str, dt) -> bool:
     except duckdb.Error:
         return False
     return True
+
+
+def _never_evolved(lake: Lake, name: str, dt) -> bool:
+    """True when the table has the columns it was created with: every data file
+    then has the same columns (all writes go through the lake's writer, and
+    columns are only ever added, at the end), so DuckDB need not reconcile
+    footers. Unknown (the first commit's log file is gone) counts as evolved."""
+    import json
+
+    for entry in lake.log_entries(name, 0) or []:
+        if "metaData" in entry:
+            created = [f["name"] for f in json.loads(entry["metaData"]["schemaString"])["fields"]]
+            return created == [f.name for f in dt.schema().fields]
+    return False
 
 
 def _has_spec(name: str) -> bool:

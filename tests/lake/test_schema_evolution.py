@@ -32,6 +32,11 @@ def test_existing_table_gains_new_columns(tmp_path):
     assert all(by_id[i] is None for i in old.column("trajectory_id").to_pylist())
     ids = new.column("trajectory_id").to_pylist()
     assert by_id[ids[0]] is not None and by_id[ids[0]] == by_id[ids[3]] != by_id[ids[4]]  # one prompt per group
+    from pipeline.query.duck import query   # SQL reads the files written before the column existed too
+
+    via_sql = {r["trajectory_id"]: r["prompt_hash"] for r in
+               query(lake, "SELECT trajectory_id, prompt_hash FROM trajectories").to_pylist()}
+    assert via_sql == by_id
     from pipeline.admission.config import AdmissionConfig
     from pipeline.admission.run import admit
 
