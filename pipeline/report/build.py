@@ -357,7 +357,8 @@ def training(q: _Queries) -> Section:
     if isinstance(df, Note):
         s.blocks.append(df)
         return s
-    groups: tuple[tuple[str, dict[str, str], str], ...] = (("Loss", {"loss": "loss", "pg_loss": "policy-gradient loss"}, "loss"),
+    groups: tuple[tuple[str, dict[str, str], str], ...]   # (title, {column: line label}, y axis label)
+    groups = (("Loss", {"loss": "loss", "pg_loss": "policy-gradient loss"}, "loss"),
               ("Reward and policy lag", {"reward_mean": "reward mean", "policy_lag": "policy lag (mean)"}, "value"),
               ("KL and entropy", {"kl": "KL(pi || ref)", "approx_kl": "KL(old || pi)", "entropy": "entropy"},
                "nats"),
