@@ -184,11 +184,11 @@ def quiet_third_party(verbose: bool) -> Iterator[None]:
         for lg, level in zip(loggers, levels):
             lg.removeFilter(gate)
             lg.setLevel(level)
-        for k, v in saved_env.items():
-            if v is None:
+        for k, old in saved_env.items():
+            if old is None:
                 os.environ.pop(k, None)
             else:
-                os.environ[k] = v
+                os.environ[k] = old
         if tf_bars:
             from transformers.utils import logging as tf_logging
 
@@ -310,7 +310,7 @@ class Parser(argparse.ArgumentParser):
     """ArgumentParser whose ``epilog`` may be a callable, evaluated only when help
     is shown (key tables that need a stage's config class stay off the start-up path)."""
 
-    @property  # type: ignore[override]
+    @property
     def epilog(self) -> str | None:
         e = self.__dict__.get("_epilog")
         return e() if callable(e) else e
@@ -341,8 +341,9 @@ def _describe_all(parser: argparse.ArgumentParser) -> None:
         if isinstance(action, argparse._SubParsersAction):
             helps = {a.dest: a.help for a in action._choices_actions}
             for name, sub in action.choices.items():
-                if not sub.description and helps.get(name):
-                    sub.description = helps[name][:1].upper() + helps[name][1:] + "."
+                h = helps.get(name)
+                if not sub.description and h:
+                    sub.description = h[:1].upper() + h[1:] + "."
                 _describe_all(sub)
 
 

@@ -309,7 +309,8 @@ def _run_async(lake: Lake, cfg: DemoConfig, lines: list[IterationLine], out) -> 
             admitted_groups, a, snaps = 0, None, []
             while admitted_groups < cfg.async_min_groups and time.perf_counter() - t0 < cfg.async_timeout_s:
                 if worker.poll() is not None:
-                    raise RuntimeError(f"rollout worker exited: {worker.stderr.read()[-2000:]}")
+                    err = worker.stderr.read() if worker.stderr is not None else ""   # stderr=PIPE: always set
+                    raise RuntimeError(f"rollout worker exited: {err[-2000:]}")
                 a = admit(lake, _admission_cfg(cfg), command="pipeline demo --mode async")
                 if a.snapshot_id:
                     snaps.append(a)
@@ -320,6 +321,7 @@ def _run_async(lake: Lake, cfg: DemoConfig, lines: list[IterationLine], out) -> 
             idle += t1 - t0
             r = None
             for snap in snaps:  # every admitted snapshot is trained on, in order
+                assert snap.snapshot_id is not None   # snaps holds only admissions that made a snapshot
                 r = _train(lake, snap.snapshot_id, cfg, k)
                 if snap.members is not None:
                     lags.update(snap.members.column("policy_lag").to_pylist())

@@ -45,6 +45,7 @@ from pipeline.resources import resource_dir
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
+    from pipeline.lake.lease import Lease
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class JobLock:
     def __init__(self, lake: Lake, name: str, lease_s: int) -> None:
         self.lake, self.name, self.lease_s = lake, name, lease_s
         self.lease_name = f"job-{name}"
-        self.lease = None
+        self.lease: Lease | None = None
         self.held_by: dict[str, Any] | None = None
 
     def acquire(self) -> bool:

@@ -1,6 +1,6 @@
 """The codebase stays lint-clean and type-checked: ruff with the rules in
 pyproject.toml (pyflakes, pycodestyle, bugbear) over the package, tests and
-benchmarks; mypy with the [tool.mypy] settings over the packages listed there."""
+benchmarks; mypy with the [tool.mypy] settings over the `pipeline` package."""
 
 from __future__ import annotations
 

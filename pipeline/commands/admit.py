@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Literal
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -72,16 +72,22 @@ def _admit(args: argparse.Namespace) -> int | None:
     return None
 
 
-def resolve_engine(engine: str, scheduler: str | None) -> tuple[str, str | None]:
+def resolve_engine(engine: str, scheduler: str | None) -> tuple[Literal["duckdb", "dask"], str | None]:
     """``auto`` is dask when a scheduler is configured (the flag or
     $PIPELINE_DASK_SCHEDULER: compose and Kubernetes set it, so the scheduled
     admission job runs on the cluster), else duckdb."""
     import os
 
+    from pipeline.errors import ConfigError
+
     scheduler = scheduler or os.environ.get("PIPELINE_DASK_SCHEDULER") or None
     if engine == "auto":
-        engine = "dask" if scheduler else "duckdb"
-    return engine, scheduler
+        return ("dask" if scheduler else "duckdb"), scheduler
+    if engine == "duckdb":
+        return "duckdb", scheduler
+    if engine == "dask":
+        return "dask", scheduler
+    raise ConfigError(f"--engine {engine!r}: expected auto, duckdb or dask")
 
 
 def _admit_text(d: dict[str, Any]) -> str:

@@ -14,7 +14,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "publish, printing one line per iteration (policy version, trajectories, admitted / "
                     "zero-variance / stale / infra-failed groups, mean reward, held-out success, policy lag, "
                     "seconds). Without --lake it uses a fresh ./lake/demo-<time> directory.",
-        epilog=_keys, formatter_class=argparse.RawDescriptionHelpFormatter))
+        # cli.Parser (the subparsers' parser_class) takes a callable epilog, run only when help is shown
+        epilog=_keys,  # type: ignore[arg-type]
+        formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--iterations", type=int, default=None, help="iterations K (default 6)")
     p.add_argument("--engine", choices=["hf", "vllm"], default=None, help="generation engine (default hf)")
     p.add_argument("--mode", choices=["sync", "async"], default=None, help="sync (default) or async")

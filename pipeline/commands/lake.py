@@ -105,11 +105,11 @@ def _info(args: argparse.Namespace) -> None:
     emit({"lake": lake.uri, "tables": tables, "bytes": sum(v["bytes"] for v in tables.values())}, args, _info_text)
 
 
-def human_bytes(n: int) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
+        n /= 1024
     return str(n)
 
 

@@ -14,7 +14,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "trajectories and events in the lake with exactly-once batches. Rerun with the same\n"
                     "--run-id to resume a crashed run. Creates the lake if it does not exist.\n"
                     "Options below override the config key of the same name.",
-        epilog=lambda: config_keys_epilog("pipeline.rollout.run", "RolloutConfig"), formatter_class=argparse.RawDescriptionHelpFormatter))
+        # cli.Parser (the subparsers' parser_class) takes a callable epilog, run only when help is shown
+        epilog=lambda: config_keys_epilog("pipeline.rollout.run", "RolloutConfig"),  # type: ignore[arg-type]
+        formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--env", default=None, help="environment: arithmetic-tool | reverse-digits | module:Class")
     p.add_argument("--engine", choices=["hf", "vllm"], default=None, help="generation engine (default hf)")
     p.add_argument("--policy", default=None, metavar="PATH_OR_VERSION",

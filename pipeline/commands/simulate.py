@@ -90,10 +90,10 @@ def _simulate(args: argparse.Namespace) -> dict[str, Any] | None:
         else:
             summary = run(cfg)
         if args.out:
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str, sort_keys=True))
-            summary["out"] = str(out / "summary.json")
+            out_dir = Path(args.out)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str, sort_keys=True))
+            summary["out"] = str(out_dir / "summary.json")
         emit(summary, args, render_text)
         return None
     result = run_sweep(args.config, overrides, sweeps, run=run)

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -66,7 +65,7 @@ def _show(args: argparse.Namespace) -> None:
     emit(out, args, lambda d: json.dumps(d, indent=1, default=str, sort_keys=True))
 
 
-def _verify(args: argparse.Namespace) -> dict[str, Any]:
+def _verify(args: argparse.Namespace) -> None:
     from pipeline.snapshots.format import verify_snapshot
     from pipeline.cli import emit, open_lake
 

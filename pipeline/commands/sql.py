@@ -8,6 +8,7 @@ import io
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,7 +39,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 # only the admission job defines): not listed, and refused with a pointer.
 INTERNAL_QUERIES = {"admission_groups": "it reads the view `members` that admission_members.sql produces; "
                                          "it runs inside `pipeline admit` (see pipeline admit --dry-run)"}
-PARAM_TYPES = {"int": int, "float": float, "str": str, "bool": None}
+def _parse_bool(raw: str) -> bool:
+    if raw.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(raw)
+    return raw.lower() in ("true", "1")
+
+
+PARAM_TYPES: dict[str, Callable[[str], object]] = {"int": int, "float": float, "str": str, "bool": _parse_bool}
 
 
 def read_query(arg: str) -> str:
@@ -84,12 +91,7 @@ def parse_params(items: list[str]) -> dict[str, object]:
         if typ not in PARAM_TYPES:
             raise ConfigError(f"--param {item!r}: unknown type {typ!r}", hint=f"types: {', '.join(PARAM_TYPES)}")
         try:
-            if typ == "bool":
-                if raw.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(raw)
-                params[name] = raw.lower() in ("true", "1")
-            else:
-                params[name] = PARAM_TYPES[typ](raw)  # type: ignore[misc]
+            params[name] = PARAM_TYPES[typ](raw)
         except ValueError:
             raise ConfigError(f"--param {item!r}: {raw!r} is not a valid {typ}") from None
     return params
@@ -124,13 +126,14 @@ def _sql(args: argparse.Namespace) -> None:
     # takes that type (`$group_timeout_s * 1e6` needs a number); every other one stays a string
     typed = {item.split("=", 1)[0].split(":", 1)[0] for item in args.param if ":" in item.split("=", 1)[0]}
     for name, default in declared_params(sql).items():
-        if name in params and name not in typed and isinstance(default, (int, float)) \
+        value = params.get(name)   # a str unless typed (parse_params)
+        if isinstance(value, str) and name not in typed and isinstance(default, (int, float)) \
                 and not isinstance(default, bool):
             kind = type(default)
             try:
-                params[name] = kind(params[name])
+                params[name] = kind(value)
             except ValueError:
-                raise ConfigError(f"--param {name}={params[name]!r}: the query expects "
+                raise ConfigError(f"--param {name}={value!r}: the query expects "
                                   f"{'an integer' if kind is int else 'a number'}") from None
     used = set(re.findall(r"\$([A-Za-z_][A-Za-z0-9_]*)", _strip_comments(sql)))
     unknown = sorted(set(params) - used)

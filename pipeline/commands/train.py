@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_train)
 
 
-def _train(args: argparse.Namespace) -> None:
+def _train(args: argparse.Namespace) -> int | None:
     from pipeline.cli import emit, note, open_lake
     from pipeline.config import load_config, parse_set
     from pipeline.errors import ConfigError

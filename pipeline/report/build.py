@@ -64,14 +64,14 @@ class _Queries:
             return exc
 
 
-def _problem(df: pd.DataFrame | Exception, what: str) -> Note | None:
-    """A Note when ``df`` failed or is empty, else None."""
+def _rows(df: pd.DataFrame | Exception, what: str) -> pd.DataFrame | Note:
+    """``df`` when it has rows, else the Note that says why not (the query failed, or it is empty)."""
     if isinstance(df, Exception):
         msg = getattr(df, "message", None) or str(df)
         return Note(f"{what}: query failed: {msg}", "error")
     if df.empty:
         return Note(f"{what}: no data yet.", "empty")
-    return None
+    return df
 
 
 def _series_by_run(df: pd.DataFrame, x: str, cols: dict[str, str]) -> dict[str, tuple[list, list]]:
@@ -112,7 +112,7 @@ def overview(q: _Queries) -> Section:
     from pipeline.schema import ALL_TABLES
 
     s = Section("overview", "Lake", "Tables the report read, with their Delta versions and row counts.")
-    rows = []
+    rows: list[list[Any]] = []
     for name in ALL_TABLES:
         try:
             version = q.lake.version(name)
@@ -134,10 +134,9 @@ def quality(q: _Queries) -> Section:
                 "sql/quality_pass_at_k.sql, unbiased estimator 1 - C(n-c,k)/C(n,k) over groups); success and "
                 "reward components over time (sql/quality_over_time.sql, sql/quality_components.sql). "
                 "Valid members only: infrastructure failures are not policy failures.")
-    qd = q.get("quality", run_id=o.run_id)
-    note = _problem(qd, "trajectories")
-    if note:
-        s.blocks.append(note)
+    qd = _rows(q.get("quality", run_id=o.run_id), "trajectories")
+    if isinstance(qd, Note):
+        s.blocks.append(qd)
         return s
     p1 = q.get("quality_pass_at_k", run_id=o.run_id, k=1)
     pk = q.get("quality_pass_at_k", run_id=o.run_id, k=o.pass_k)
@@ -156,13 +155,13 @@ def quality(q: _Queries) -> Section:
         _series_by_run(df, "policy_version", {"reward_mean": "reward mean", "reward_std": "reward std",
                                               "reward_length_corr": "corr(reward, length)"}),
         title="Reward over policy versions", xlabel="policy version", ylabel="reward", integer_x=True)))
-    ot = q.get("quality_over_time", run_id=o.run_id, bucket=o.bucket)
-    if not _problem(ot, "over time"):
+    ot = _rows(q.get("quality_over_time", run_id=o.run_id, bucket=o.bucket), "over time")
+    if isinstance(ot, pd.DataFrame):
         s.blocks.append(Plot("Success and reward over time", _lines(
             _series_by_run(ot, "bucket", {"success_rate": "success rate", "reward_mean": "reward mean"}),
             title=f"Success and reward over time (per {o.bucket}, UTC)", xlabel="finished at", ylabel="rate")))
-    comp = q.get("quality_components", run_id=o.run_id, bucket=o.bucket)
-    if not _problem(comp, "components"):
+    comp = _rows(q.get("quality_components", run_id=o.run_id, bucket=o.bucket), "components")
+    if isinstance(comp, pd.DataFrame):
         series = {}
         for (run, c), d in comp.groupby(["run_id", "component"]):
             label = c if comp.run_id.nunique() == 1 else f"{run}: {c}"
@@ -181,10 +180,9 @@ def comparability(q: _Queries) -> Section:
                 "verifier, temperature), zero-variance share, and the share of mixed / all-correct / all-wrong "
                 "groups among groups with at least 2 valid members; the dashed line is the mixed rate expected "
                 "if members succeeded independently: 1 - p^n - (1-p)^n (sql/comparability.sql).")
-    df = q.get("comparability", run_id=q.opts.run_id)
-    note = _problem(df, "trajectories")
-    if note:
-        s.blocks.append(note)
+    df = _rows(q.get("comparability", run_id=q.opts.run_id), "trajectories")
+    if isinstance(df, Note):
+        s.blocks.append(df)
         return s
     cats = [f"v{v}" if df.run_id.nunique() == 1 else f"{r} v{v}" for r, v in zip(df.run_id, df.policy_version)]
     s.blocks.append(Plot("Group outcomes per policy version", _bars(
@@ -207,10 +205,9 @@ def efficiency(q: _Queries) -> Section:
                 "Tokens, tool calls and turns per trajectory (sql/efficiency.sql); latency of generation, tool "
                 "and verification from the events table (sql/efficiency_latency.sql); infrastructure failures "
                 "and retries by cause (sql/efficiency_failures.sql).")
-    df = q.get("efficiency", run_id=o.run_id)
-    note = _problem(df, "trajectories")
-    if note:
-        s.blocks.append(note)
+    df = _rows(q.get("efficiency", run_id=o.run_id), "trajectories")
+    if isinstance(df, Note):
+        s.blocks.append(df)
     else:
         s.blocks.append(Plot("Tokens per trajectory", _lines(
             _series_by_run(df, "policy_version", {"response_tokens_mean": "response mean",
@@ -222,10 +219,9 @@ def efficiency(q: _Queries) -> Section:
                                                   "turns_mean": "turns (mean)", "tool_calls_p95": "tool calls p95"}),
             title="Tool calls and turns per trajectory", xlabel="policy version", ylabel="count",
             integer_x=True)))
-    lat = q.get("efficiency_latency", run_id=o.run_id)
-    note = _problem(lat, "events (latency)")
-    if note:
-        s.blocks.append(note)
+    lat = _rows(q.get("efficiency_latency", run_id=o.run_id), "events (latency)")
+    if isinstance(lat, Note):
+        s.blocks.append(lat)
     else:
         newest = lat[lat.policy_version == lat.policy_version.max()]
         agg = newest.groupby("phase")[["p50_ms", "p95_ms", "p99_ms"]].max().reindex(
@@ -240,10 +236,9 @@ def efficiency(q: _Queries) -> Section:
         s.blocks.append(Plot("p95 latency over policy versions", _lines(
             series, title="p95 latency over policy versions", xlabel="policy version", ylabel="ms",
             integer_x=True)))
-    fail = q.get("efficiency_failures", run_id=o.run_id)
-    note = _problem(fail, "failures and retries")
-    if note:
-        s.blocks.append(Note("failures and retries: none recorded yet.", "empty") if note.kind == "empty" else note)
+    fail = _rows(q.get("efficiency_failures", run_id=o.run_id), "failures and retries")
+    if isinstance(fail, Note):
+        s.blocks.append(Note("failures and retries: none recorded yet.", "empty") if fail.kind == "empty" else fail)
     else:
         top = fail.sort_values("rate", ascending=False).head(12)
         labels = [f"{k}: {c}" if fail.run_id.nunique() == 1 else f"{r} {k}: {c}"
@@ -263,10 +258,9 @@ def freshness(q: _Queries) -> Section:
                 "Queue wait and policy lag per generation policy version (sql/freshness.sql), the lag "
                 "distribution at admission and at training (sql/freshness_lag.sql), and rejection rates by "
                 "difficulty and length bucket from the receipts (sql/freshness_rejections.sql).")
-    df = q.get("freshness", run_id=o.run_id)
-    note = _problem(df, "trajectories")
-    if note:
-        s.blocks.append(note)
+    df = _rows(q.get("freshness", run_id=o.run_id), "trajectories")
+    if isinstance(df, Note):
+        s.blocks.append(df)
     else:
         s.blocks.append(Plot("Queue wait", _lines(
             _series_by_run(df, "policy_version", {"queue_wait_p50_ms": "queue wait p50",
@@ -279,10 +273,9 @@ def freshness(q: _Queries) -> Section:
                                                       "admission_lag_mean": "admission lag mean"}),
                 title="Policy lag of trained data, by generation version", xlabel="policy version at generation",
                 ylabel="versions behind", integer_x=True)))
-    lag = q.get("freshness_lag", run_id=o.run_id)
-    note = _problem(lag, "lag distribution (snapshot_members, checkpoints)")
-    if note:
-        s.blocks.append(note)
+    lag = _rows(q.get("freshness_lag", run_id=o.run_id), "lag distribution (snapshot_members, checkpoints)")
+    if isinstance(lag, Note):
+        s.blocks.append(lag)
     else:
         lags = sorted(lag.lag.unique())
         series = {}
@@ -292,10 +285,9 @@ def freshness(q: _Queries) -> Section:
         s.blocks.append(Plot("Lag distribution", _bars(
             [str(x) for x in lags], series, title="Policy-lag distribution", ylabel="share of members",
             xlabel="lag (versions)")))
-    rej = q.get("freshness_rejections", run_id=o.run_id)
-    note = _problem(rej, "rejections (receipts)")
-    if note:
-        s.blocks.append(note)
+    rej = _rows(q.get("freshness_rejections", run_id=o.run_id), "rejections (receipts)")
+    if isinstance(rej, Note):
+        s.blocks.append(rej)
     else:
         g = rej.groupby(["difficulty", "length_bucket"], dropna=False)[
             ["groups", "rejected_groups", "stale_excluded_members", "arrived_members"]].sum().reset_index()
@@ -315,10 +307,9 @@ def receipts(q: _Queries) -> Section:
     s = Section("receipts", "Latest receipts",
                 "The newest admission decisions with member exclusion reasons and failed checks "
                 "(sql/receipts_latest.sql).")
-    df = q.get("receipts_latest", run_id=q.opts.run_id, limit=q.opts.receipts)
-    note = _problem(df, "receipts")
-    if note:
-        s.blocks.append(note)
+    df = _rows(q.get("receipts_latest", run_id=q.opts.run_id, limit=q.opts.receipts), "receipts")
+    if isinstance(df, Note):
+        s.blocks.append(df)
         return s
     df = df.assign(snapshot_id=df.snapshot_id.map(lambda x: x[:12] if isinstance(x, str) else None))
     s.blocks.append(_table(df, ["decided_at", "run_id", "group_id", "task_id", "decision", "arrived_members",
@@ -331,18 +322,16 @@ def lineage(q: _Queries) -> Section:
     s = Section("lineage", "Lineage of the newest checkpoint",
                 "What the newest checkpoint trained on: snapshots, groups, tasks and the versions the data was "
                 "generated with (sql/lineage.sql, sql/lineage_summary.sql); and the checkpoint chain.")
-    summ = q.get("lineage_summary")
-    note = _problem(summ, "checkpoints")
-    if note:
-        s.blocks.append(note)
+    summ = _rows(q.get("lineage_summary"), "checkpoints")
+    if isinstance(summ, Note):
+        s.blocks.append(summ)
         return s
     newest = summ.sort_values(["policy_version", "created_at"]).iloc[-1]
     s.blocks.append(Table(["field", "value"], [[k, _py(newest[k])] for k in summ.columns],
                           caption=f"checkpoint {newest.checkpoint_id}"))
-    rows = q.get("lineage", checkpoint_id=newest.checkpoint_id)
-    note = _problem(rows, "trajectories behind it")
-    if note:
-        s.blocks.append(note)
+    rows = _rows(q.get("lineage", checkpoint_id=newest.checkpoint_id), "trajectories behind it")
+    if isinstance(rows, Note):
+        s.blocks.append(rows)
     else:
         g = rows.groupby(["snapshot_id", "run_id", "policy_version", "env_version", "verifier_version"],
                          dropna=False).agg(trajectories=("trajectory_id", "nunique"), groups=("group_id", "nunique"),
@@ -364,11 +353,11 @@ def training(q: _Queries) -> Section:
     s = Section("training", "Training metrics",
                 "Per optimizer step, across training runs in the order their checkpoints were published "
                 "(sql/training.sql over the metrics table the trainer writes).")
-    df = q.get("training")
-    note = _problem(df, "metrics")
-    if note:
-        s.blocks.append(note)
+    df = _rows(q.get("training"), "metrics")
+    if isinstance(df, Note):
+        s.blocks.append(df)
         return s
+    groups: tuple[tuple[str, dict[str, str], str], ...]   # (title, {column: line label}, y axis label)
     groups = (("Loss", {"loss": "loss", "pg_loss": "policy-gradient loss"}, "loss"),
               ("Reward and policy lag", {"reward_mean": "reward mean", "policy_lag": "policy lag (mean)"}, "value"),
               ("KL and entropy", {"kl": "KL(pi || ref)", "approx_kl": "KL(old || pi)", "entropy": "entropy"},
@@ -419,10 +408,9 @@ def evaluation(q: _Queries) -> Section:
     s = Section("evaluation", "Held-out evaluation",
                 "Success on the environment's held-out split per policy version, one curve per evaluation setting "
                 "(sql/eval_curve.sql over the evaluations table written by pipeline policy eval and the demo).")
-    df = q.get("eval_curve")
-    note = _problem(df, "evaluations")
-    if note:
-        s.blocks.append(note)
+    df = _rows(q.get("eval_curve"), "evaluations")
+    if isinstance(df, Note):
+        s.blocks.append(df)
         return s
     series: dict[str, tuple[list, list]] = {}
     keys = ["env", "split", "n", "seed", "samples", "temperature"]
@@ -453,10 +441,9 @@ def rollout(q: _Queries) -> Section:
                 "(sql/rollout_lengths.sql), throughput over time (sql/rollout_throughput.sql), success per task "
                 "difficulty over versions (sql/success_by_difficulty.sql), and where the wall time goes "
                 "(rollout / admit / train, from the jobs' OpenLineage START and COMPLETE events).")
-    ln = q.get("rollout_lengths", run_id=o.run_id)
-    note = _problem(ln, "trajectories")
-    if note:
-        s.blocks.append(note)
+    ln = _rows(q.get("rollout_lengths", run_id=o.run_id), "trajectories")
+    if isinstance(ln, Note):
+        s.blocks.append(ln)
     else:
         s.blocks.append(Plot("Response length", _lines(
             _series_by_run(ln, "policy_version", {"response_len_mean": "mean", "response_len_p95": "p95",
@@ -466,13 +453,13 @@ def rollout(q: _Queries) -> Section:
             _series_by_run(ln, "policy_version", {"truncation_rate": "truncation rate"}),
             title="Share of responses cut at the length limit", xlabel="policy version", ylabel="share",
             integer_x=True, ylim=(0, 1.02))))
-        tp = q.get("rollout_throughput", run_id=o.run_id, bucket=o.bucket)
-        if not _problem(tp, "throughput"):
+        tp = _rows(q.get("rollout_throughput", run_id=o.run_id, bucket=o.bucket), "throughput")
+        if isinstance(tp, pd.DataFrame):
             s.blocks.append(Plot("Rollout throughput", _lines(
                 _series_by_run(tp, "bucket", {"tokens_per_s": "response tokens/s"}),
                 title=f"Rollout throughput (per {o.bucket}, UTC)", xlabel="finished at", ylabel="tokens/s")))
-        sd = q.get("success_by_difficulty", run_id=o.run_id)
-        if not _problem(sd, "difficulty"):
+        sd = _rows(q.get("success_by_difficulty", run_id=o.run_id), "difficulty")
+        if isinstance(sd, pd.DataFrame):
             series = {str(d): (g.policy_version.tolist(), g.success_rate.tolist())
                       for d, g in sd.sort_values("policy_version").groupby("difficulty")}
             s.blocks.append(Plot("Success by difficulty", _lines(
@@ -501,9 +488,11 @@ def time_breakdown(lake: Lake) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for e in events:
         rid, job, t = e.get("run", {}).get("runId"), e.get("job", {}).get("name", "?"), e.get("eventTime")
+        if not isinstance(t, str):
+            continue
         try:
             ts = datetime.fromisoformat(t)
-        except (TypeError, ValueError):
+        except ValueError:
             continue
         name = job.removeprefix("pipeline.")
         if e.get("eventType") == "START":

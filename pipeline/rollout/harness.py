@@ -128,6 +128,12 @@ class Episode:
     def done(self) -> bool:
         return self.state in TERMINAL_STATES
 
+    @property
+    def call(self) -> dict[str, Any]:
+        """``pending`` of an episode in the tool phase (only episodes with a committed action reach it)."""
+        assert self.pending is not None, f"episode {self.episode_id} has no pending action"
+        return self.pending
+
 
 def _now() -> datetime:
     return datetime.now(timezone.utc)
@@ -292,17 +298,17 @@ class Harness:
         if not eps:
             return
         for ep in eps:
-            if "output" not in ep.pending and not ep.pending.get("waiting"):
-                self._event(ep, "TOOL_WAITING", step=ep.pending["step"], action_id=ep.pending["action_id"],
-                            state="TOOL_WAITING")
+            p = ep.call
+            if "output" not in p and not p.get("waiting"):
+                self._event(ep, "TOOL_WAITING", step=p["step"], action_id=p["action_id"], state="TOOL_WAITING")
         self.spool.sync()
         if self.before_tools is not None and any(
-                "output" not in e.pending and (self.env.idempotent or not e.pending.get("unconfirmed")) for e in eps):
+                "output" not in e.call and (self.env.idempotent or not e.call.get("unconfirmed")) for e in eps):
             self.before_tools()
         executed: list[Episode] = []
         calls: list[tuple[Episode, Exception | None]] = []   # (episode, injected fault or None), in order
         for ep in eps:
-            p = ep.pending
+            p = ep.call
             if "output" in p:          # executed before a crash: use the recorded output
                 executed.append(ep)
                 continue
@@ -317,13 +323,14 @@ class Harness:
                 fault = ToolError("injected environment crash")
             calls.append((ep, fault))
         for ep, out in self._run_tools(calls):
-            p = ep.pending
+            p = ep.call
             if isinstance(out, ToolTimeout):
-                if getattr(self.env, "infra_failure_reward", None) is not None:
+                naive_reward = getattr(self.env, "infra_failure_reward", None)
+                if naive_reward is not None:
                     # ablation only (benchmarks/bench_gates.py): the naive harness that scores a
                     # timeout as the policy's failure instead of recording "no valid evaluation"
                     v = self.env.verify(ep.task, None, ep.tool_calls)
-                    self._terminal(ep, "REJECTED", "FAIL", "env_timeout", float(self.env.infra_failure_reward),
+                    self._terminal(ep, "REJECTED", "FAIL", "env_timeout", float(naive_reward),
                                    v.components, {"error": str(out)})
                     continue
                 self._terminal(ep, "INFRA_FAILED", "ENV_ERROR", "env_timeout", None, None, {"error": str(out)})
@@ -346,7 +353,7 @@ class Harness:
                 _hold(self.faults.hold_file)
         self.spool.sync()
         for ep in executed:
-            p = ep.pending
+            p = ep.call
             obs = ([vocab.OBS_ID] + vocab.encode(p["output"]) + [vocab.END_OBS_ID] if self.codec.char
                    else self.codec.encode(f"{vocab.OBS}{p['output']}{vocab.END_OBS}"))
             ep.response_ids += obs
@@ -391,7 +398,7 @@ class Harness:
         nxt = emitted = 0
 
         def work(i: int, ep: Episode) -> None:
-            p = ep.pending
+            p = ep.call
             try:
                 out: Any = self.env.step(ep.task, p["text"], key=f"{ep.episode_id}/{p['action_id']}")
             except BaseException as exc:  # noqa: BLE001 - handed to the harness as the call's outcome

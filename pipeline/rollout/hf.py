@@ -118,7 +118,7 @@ class _GumbelSampler(LogitsProcessor):
             noise[b] = -torch.log(-torch.log(u))
         self.noise = noise                                                  # [B, T, V]
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         t = input_ids.shape[1] - self.prompt_len
         z = scores.float() / self.temperature                               # [B, V]
         if self.top_p < 1.0:
@@ -144,7 +144,7 @@ class HFEngine:
         self.max_batch = max_batch
 
     def close(self) -> None:
-        self.model = None  # type: ignore[assignment]
+        self.model = None
 
     @torch.no_grad()
     def generate(self, requests: list[Request], sampling: Sampling) -> list[list[Completion]]:
@@ -199,9 +199,9 @@ def warm_start(model: LlamaForCausalLM, sequences: list[list[int]], masks: list[
     width = max(len(s) for s in sequences)
     ids = torch.full((n, width), vocab.PAD_ID, dtype=torch.long)
     tmask = torch.zeros((n, width), dtype=torch.float32)
-    for k, (s, m) in enumerate(zip(sequences, masks)):
-        ids[k, :len(s)] = torch.tensor(s)
-        tmask[k, :len(m)] = torch.tensor(m, dtype=torch.float32)
+    for k, (seq, mask) in enumerate(zip(sequences, masks)):
+        ids[k, :len(seq)] = torch.tensor(seq)
+        tmask[k, :len(mask)] = torch.tensor(mask, dtype=torch.float32)
     t0 = time.perf_counter()
     loss_val = float("nan")
     for step in range(steps):

@@ -72,13 +72,18 @@ def demonstrations(cfg: PolicyInitConfig) -> tuple[list[list[int]], list[list[in
     """(token sequences, masks): mask 1 on the demonstration's policy tokens.
     Demonstration prompts come from the train split only."""
     from pipeline.rollout.engine import derive_seed
-    from pipeline.rollout.envs import get_env
+    from pipeline.errors import ConfigError
+    from pipeline.rollout.envs import Demonstrating, get_env
 
     rng = random.Random(cfg.seed)
     envs = [get_env(n) for n in cfg.envs]
     seqs, masks = [], []
     for i in range(cfg.demonstrations):
         env = rng.choices(envs, weights=list(cfg.env_weights)[:len(envs)])[0]
+        if not isinstance(env, Demonstrating):
+            raise ConfigError(f"environment {env.name!r} has no demonstration(task, rng, tool_fraction)",
+                              hint="the policy init's warm start trains on demonstrations: list environments "
+                                   "that write them in envs")
         task = env.reset(derive_seed("demo", cfg.seed, i), "train")
         segs = env.demonstration(task, rng, tool_fraction=cfg.tool_fraction)
         ids = [vocab.BOS_ID] + vocab.encode(task.prompt)

@@ -49,6 +49,8 @@ from pipeline.rollout.engine import Sampling, derive_seed
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
+    from pipeline.lake.lease import Lease
+    from pipeline.rollout.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,7 @@ class _PolicyHolder:
 
     def __init__(self, lake: Lake, cfg: RolloutConfig) -> None:
         self.lake, self.cfg = lake, cfg
-        self.engine = None
+        self.engine: Engine | None = None
         self.checkpoint_id: str | None = None
         self.version = 0
         self.versions: set[int] = set()
@@ -461,7 +463,7 @@ class RunOwner:
 
         self.lake, self.cfg = lake, cfg
         self.name = f"rollout-{_lock_name(cfg.run_id)}"[:200]
-        self.lease = None
+        self.lease: Lease | None = None
         self.on_lost = on_lost
         self.lost = False
         # the lease's expiry as last written, shared with the worker processes (guard)
@@ -490,16 +492,16 @@ class RunOwner:
                      f"(its workers stop with it) and rerun; a dead owner's lease is taken over once it expires "
                      f"(lease_s={self.cfg.lease_s:g}), at once when it ran on this host")
         self.valid_until.value = self.lease.expires
-        self._thread = threading.Thread(target=self._beat, name="run-lease", daemon=True)
+        self._thread = threading.Thread(target=self._beat, args=(self.lease,), name="run-lease", daemon=True)
         self._thread.start()
 
-    def _beat(self) -> None:
+    def _beat(self, lease: Lease) -> None:
         from pipeline.lake.lease import LeaseLostError
 
         renewed = time.monotonic()
         while not self._stop.wait(self.cfg.lease_s / 4):
             try:
-                self.lease.renew()
+                lease.renew()
                 ok = True
             except LeaseLostError:
                 ok = False
@@ -507,7 +509,7 @@ class RunOwner:
                 ok = time.monotonic() - renewed < self.cfg.lease_s * 0.75
             else:
                 renewed = time.monotonic()
-                self.valid_until.value = self.lease.expires
+                self.valid_until.value = lease.expires
             if not ok:
                 self.lost = True
                 if self.on_lost is not None:

@@ -241,7 +241,8 @@ def ship(lake: Lake, spool: Spool, *, command: str = "pipeline rollout") -> Ship
         # written in the order quarantine -> trajectories -> events: the last table present tells
         # whether the whole batch landed
         last = "events" if events else "trajectories"
-        if landed[last] is not None and landed[last] >= seq:
+        landed_seq = landed[last]
+        if landed_seq is not None and landed_seq >= seq:
             report.skipped += 1
             continue
         ingest_id = f"rollout:{app_id}:{seq}"

@@ -19,7 +19,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -62,7 +62,7 @@ def make_version_batch(spec: HealthLakeSpec, run: str, version: int, offset: int
 
     seed = spec.seed * 1000 + version * 37 + offset // max(spec.chunk, 1) + sum(run.encode()) % 7
     rng = np.random.default_rng(seed)
-    kwargs = dict(median_len=5, sigma=0.2, max_len=8, prompt_len=2, multi_turn=False) if spec.short_tokens \
+    kwargs: dict[str, Any] = dict(median_len=5, sigma=0.2, max_len=8, prompt_len=2, multi_turn=False) if spec.short_tokens \
         else dict(median_len=48, sigma=0.6, max_len=512, prompt_len=8)
     start = START + timedelta(hours=6 * version, seconds=offset)
     t = make_trajectories(n, seed=seed, group_size=spec.group_size, run_id=run, policy_version=version,
@@ -86,7 +86,7 @@ def make_version_batch(spec: HealthLakeSpec, run: str, version: int, offset: int
     verdict = np.where(infra, "ENV_ERROR", np.where(expired, "UNKNOWN", verdict))
     stop = np.where(infra, "env_timeout", np.where(expired, "wall_clock", "eos"))
     reward = t.column("reward").to_numpy()
-    comps = []
+    comps: list[list[tuple[str, float]] | None] = []
     fmt_ok = rng.random(n) > 0.05
     for i in range(n):
         if infra[i] or expired[i]:

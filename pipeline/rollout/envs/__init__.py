@@ -1,9 +1,9 @@
 """Verifiable environments: the protocol (``base``) and the built-ins."""
 
-from pipeline.rollout.envs.base import (Environment, Task, ToolError, ToolTimeout, Verification, get_env,
+from pipeline.rollout.envs.base import (Demonstrating, Environment, Task, ToolError, ToolTimeout, Verification, get_env,
                                         list_envs, register_env, split_of)
 from pipeline.rollout.envs import arithmetic as _arithmetic  # noqa: F401  (registers arithmetic-tool, arithmetic-chain)
 from pipeline.rollout.envs import reverse as _reverse  # noqa: F401  (registers reverse-digits)
 
-__all__ = ["Environment", "Task", "ToolError", "ToolTimeout", "Verification", "get_env", "list_envs",
+__all__ = ["Demonstrating", "Environment", "Task", "ToolError", "ToolTimeout", "Verification", "get_env", "list_envs",
            "register_env", "split_of"]

@@ -68,8 +68,9 @@ The answer the harness hands to ``verify`` is the text between ``<ans>`` and
 from __future__ import annotations
 
 import hashlib
+import random
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from pipeline.errors import ConfigError, PipelineError
 
@@ -121,6 +122,14 @@ class Environment(Protocol):
     def verify(self, task: Task, answer: str | None, num_tool_calls: int) -> Verification: ...
 
 
+@runtime_checkable
+class Demonstrating(Protocol):
+    """An environment that writes a worked answer for a task: ``(text, is_policy_tokens)`` segments
+    (the policy init's supervised warm start trains on them)."""
+
+    def demonstration(self, task: Task, rng: random.Random, tool_fraction: float = ...) -> list[tuple[str, bool]]: ...
+
+
 COMPONENT_TAGS = ("fact", "heuristic")
 
 
@@ -159,10 +168,11 @@ def split_of(text: str, eval_fraction: int = 10) -> Split:
     return "eval" if h % eval_fraction == 0 else "train"
 
 
-_REGISTRY: dict[str, type] = {}
+_REGISTRY: dict[str, type[Environment]] = {}
+_E = TypeVar("_E", bound=Environment)
 
 
-def register_env(cls: type) -> type:
+def register_env(cls: type[_E]) -> type[_E]:
     """Class decorator: make ``cls`` available by ``cls.name`` (registering a name twice is an error)."""
     name = getattr(cls, "name", None)
     if not name:
