@@ -1,22 +1,39 @@
-"""The one adapter over great_expectations (imported lazily: ~4.5 s).
+"""The one adapter over great_expectations (imported lazily: ~2-4.5 s).
 
 ``validate(table, suite_name, key)`` runs the suite built from schemas/ on an
 Arrow table through GX's pandas path (docs/dependency-notes.md: the SQLAlchemy + duckdb path
 fails silently) and returns the failing rows (key -> first failed expectation)
 and a JSON-able summary.
+
+Cost (100k candidate rows, 30 expectations; docs/dependency-notes.md has the
+profile): the import dominates, then the validation itself. So:
+
+- the ephemeral context and one pandas batch definition per suite are built
+  once per process (each registration re-serialises the context's config);
+  the suite goes straight to GX's validator (what ``ValidationDefinition.run``
+  runs), never stored: nothing to delete afterwards;
+- the whole suite runs with ``BOOLEAN_ONLY`` (which expectations failed);
+  only the failed ones run again with ``COMPLETE`` + the key column, on a
+  frame of the key and their columns. ``COMPLETE`` on every expectation
+  built an index list per expectation by filtering the whole frame, even
+  for expectations with no unexpected rows;
+- integer columns narrower than 64 bits reach pandas as int64: GX's
+  ``between`` check is vectorised for int64/float64 and calls Python per
+  row for int32 (same comparisons, same results).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 
 from pipeline.errors import MissingExtraError
-from pipeline.quality.suites import suite_for
+from pipeline.quality.suites import ExpectationSpec, suite_for
 
 
 @dataclass
@@ -25,6 +42,10 @@ class QualityResult:
     success: bool
     failing: dict[str, str] = field(default_factory=dict)   # key value -> reason
     summary: dict[str, Any] = field(default_factory=dict)
+
+
+_lock = threading.RLock()
+_made: dict[str, Any] = {}  # "context" -> the ephemeral context; suite table -> its batch definition
 
 
 @functools.cache
@@ -41,18 +62,51 @@ def _camel(type_: str) -> str:
     return "".join(p.capitalize() for p in type_.split("_"))
 
 
-@functools.cache
 def _context():
+    """The process's ephemeral context (built once)."""
+    with _lock:
+        if "context" not in _made:
+            ctx = _gx().get_context(mode="ephemeral")
+            try:
+                ctx.variables.progress_bars = {"globally": False, "metric_calculations": False}
+            except Exception:  # older/newer GX: progress bars are cosmetic
+                pass
+            _made["context"] = ctx
+        return _made["context"]
+
+
+def _batch_definition(suite_table: str):
+    """A whole-dataframe batch definition for ``suite_table`` (built once; the frame is a batch parameter)."""
+    with _lock:
+        if suite_table not in _made:
+            name = f"pipeline-{suite_table}"
+            _made[suite_table] = _context().data_sources.add_pandas(name).add_dataframe_asset(name) \
+                .add_batch_definition_whole_dataframe(name)
+        return _made[suite_table]
+
+
+def _suite(name: str, specs: list[ExpectationSpec]):
     gx = _gx()
-    ctx = gx.get_context(mode="ephemeral")
-    try:
-        ctx.variables.progress_bars = {"globally": False, "metric_calculations": False}
-    except Exception:  # older/newer GX: progress bars are cosmetic
-        pass
-    return ctx
+    return gx.ExpectationSuite(name=name, expectations=[
+        getattr(gx.expectations, _camel(s.type))(column=s.column, **dict(s.kwargs)) for s in specs])
 
 
-_counter = [0]
+def _frame(table: pa.Table, cols: list[str]):
+    t = table.select(cols)
+    for i, f in enumerate(t.schema):
+        if pa.types.is_integer(f.type) and f.type.bit_width < 64:
+            t = t.set_column(i, f.name, t.column(i).cast(pa.int64()))
+    return t.to_pandas()
+
+
+def _run(suite_table: str, df, suite, result_format: dict[str, Any]):
+    # GX's own validator, as ValidationDefinition.run and Batch.validate build it: it loads the batch
+    # once (Batch.validate loads it twice, and each load fingerprints the whole frame)
+    from great_expectations.validator.v1_validator import Validator
+
+    v = Validator(batch_definition=_batch_definition(suite_table), batch_parameters={"dataframe": df},
+                  result_format=result_format)
+    return v.validate_expectation_suite(suite)
 
 
 def validate(table: pa.Table, suite_table: str, *, key: str) -> QualityResult:
@@ -61,27 +115,20 @@ def validate(table: pa.Table, suite_table: str, *, key: str) -> QualityResult:
     if table.num_rows == 0 or not specs:
         return QualityResult(suite_table, True, {}, {"suite": suite_table, "rows": table.num_rows,
                                                      "expectations": len(specs), "failed": []})
-    gx = _gx()
-    ctx = _context()
-    _counter[0] += 1
-    name = f"{suite_table}-{os.getpid()}-{_counter[0]}"
-    batch_def = ctx.data_sources.add_pandas(name).add_dataframe_asset(name) \
-        .add_batch_definition_whole_dataframe(name)
-    suite = ctx.suites.add(gx.ExpectationSuite(name=name))
-    for s in specs:
-        suite.add_expectation(getattr(gx.expectations, _camel(s.type))(column=s.column, **dict(s.kwargs)))
-    vd = ctx.validation_definitions.add(gx.ValidationDefinition(name=name, data=batch_def, suite=suite))
-    cols = sorted({s.column for s in specs} | {key})
-    df = table.select(cols).to_pandas()
-    res = vd.run(batch_parameters={"dataframe": df},
-                 result_format={"result_format": "COMPLETE", "unexpected_index_column_names": [key]})
+    df = _frame(table, sorted({s.column for s in specs} | {key}))
+    res = _run(suite_table, df, _suite(suite_table, specs), {"result_format": "BOOLEAN_ONLY"})
+    ok = {(r.expectation_config.type, r.expectation_config.kwargs.get("column")): r.success for r in res.results}
+    failed_specs = [s for s in specs if not ok[(s.type, s.column)]]
+    unexpected: dict[tuple[str, str], list] = {}
+    if failed_specs:  # which rows: only the failed expectations, on only their columns
+        cols = sorted({s.column for s in failed_specs} | {key})
+        detail = _run(suite_table, df[cols], _suite(suite_table, failed_specs),
+                      {"result_format": "COMPLETE", "unexpected_index_column_names": [key]})
+        for r in detail.results:
+            cfg = r.expectation_config
+            unexpected[(cfg.type, cfg.kwargs.get("column"))] = r.result.get("unexpected_index_list") or []
     failing: dict[str, str] = {}
     failed = []
-    unexpected: dict[tuple[str, str], list] = {}
-    for r in res.results:
-        cfg = r.expectation_config
-        if not r.success:
-            unexpected[(cfg.type, cfg.kwargs.get("column"))] = r.result.get("unexpected_index_list") or []
     for s in specs:  # declared order: a row's reason is its first failed expectation
         rows = unexpected.get((s.type, s.column))
         if rows is None:
@@ -89,13 +136,6 @@ def validate(table: pa.Table, suite_table: str, *, key: str) -> QualityResult:
         failed.append({"expectation": s.type, "column": s.column, "unexpected_count": len(rows)})
         for row in rows:
             failing.setdefault(str(row[key]), s.reason)
-    for ds_name in (name,):  # keep the ephemeral context small across many runs
-        try:
-            ctx.validation_definitions.delete(name)
-            ctx.suites.delete(name)
-            ctx.data_sources.delete(ds_name)
-        except Exception:
-            pass
     summary = {"suite": suite_table, "rows": table.num_rows, "expectations": len(specs),
                "success": bool(res.success), "failed": failed,
                "statistics": {k: (float(v) if v is not None else None) for k, v in res.statistics.items()}}

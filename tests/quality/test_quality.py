@@ -70,3 +70,70 @@ def test_admission_excludes_failing_rows_and_stores_the_validation(lake):
     assert stored["candidates"]["suite"] == "trajectories" and stored["candidates"]["success"] is False
     assert res.quality["candidates"]["failed"] == [
         {"expectation": "expect_column_values_to_be_in_set", "column": "status", "unexpected_count": 1}]
+
+
+@pytest.mark.slow
+def test_failures_in_several_expectations_match_a_single_complete_pass():
+    """The two-pass validation (BOOLEAN_ONLY over the suite, COMPLETE for the failed expectations
+    on their columns, int32 columns handed to pandas as int64) reports exactly what one COMPLETE pass
+    of the whole suite over the unconverted frame reports: same rows, same reasons, same summary."""
+    from pipeline.quality import gx
+
+    bad = {  # id -> overrides; a row failing several expectations gets the first declared one
+        "r01": {"group_size": 0},
+        "r02": {"group_size": None},
+        "r03": {"group_size": 0, "status": "WEIRD"},
+        "r04": {"status": "WEIRD"},
+        "r05": {"status": None},
+        "r06": {"top_p": 2.0, "num_tool_calls": -1},
+        "r07": {"num_tool_calls": -1},
+        "r08": {"queue_wait_ms": -5, "content_hash": None},
+        "r09": {"content_hash": None},
+        "r10": {"top_p": None},
+    }
+    good = {"group_size": 4, "top_p": 1.0, "status": "ACCEPTED", "num_tool_calls": 2, "queue_wait_ms": 10,
+            "content_hash": "h"}
+    rows = [{"trajectory_id": f"r{i:02d}"} | good | bad.get(f"r{i:02d}", {}) for i in range(30)]
+    t = pa.Table.from_pylist(rows, pa.schema([("trajectory_id", pa.string()), ("group_size", pa.int32()),
+                                              ("top_p", pa.float64()), ("status", pa.string()),
+                                              ("num_tool_calls", pa.int32()), ("queue_wait_ms", pa.int64()),
+                                              ("content_hash", pa.string())]))
+    res = gx.validate(t, "trajectories", key="trajectory_id")
+
+    q = "quality:expect_column_values_to_"
+    assert res.failing == {
+        "r01": f"{q}be_between(group_size)", "r02": f"{q}not_be_null(group_size)",
+        "r03": f"{q}be_between(group_size)", "r04": f"{q}be_in_set(status)", "r05": f"{q}not_be_null(status)",
+        "r06": f"{q}be_between(top_p)", "r07": f"{q}be_between(num_tool_calls)",
+        "r08": f"{q}be_between(queue_wait_ms)", "r09": f"{q}not_be_null(content_hash)",
+        "r10": f"{q}not_be_null(top_p)"}
+    assert [(f["expectation"].removeprefix("expect_column_values_to_"), f["column"], f["unexpected_count"])
+            for f in res.summary["failed"]] == [
+        ("not_be_null", "group_size", 1), ("be_between", "group_size", 2), ("not_be_null", "top_p", 1),
+        ("be_between", "top_p", 1), ("not_be_null", "status", 1), ("be_in_set", "status", 2),
+        ("be_between", "num_tool_calls", 2), ("be_between", "queue_wait_ms", 1),
+        ("not_be_null", "content_hash", 2)]
+    assert res.summary["statistics"] == {"evaluated_expectations": 12.0, "successful_expectations": 3.0,
+                                         "unsuccessful_expectations": 9.0, "success_percent": 25.0}
+    assert not res.success and res.summary["success"] is False and res.summary["rows"] == 30
+
+    # the reference: one COMPLETE pass of the whole suite over the frame as pyarrow converts it
+    specs = suite_for("trajectories", t.column_names)
+    ref = gx._run("trajectories", t.to_pandas(), gx._suite("ref", specs),
+                  {"result_format": "COMPLETE", "unexpected_index_column_names": ["trajectory_id"]})
+    by = {(r.expectation_config.type, r.expectation_config.kwargs["column"]): r for r in ref.results}
+    failing: dict[str, str] = {}
+    failed = []
+    for s in specs:
+        r = by[(s.type, s.column)]
+        if not r.success:
+            ids = [row["trajectory_id"] for row in r.result["unexpected_index_list"]]
+            failed.append({"expectation": s.type, "column": s.column, "unexpected_count": len(ids)})
+            for i in ids:
+                failing.setdefault(i, s.reason)
+    assert res.failing == failing and res.summary["failed"] == failed
+    assert res.summary["statistics"] == {k: float(v) for k, v in ref.statistics.items()}
+
+    again = gx.validate(t, "trajectories", key="trajectory_id")  # nothing is registered per call
+    assert again.failing == res.failing and again.summary == res.summary
+    assert gx._context().suites.all() == [] and gx._context().validation_definitions.all() == []
