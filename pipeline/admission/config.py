@@ -115,7 +115,7 @@ class AdmissionConfig:
                               hint=f"choose one of {sorted(ESTIMATORS)}")
         if self.min_valid_members < 1:
             raise ConfigError("min_valid_members must be >= 1")
-        if self.advantage in ("grpo", "dr_grpo", "rloo") and self.min_valid_members < 2:
+        if ESTIMATORS[self.advantage].group_baseline and self.min_valid_members < 2:
             raise ConfigError(f"{self.advantage} needs a group baseline: min_valid_members must be >= 2",
                               hint="use advantage=reinforce_batch_norm for one sample per prompt")
         if self.max_policy_lag < 0:
