@@ -13,9 +13,8 @@ import pyarrow as pa
 
 from pipeline.admission.config import AdmissionConfig
 
-if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+if TYPE_CHECKING:
     from pipeline.admission.decide import Decisions
-    from pipeline.lake.delta import Lake
 
 _SQL_AGG = {"min": "min", "max": "max", "mean": "avg"}
 
@@ -55,12 +54,13 @@ def _run(con, sql: str, p: dict[str, Any]) -> pa.Table:
     return con.sql(sql, params={k: v for k, v in p.items() if k in used}).to_arrow_table()
 
 
-def run(lake: Lake | None, candidates: pa.Table, quality_rejects: pa.Table, cfg: AdmissionConfig, *,
+def run(candidates: pa.Table, quality_rejects: pa.Table, cfg: AdmissionConfig, *,
         current_policy_version: int, now: datetime) -> tuple[pa.Table, pa.Table]:
-    """-> (members, groups) per pipeline/admission/decide.py's contract."""
-    from pipeline.query.duck import connect
+    """-> (members, groups) per pipeline/admission/decide.py's contract. The
+    checks read only the tables registered here, never the lake."""
+    from pipeline.query.duck import scratch
 
-    con = connect(lake, tables=set())  # the checks read only the registered tables below
+    con = scratch()
     try:
         con.register("candidates", candidates)
         con.register("quality_rejects", quality_rejects)
@@ -83,6 +83,6 @@ def decide_candidates(candidates: pa.Table, cfg: AdmissionConfig, *, current_pol
 
     if quality_rejects is None:
         quality_rejects = pa.table({"trajectory_id": pa.array([], pa.string()), "reason": pa.array([], pa.string())})
-    members, groups = run(None, candidates, quality_rejects, cfg, current_policy_version=current_policy_version,
+    members, groups = run(candidates, quality_rejects, cfg, current_policy_version=current_policy_version,
                           now=now)
     return finalize(members, groups, cfg, config_hash=config_hash, current_policy_version=current_policy_version)

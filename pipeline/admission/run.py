@@ -206,7 +206,7 @@ def _decisions_from_engine(lake: Lake, tv: int, cfg: AdmissionConfig, engine: st
         t1 = time.perf_counter()
         from pipeline.admission import engine_duckdb
 
-        members, groups = engine_duckdb.run(lake, cands, rejects, cfg, current_policy_version=current, now=now)
+        members, groups = engine_duckdb.run(cands, rejects, cfg, current_policy_version=current, now=now)
         timings["checks_s"] = time.perf_counter() - t1
         n = cands.num_rows
     elif engine == "dask":

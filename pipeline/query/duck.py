@@ -54,21 +54,23 @@ def _version(v: str) -> int | datetime:
         raise PipelineError(f"--as-of {v!r}: expected a version number or an ISO-8601 time") from None
 
 
-def connect(lake: Lake | None, *, as_of: dict[str, int | datetime] | int | datetime | None = None,
+def scratch(threads: int | None = None) -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection with no lake views: the caller registers its own Arrow tables."""
+    return duckdb.connect(config={"threads": threads} if threads else {})
+
+
+def connect(lake: Lake, *, as_of: dict[str, int | datetime] | int | datetime | None = None,
             threads: int | None = None, tables: set[str] | None = None) -> duckdb.DuckDBPyConnection:
-    """A DuckDB connection with one view per existing lake table (only ``tables`` when given;
-    ``lake=None`` with ``tables=set()``: a connection with no lake views)."""
+    """A DuckDB connection with one view per existing lake table (only ``tables`` when given)."""
     from pipeline.errors import NotFoundError
 
-    con = duckdb.connect(config={"threads": threads} if threads else {})
+    con = scratch(threads)
     versions: dict[str, Any] = {}
     if isinstance(as_of, dict):
         versions = as_of
     for name in ALL_TABLES:
         if tables is not None and name not in tables:
             continue
-        if lake is None:
-            raise ValueError(f"no lake to read table {name!r} from")
         version = as_of if isinstance(as_of, (int, datetime)) and not isinstance(as_of, bool) else versions.get(name)
         try:
             dt = lake.table(name, version)

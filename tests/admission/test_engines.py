@@ -108,7 +108,7 @@ def test_duckdb_equals_dask_equals_reference(case, dask_address):
         cands = cand.scan(lake.dataset("trajectories", tv), cfg, dec_arr)
         rejects = pa.table({"trajectory_id": pa.array(sorted(quality), pa.string()),
                             "reason": pa.array([quality[k] for k in sorted(quality)], pa.string())})
-        duck_m, duck_g = engine_duckdb.run(lake, cands, rejects, cfg, current_policy_version=5, now=now)
+        duck_m, duck_g = engine_duckdb.run(cands, rejects, cfg, current_policy_version=5, now=now)
         duck_m, duck_g = conform(duck_m, member_schema(cfg)), conform(duck_g, group_schema(cfg))
         dask_m, dask_g, _, _ = engine_dask.run_with_quality(
             lake, tv, cfg, decided=dec_arr, quality_fn=lambda t: (rejects, {}), current_policy_version=5,
