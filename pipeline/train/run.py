@@ -741,8 +741,9 @@ def _step_row(members: Members, step: Step, cfg: TrainConfig, all_idx: list[int]
     """The metrics row of one step from the all-reduced sums (schemas/metrics.yaml)."""
     import numpy as np
 
+    from pipeline.train.packing import padding_ratio
+
     tok = max(sums["tokens"], 1.0)
-    slots = sum(len(mb) * int(members.lengths[list(mb)].max()) for mb in step.micro_batches)
     real = int(members.lengths[all_idx].sum())
     lags = members.policy_lag[all_idx]
     return {
@@ -755,7 +756,7 @@ def _step_row(members: Members, step: Step, cfg: TrainConfig, all_idx: list[int]
         "approx_kl": sums["approx_kl_tok"] / tok, "mismatch_kl": sums["mismatch_tok"] / tok, **quant,
         "grad_norm": out["grad_norm"], "lr": out["lr"],
         "tokens": int(sums["tokens"]), "sequences": len(all_idx), "micro_batches": len(step.micro_batches),
-        "padding_ratio": 0.0 if slots == 0 else 1.0 - real / slots,
+        "padding_ratio": padding_ratio(members.lengths, [list(mb) for mb in step.micro_batches]),
         "tokens_per_s": real / seconds if seconds > 0 else 0.0, "step_seconds": seconds,
         "policy_lag": float(np.mean(lags)), "policy_lag_max": int(np.max(lags)),
         "created_at": datetime.now(timezone.utc).isoformat(),
