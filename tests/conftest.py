@@ -188,23 +188,21 @@ def template_lake(tmp_path_factory):
     return root, sid
 
 
-@pytest.fixture
-def tlake(template_lake, tmp_path):
-    """(Lake, snapshot_id): a fresh copy of the template."""
+def _template_copy(template_lake, dst):
     from pipeline.lake.delta import Lake
 
     src, sid = template_lake
-    dst = tmp_path / "lake"
     shutil.copytree(src, dst)
     return Lake(dst), sid
+
+
+@pytest.fixture
+def tlake(template_lake, tmp_path):
+    """(Lake, snapshot_id): a fresh copy of the template."""
+    return _template_copy(template_lake, tmp_path / "lake")
 
 
 @pytest.fixture
 def tlake2(template_lake, tmp_path):
     """A second, independent copy (to compare two runs)."""
-    from pipeline.lake.delta import Lake
-
-    src, sid = template_lake
-    dst = tmp_path / "lake2"
-    shutil.copytree(src, dst)
-    return Lake(dst), sid
+    return _template_copy(template_lake, tmp_path / "lake2")
