@@ -38,6 +38,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow as pa
@@ -58,7 +59,8 @@ if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
 LOCK_APP = "admission"
 MAX_ATTEMPTS = 5
 CRASH_ENV = "PIPELINE_ADMIT_CRASH_AFTER"  # test hook: snapshot_files | snapshots | snapshot_members
-PAUSE_ENV = "PIPELINE_ADMIT_PAUSE"        # test hook: after deciding, sleep SECONDS or until @EPOCH (races)
+PAUSE_ENV = "PIPELINE_ADMIT_PAUSE"        # test hook: after deciding, sleep SECONDS, until @EPOCH, or
+                                          # barrier:DIR (write DIR/ready-<pid>, wait for DIR/go): races
 
 
 @dataclass
@@ -113,8 +115,16 @@ def _crash_point(step: str) -> None:
 
 def _pause_point(attempt: int) -> None:
     raw = os.environ.get(PAUSE_ENV)
-    if raw and attempt == 1:
-        time.sleep(max(0.0, float(raw[1:]) - time.time()) if raw.startswith("@") else float(raw))
+    if not raw or attempt != 1:
+        return
+    if raw.startswith("barrier:"):   # decided; the commit is next: say so, then wait for the test's go
+        d = Path(raw[len("barrier:"):])
+        (d / f"ready-{os.getpid()}").write_text("")
+        deadline = time.time() + 240
+        while not (d / "go").exists() and time.time() < deadline:
+            time.sleep(0.005)
+        return
+    time.sleep(max(0.0, float(raw[1:]) - time.time()) if raw.startswith("@") else float(raw))
 
 
 def _previous_baseline(lake: Lake, cfg: AdmissionConfig) -> float | None:

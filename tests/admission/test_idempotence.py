@@ -29,7 +29,7 @@ def _seed(lake, make_traj, n=80, seed=1):
                 command="test", app_id=f"seed-{seed}")
 
 
-def _cli(lake_dir: Path, env_extra: dict[str, str]) -> subprocess.Popen:
+def _cli(lake_dir: Path | str, env_extra: dict[str, str]) -> subprocess.Popen:
     env = dict(os.environ, **env_extra)
     return subprocess.Popen([sys.executable, "-m", "pipeline", "admit", "--lake", str(lake_dir), "--json",
                              "--set", "quality=false"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -76,6 +76,37 @@ def test_two_processes_at_once_make_one_snapshot(tmp_path, make_traj, offsets):
     assert sorted(r["decided_groups"] for r in results) == [0, 20]
     assert [r["snapshot_id"] for r in results if r["decided_groups"]] == [snap]
     verify_snapshot(Lake(tmp_path / "lake"), snap)
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_two_processes_that_decided_the_same_groups_commit_once(kind, tmp_path, make_traj, request):
+    """Both processes have read the lake and decided every group before either
+    commits (each says so in the barrier directory; the test releases them
+    together): only one run's receipts land, on a local lake and on S3."""
+    if kind == "s3":
+        lake = request.getfixturevalue("s3_lake")
+        env = dict(lake.storage_options)
+    else:
+        lake, env = Lake(tmp_path / "lake"), {}
+    _seed(lake, make_traj)
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    procs = [_cli(lake.uri, {**env, PAUSE_ENV: f"barrier:{barrier}"}) for _ in range(2)]
+    deadline = time.time() + 240
+    while len(list(barrier.glob("ready-*"))) < 2:      # both decided; neither has committed
+        assert time.time() < deadline and all(p.poll() is None for p in procs), \
+            [p.communicate()[1][-3000:] for p in procs if p.poll() is not None]
+        time.sleep(0.02)
+    assert not lake.exists("receipts")
+    (barrier / "go").write_text("")
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    snap = _assert_one_decision_per_group(lake, 20)
+    assert sorted(r["decided_groups"] for r in results) == [0, 20]
+    assert [r["snapshot_id"] for r in results if r["decided_groups"]] == [snap]
+    verify_snapshot(lake, snap)
 
 
 @pytest.mark.parametrize("step", ["snapshot_files", "snapshots", "snapshot_members"])
