@@ -257,7 +257,9 @@ def stdout_for_results() -> Iterator[TextIO]:
 def add_config_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, metavar="FILE", help="YAML config file")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one config key (repeatable)")
+                        help="override one config key (repeatable); KEY or SECTION.KEY (train.lr=1e-4)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (defaults <- --config <- --set) and exit without running")
 
 
 def config_keys_epilog(module: str, cls: str) -> str:
@@ -381,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with quiet_third_party(verbose), _verbose_env(verbose), stdout_for_results():
             try:
-                result = args.handler(args)
+                result = _run_handler(args)
             except BrokenPipeError:
                 # the reader went away (`pipeline sql ... | head`): not an error of ours
                 result = EXIT_OK
@@ -412,6 +414,30 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(result, int):
         return result
     return EXIT_OK
+
+
+def _run_handler(args: argparse.Namespace) -> Any:
+    """Call the command's handler; with --print-config, print the config it resolved instead of running."""
+    if not getattr(args, "print_config", False):
+        return args.handler(args)
+    from pipeline import config as config_module
+
+    config_module.PRINT_CONFIG = True
+    try:
+        args.handler(args)
+    except config_module.ConfigPrinted as printed:
+        tree = {printed.section: printed.resolved} if printed.section else printed.resolved
+        if getattr(args, "json", False):
+            out(json.dumps(tree, default=str, sort_keys=True))
+        else:
+            import yaml
+
+            out(yaml.safe_dump(tree, sort_keys=True, default_flow_style=False).rstrip())
+        return EXIT_OK
+    finally:
+        config_module.PRINT_CONFIG = False
+    raise PipelineError("--print-config: this command resolved no config before finishing",
+                        hint="report it: every command with --config should load its config first")
 
 
 @contextlib.contextmanager
