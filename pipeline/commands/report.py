@@ -14,13 +14,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+# --help text: the docstring without its first line (the module's name, which --help's usage line already says)
+DESCRIPTION = "The rollout health report: one self-contained HTML file with plots.\n\n" + \
+    (__doc__ or "").split("\n", 1)[1].strip("\n")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     from pipeline.cli import common
 
     p = common(sub.add_parser(
         "report", help="the rollout health report: one self-contained HTML file with plots",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--run-id", default=None, help="only this experiment (default: every run)")
     p.add_argument("--out", default="report.html", metavar="FILE", help="HTML file to write (default: report.html)")
     p.add_argument("--bucket", default="auto", choices=["auto", "second", "minute", "hour", "day", "week"],

@@ -316,6 +316,9 @@ def test_every_command_explains_every_option_and_config_key():
         has_actions = any(isinstance(a, argparse._SubParsersAction) for a in sub._actions)
         if not has_actions:
             assert sub.description, f"pipeline {' '.join(path)} has no description"
+            # a module docstring as description leaks its first line ("CLI: `pipeline report` — ...")
+            assert not sub.description.lstrip().startswith(("CLI:", "`pipeline")), \
+                f"pipeline {' '.join(path)} --help starts with a docstring line: {sub.description.splitlines()[0]!r}"
         for action in sub._actions:
             if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
                 continue
