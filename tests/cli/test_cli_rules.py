@@ -367,3 +367,15 @@ def test_sql_param_takes_the_type_a_named_query_declares(tmp_path, make_traj, ca
     assert json.loads(capsys.readouterr().out)["rows"] == [{"twice": 6, "tag": "007"}]
     assert main(["sql", "--lake", lake.uri, "--file", str(q), "--param", "lag=abc"]) == 2
     assert "expects an integer" in capsys.readouterr().err
+
+
+def test_jobs_render_k8s_is_a_verb(tmp_path, monkeypatch, capsys):
+    from pipeline.jobs import load_jobs, render_cronjobs
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["jobs", "render-k8s"]) == 2, "outside a checkout it must ask for --out"
+    assert "--out" in capsys.readouterr().err
+    assert main(["jobs", "render-k8s", "--out", str(tmp_path / "k8s"), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["cronjobs"] >= 1
+    assert (tmp_path / "k8s" / "cronjobs.yaml").read_text() == render_cronjobs(load_jobs())
