@@ -379,3 +379,20 @@ def test_jobs_render_k8s_is_a_verb(tmp_path, monkeypatch, capsys):
     res = json.loads(capsys.readouterr().out)
     assert res["cronjobs"] >= 1
     assert (tmp_path / "k8s" / "cronjobs.yaml").read_text() == render_cronjobs(load_jobs())
+
+
+def test_hints_carry_the_lake_the_operator_gave(tmp_path, capsys):
+    from pipeline.cli import with_lake
+
+    assert with_lake("see pipeline snapshots list", "/x y") == "see pipeline snapshots list --lake '/x y'"
+    assert with_lake("run `pipeline admit` then `pipeline train --batch-snapshot ID`", "s3://b/l") == \
+        "run `pipeline admit --lake s3://b/l` then `pipeline train --lake s3://b/l --batch-snapshot ID`"
+    assert with_lake("pipeline sql --lake a \"SELECT 1\"", "b") == "pipeline sql --lake a \"SELECT 1\""
+    assert with_lake("from pipeline import lineage", "b") == "from pipeline import lineage"
+    assert with_lake("pipeline snapshots list", None) == "pipeline snapshots list"
+    # end to end: a read command on a lake without that snapshot points at the same lake
+    lake = tmp_path / "my lake"
+    lake.mkdir()
+    assert main(["snapshots", "show", "a" * 64, "--lake", str(lake)]) == 2
+    err = capsys.readouterr().err
+    assert f"pipeline snapshots list --lake '{lake}'" in err
