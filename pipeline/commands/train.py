@@ -65,7 +65,8 @@ def _text(r: dict) -> str:
         head = f"already published: checkpoint {r['checkpoint_id']} (policy version {r['policy_version']})"
     else:
         head = (f"checkpoint {r['checkpoint_id']} published as policy version {r['policy_version']} "
-                f"({r['global_step']} steps, {r['samples_seen']} samples, {r['seconds']:.1f} s"
+                f"({r['global_step']} step{'' if r['global_step'] == 1 else 's'}, {r['samples_seen']} samples, "
+                f"{r['seconds']:.1f} s"
                 + (f", resumed at step {r['resumed_from_step']}" if r["resumed_from_step"] is not None else "") + ")")
     m = r["metrics"]
     tail = (f"\n  loss {m.get('loss_first', float('nan')):.4f} -> {m.get('loss_last', float('nan')):.4f}, "

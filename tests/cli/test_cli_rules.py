@@ -396,3 +396,15 @@ def test_hints_carry_the_lake_the_operator_gave(tmp_path, capsys):
     assert main(["snapshots", "show", "a" * 64, "--lake", str(lake)]) == 2
     err = capsys.readouterr().err
     assert f"pipeline snapshots list --lake '{lake}'" in err
+
+
+def test_counts_are_singular_when_one_and_local_policies_have_no_fake_version():
+    from pipeline.commands.policy import _policy_label
+    from pipeline.commands.train import _text
+
+    r = {"already_published": False, "checkpoint_id": "c", "policy_version": 1, "global_step": 1, "samples_seen": 8,
+         "seconds": 1.0, "resumed_from_step": None, "metrics": {}, "path": "p"}
+    assert "(1 step, 8 samples" in _text(r)
+    assert "(2 steps," in _text({**r, "global_step": 2})
+    assert _policy_label({"policy_version": -1}, "./dir") == "policy ./dir (a local directory, not a lake version)"
+    assert _policy_label({"policy_version": 3}, "latest") == "policy v3"
