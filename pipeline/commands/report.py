@@ -33,10 +33,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="x axis of the training plots: optimizer step (default), wall time or samples")
     p.add_argument("--pass-k", type=int, default=4, help="k of the second pass@k curve (default: 4)")
     p.add_argument("--receipts", type=int, default=25, help="rows in the latest-receipts table (default: 25)")
+    p.add_argument("--check", action="store_true",
+                   help=f"exit {EXIT_ALERT} when any alert fires (for cron or CI; the report is still written, and "
+                        "--json lists the alerts as alert_checks: [{check, message}])")
     p.set_defaults(handler=_report)
 
 
-def _report(args: argparse.Namespace) -> dict[str, Any] | None:
+EXIT_ALERT = 4   # `report --check`: the report was written and at least one alert fired (README "Exit codes")
+
+
+def _report(args: argparse.Namespace) -> int | None:
     from pipeline.cli import emit, open_lake
     from pipeline.errors import PipelineError
     from pipeline.report.build import ReportOptions, write_report
@@ -46,6 +52,11 @@ def _report(args: argparse.Namespace) -> dict[str, Any] | None:
     result = write_report(open_lake(args), args.out, ReportOptions(
         run_id=args.run_id, bucket=args.bucket, pass_k=args.pass_k, receipts=args.receipts, train_x=args.train_x))
     emit(result, args, text=_text)
+    if args.check and result.get("alerts"):
+        from pipeline.cli import note
+
+        note(f"{len(result['alerts'])} alert(s) fired (report --check exits {EXIT_ALERT})")
+        return EXIT_ALERT
     return None
 
 

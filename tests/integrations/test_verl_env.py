@@ -1,6 +1,6 @@
 """The project installs beside verl with verl's REAL dependency set, and the README's verl recipe runs as pasted.
 
-One fresh virtual environment gets torch 2.13.0 (the CPU wheel), then ``pip install verl==0.9.1 <this project>``
+One fresh virtual environment gets torch 2.13.0 (the CPU wheel), then ``pip install "verl[verl-core]==0.9.1" <this project>``
 resolved together (no ``--no-deps``, no constraints file): pip picks transformers 5.10.x for verl's
 ``<5.11``, which the project's ranges must accept. The environment is cached under ``.cache/`` keyed by the
 dependency lists, and the project's code is used from the working tree (PYTHONPATH), so an edit never needs a
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-VERL = "verl==0.9.1"
+VERL = "verl[verl-core]==0.9.1"   # plain verl misses what its ray_trainer imports (cachetools, uvicorn, fastapi)
 pytestmark = pytest.mark.slow
 
 
