@@ -93,7 +93,31 @@ def out(text: str = "", *, flush: bool = True) -> None:
 
 def note(text: str) -> None:
     """A message for the operator that is not the result (stderr)."""
-    print(text, file=sys.stderr, flush=True)
+    print(with_lake(text), file=sys.stderr, flush=True)
+
+
+# The --lake the operator gave to the running command (None: the default), for the commands hints suggest.
+_GIVEN_LAKE: str | None = None
+_GROUP_VERBS = ("snapshots", "lake", "policy", "jobs")   # verbs whose first word after them is an action
+_SUGGESTED = re.compile(r"\bpipeline ((?:%s) [a-z][a-z-]*|%s)\b" % (
+    "|".join(_GROUP_VERBS), "|".join(v for v in VERBS if v not in _GROUP_VERBS)))
+
+
+def with_lake(text: str, lake: str | None = None) -> str:
+    """``text`` with ``--lake URI`` added to every ``pipeline VERB ...`` command it suggests, when the operator
+    gave a --lake (a hint to run ``pipeline snapshots list`` must list the same lake's snapshots)."""
+    lake = lake if lake is not None else _GIVEN_LAKE
+    if not lake or not text:
+        return text
+    import shlex
+
+    flag = f" --lake {shlex.quote(lake)}"
+
+    def add(m: re.Match[str]) -> str:
+        rest = text[m.end():m.end() + 200].split("\n", 1)[0]
+        return m.group(0) if "--lake" in rest else m.group(0) + flag
+
+    return _SUGGESTED.sub(add, text)
 
 
 def open_lake(args_or_uri: argparse.Namespace | str | None, *, create: bool = False):
@@ -257,7 +281,9 @@ def stdout_for_results() -> Iterator[TextIO]:
 def add_config_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, metavar="FILE", help="YAML config file")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one config key (repeatable)")
+                        help="override one config key (repeatable); KEY or SECTION.KEY (train.lr=1e-4)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (defaults <- --config <- --set) and exit without running")
 
 
 def config_keys_epilog(module: str, cls: str) -> str:
@@ -360,6 +386,8 @@ def clean_message(text: str | None) -> str | None:
 
 def _error(exc: PipelineError, args: argparse.Namespace, code: int) -> None:
     message, hint = clean_message(exc.message), clean_message(exc.hint)
+    lake = getattr(args, "lake", None)
+    message, hint = with_lake(message or "", lake) or message, with_lake(hint, lake) if hint else hint
     if getattr(args, "json", False):
         try:
             out(json.dumps({"error": message, "hint": hint, "kind": type(exc).__name__, "exit_code": code}))
@@ -377,11 +405,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_OK
     verbose = bool(getattr(args, "verbose", False))
+    global _GIVEN_LAKE
+    _GIVEN_LAKE = getattr(args, "lake", None)
     result: Any = None
     try:
         with quiet_third_party(verbose), _verbose_env(verbose), stdout_for_results():
             try:
-                result = args.handler(args)
+                result = _run_handler(args)
             except BrokenPipeError:
                 # the reader went away (`pipeline sql ... | head`): not an error of ours
                 result = EXIT_OK
@@ -412,6 +442,30 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(result, int):
         return result
     return EXIT_OK
+
+
+def _run_handler(args: argparse.Namespace) -> Any:
+    """Call the command's handler; with --print-config, print the config it resolved instead of running."""
+    if not getattr(args, "print_config", False):
+        return args.handler(args)
+    from pipeline import config as config_module
+
+    config_module.PRINT_CONFIG = True
+    try:
+        args.handler(args)
+    except config_module.ConfigPrinted as printed:
+        tree = {printed.section: printed.resolved} if printed.section else printed.resolved
+        if getattr(args, "json", False):
+            out(json.dumps(tree, default=str, sort_keys=True))
+        else:
+            import yaml
+
+            out(yaml.safe_dump(tree, sort_keys=True, default_flow_style=False).rstrip())
+        return EXIT_OK
+    finally:
+        config_module.PRINT_CONFIG = False
+    raise PipelineError("--print-config: this command resolved no config before finishing",
+                        hint="report it: every command with --config should load its config first")
 
 
 @contextlib.contextmanager

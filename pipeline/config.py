@@ -164,40 +164,137 @@ def check_ranges(cfg: Any) -> None:
                                       hint=f"{f.name}: {f.metadata.get('help', '')}".rstrip(": "))
 
 
-def load_config(cls: type[T], file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> T:
-    """Defaults <- YAML ``file`` <- ``overrides``; unknown keys are errors."""
+# The experiment file's sections: one per command that reads a stage config. A config class names its
+# section with a ``config_section`` class attribute; an experiment file holds ``rollout:``, ``admission:``,
+# ``train:`` ... mappings, and each command reads its own.
+SECTIONS = ("rollout", "admission", "train", "demo", "maintain", "policy")
+
+
+class ConfigPrinted(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Raised by :func:`load_config` when ``--print-config`` asked for the resolved config instead of a run."""
+
+    def __init__(self, section: str | None, resolved: dict[str, Any]):
+        super().__init__(section)
+        self.section = section
+        self.resolved = resolved
+
+
+# Set by the CLI for one command run with --print-config (see pipeline.cli.main).
+PRINT_CONFIG = False
+
+
+def section_of(cls: type) -> str | None:
+    """The experiment-file section a config class is read from (None: flat files only)."""
+    return getattr(cls, "config_section", None)
+
+
+def did_you_mean(key: str, known: list[str] | tuple[str, ...]) -> str | None:
+    """``"did you mean `lr`?"`` for a key close to a known one, else None."""
+    import difflib
+
+    close = difflib.get_close_matches(key, list(known), n=3, cutoff=0.6)
+    if not close:
+        return None
+    return "did you mean " + " or ".join(f"`{c}`" for c in close) + "?"
+
+
+def _unknown_keys_error(unknown: list[str], known: list[str], where: str) -> ConfigError:
+    guesses = [f"{k}: {g}" for k in unknown if (g := did_you_mean(k, known))]
+    hint = "; ".join(guesses) if guesses else f"known keys: {', '.join(known)}"
+    if guesses:
+        hint += " (all keys: `--help`, or --print-config for the resolved values)"
+    return ConfigError(f"unknown config key(s) {unknown} for {where}", hint=hint)
+
+
+def _read_file(file: str | Path) -> dict[str, Any]:
     import yaml
 
-    values: dict[str, Any] = {}
-    if file is not None:
-        try:
-            loaded = yaml_load(Path(file).read_text()) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file {file} does not exist") from None
-        except IsADirectoryError:
-            raise ConfigError(f"config file {file} is a directory") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"config file {file} is not UTF-8 text") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {file} is not valid YAML: {_first_line(exc)}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {file} must hold a mapping of key: value")
-        values.update(loaded)
-    values.update(overrides or {})
+    try:
+        loaded = yaml_load(Path(file).read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {file} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {file} is a directory") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {file} is not UTF-8 text") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {file} is not valid YAML: {_first_line(exc)}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {file} must hold a mapping of key: value")
+    return loaded
+
+
+def _section_values(cls: type, file: str | Path | None, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The values for ``cls`` from a flat or sectioned file plus flat or dotted overrides, with
+    OmegaConf interpolations (``${train.seed}``) resolved across the whole experiment tree."""
+    section = section_of(cls)
+    loaded = _read_file(file) if file is not None else {}
+    if section is None:   # a config that is not a section of experiment files: flat keys only
+        return {**loaded, **overrides}
+    sectioned = any(k in SECTIONS for k in loaded)
+    if sectioned:
+        stray = sorted(k for k in loaded if k not in SECTIONS)
+        if stray:
+            raise ConfigError(
+                f"config file {file} mixes sections ({', '.join(k for k in SECTIONS if k in loaded)}) with "
+                f"top-level key(s) {stray}",
+                hint="; ".join(g for k in stray if (g := did_you_mean(k, SECTIONS)))
+                or f"put each key under its stage's section ({', '.join(SECTIONS)})")
+        for name in SECTIONS:
+            if name in loaded and not isinstance(loaded[name] or {}, dict):
+                raise ConfigError(f"config file {file}: section `{name}` must be a mapping of key: value")
+        tree: dict[str, Any] = {k: dict(v or {}) for k, v in loaded.items()}
+    else:
+        tree = {section: dict(loaded)}
+    tree.setdefault(section, {})
+    for key, value in overrides.items():
+        head, dot, rest = key.partition(".")
+        if dot and head in SECTIONS:
+            if head != section:
+                raise ConfigError(
+                    f"override {key!r} is for the `{head}` section; this command reads `{section}`",
+                    hint=f"write --set {section}.KEY=VALUE (or KEY=VALUE) for this command; "
+                         f"pass `{head}.` overrides to the command that reads `{head}`")
+            key = rest
+        tree[section][key] = value
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        resolved = OmegaConf.to_container(OmegaConf.create(tree), resolve=True)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"config for `{section}`: {_first_line(exc)}",
+                          hint="interpolations are written ${section.key}, e.g. ${train.seed}") from None
+    assert isinstance(resolved, dict)
+    values = resolved[section]
+    assert isinstance(values, dict)
+    return {str(k): v for k, v in values.items()}
+
+
+def load_config(cls: type[T], file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> T:
+    """Defaults <- YAML ``file`` <- ``overrides``; unknown keys are errors.
+
+    ``file`` is either flat (``key: value`` for this command, as before) or an experiment tree with one
+    section per stage (``rollout:``, ``admission:``, ``train:``, ...: :data:`SECTIONS`), of which the
+    command reads its own (the class's ``config_section``). Overrides are ``key`` or ``section.key``
+    (``--set train.lr=1e-4``); values may interpolate others (``${train.seed}``, OmegaConf syntax).
+    """
+    values = _section_values(cls, file, dict(overrides or {}))
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ConfigError(
-            f"unknown config key(s) {unknown} for {cls.__name__}",
-            hint=f"known keys: {', '.join(sorted(fields))}",
-        )
+        section = section_of(cls)
+        raise _unknown_keys_error(unknown, sorted(fields),
+                                  cls.__name__ + (f" (section `{section}`)" if section else ""))
     kwargs = {k: _coerce(k, v, hints[k]) for k, v in values.items()}
     try:
         cfg = cls(**kwargs)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{cls.__name__}: {exc}") from None
     check_ranges(cfg)
+    if PRINT_CONFIG:
+        raise ConfigPrinted(section_of(cls), json.loads(config_json(cfg)))
     return cfg
 
 

@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
@@ -37,6 +37,8 @@ if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
 
 @dataclass(frozen=True)
 class DemoConfig:
+    config_section: ClassVar[str] = "demo"   # its section in an experiment file (pipeline.config.SECTIONS)
+
     iterations: int = field(default=6, metadata={"ge": 1, "help": "rollout -> admit -> train -> publish rounds"})
     groups: int = field(default=32, metadata={"ge": 1, "help": "GRPO groups sampled per iteration"})
     group_size: int = field(default=8, metadata={"ge": 2, "help": "samples per group (G)"})

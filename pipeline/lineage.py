@@ -548,7 +548,7 @@ def walk(lake: Lake, checkpoint_id: str, *, with_trajectories: bool = True, max_
 
 def format_walk(w: dict[str, Any]) -> str:
     lines = [f"checkpoint {w['checkpoint_id']}  policy version {w['policy_version']}  "
-             f"(parent {w['parent_checkpoint_id'] or '-'}, {w['global_step']} steps, seed {w['seed']}, "
+             f"(parent {w['parent_checkpoint_id'] or '-'}, {w['global_step']} step{'' if w['global_step'] == 1 else 's'}, seed {w['seed']}, "
              f"world size {w['world_size']}, code {w['code_version']})"]
     for s in w["snapshots"]:
         lines.append(f"  <- snapshot {s['snapshot_id']}: {s.get('members', '?')} members in {s.get('groups', '?')} "

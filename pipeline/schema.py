@@ -198,6 +198,11 @@ def arrow_schema(name: str) -> pa.Schema:
     return table_spec(name).arrow_schema()
 
 
+def _cell(text: str) -> str:
+    """Text for one markdown table cell: one line, ``|`` escaped."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
 def markdown(names: tuple[str, ...] = TABLES) -> str:
     """The README's schema section, generated from the specs."""
     out = []
@@ -207,7 +212,7 @@ def markdown(names: tuple[str, ...] = TABLES) -> str:
         if spec.key:
             out.append(f"Key: `{', '.join(spec.key)}`." + (
                 f" Partitioned by `{', '.join(spec.partition_by)}`." if spec.partition_by else ""))
-        out.append("| column | type | required | rules | description |\n|---|---|---|---|---|")
+        rows = ["| column | type | required | rules | description |", "|---|---|---|---|---|"]
         for c in spec.columns:
             rules = []
             if c.enum:
@@ -231,7 +236,8 @@ def markdown(names: tuple[str, ...] = TABLES) -> str:
             if not c.hashed and c.ingest != "derived":
                 rules.append("not in content_hash")
             req = "yes" if c.required else "no"
-            out.append(f"| {c.name} | `{c.type_text}` | {req} | {'; '.join(rules)} | {c.description} |")
+            rows.append(f"| {c.name} | `{c.type_text}` | {req} | {_cell('; '.join(rules))} | {_cell(c.description)} |")
+        out.append("\n".join(rows))   # one block: a blank line between rows would end the table
         if spec.invariants:
             out.append("\nInvariants:\n" + "\n".join(f"- {i.description}" for i in spec.invariants))
         out.append("")

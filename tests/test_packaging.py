@@ -29,6 +29,26 @@ def test_readme_schema_section_is_generated_from_schemas(tmp_path):
     assert not update_readme(copy), "README.md schema section is stale: run python -m pipeline.schema --update-readme"
 
 
+def test_readme_schema_tables_render_as_one_table_each():
+    """Each table's column list is one markdown table: header, separator and one row per column with no
+    blank line between (a blank line ends a markdown table, and the rest renders as loose text)."""
+    from pipeline.schema import TABLES, markdown, table_spec
+
+    text = markdown()
+    for name in TABLES:
+        section = text.split(f"### {name}\n", 1)[1].split("\n### ", 1)[0]
+        lines = section.splitlines()
+        start = lines.index("| column | type | required | rules | description |")
+        block = []
+        for line in lines[start:]:
+            if not line.startswith("|"):
+                break
+            block.append(line)
+        columns = table_spec(name).columns
+        assert len(block) == 2 + len(columns), f"{name}: the table stops after {len(block) - 2} of {len(columns)} rows"
+        assert all(row.count(" | ") - row.count("\\|") == 4 for row in block[2:]), f"{name}: a cell holds a bare |"
+
+
 def test_every_schema_file_parses_and_has_descriptions():
     from pipeline.resources import resource_dir
     from pipeline.schema import table_spec

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pipeline.admission.rules import BATCH_FIELDS  # the configuration one snapshot holds
 from pipeline.errors import ConfigError
@@ -41,6 +41,8 @@ def parse_gate(text: str) -> Gate:
 
 @dataclass(frozen=True)
 class AdmissionConfig:
+    config_section: ClassVar[str] = "admission"   # its section in an experiment file (pipeline.config.SECTIONS)
+
     max_policy_lag: int = field(default=1, metadata={"ge": 0,
         "help": "Exclude members whose oldest sampled token is more than this many versions behind "
                 "the current policy (stale_policy)."})

@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _ingest(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pipeline.cli import emit, note, open_lake
+    from pipeline.cli import emit, note, open_lake, with_lake
     from pipeline.errors import InputFileError
     from pipeline.lake.ingest import ingest_files
 
@@ -32,7 +32,7 @@ def _ingest(args: argparse.Namespace) -> int:
                                  hint="give Parquet, Arrow IPC or JSON-lines files")
     report = ingest_files(open_lake(args, create=True), args.files, command="pipeline ingest")
     out = report.as_dict()
-    emit(out, args, lambda r: (
+    emit(out, args, lambda r: with_lake(
         f"ingest {r['ingest_id']}: {r['rows_read']} rows read from {r['files']} file(s): "
         f"{r['landed']} landed, {r['duplicates']} duplicate, {r['quarantined']} quarantined"
         + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(r['reasons'].items()))})" if r["reasons"] else "")

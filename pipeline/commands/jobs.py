@@ -1,4 +1,4 @@
-"""CLI: `pipeline jobs list|run NAME|schedule`."""
+"""CLI: `pipeline jobs list|run NAME|schedule|render-k8s`."""
 
 from __future__ import annotations
 
@@ -24,7 +24,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--only", action="append", default=None, help="schedule only these jobs (repeatable)")
     s.add_argument("--for-seconds", type=float, default=None, help="stop after this long (default: until Ctrl-C)")
     s.set_defaults(handler=_schedule)
+    k = common(jsub.add_parser("render-k8s", help="write the Kubernetes CronJobs of the jobs (cronjobs.yaml)"))
+    k.add_argument("--out", default=None, metavar="DIR",
+                   help="directory to write cronjobs.yaml into (default: ./infra/k8s when run from a checkout)")
+    k.add_argument("--image", default=None,
+                   help="container image of every job (default: trajectory-lakehouse:VERSION-cpu)")
+    k.add_argument("--jobs-dir", default=None, help=jobs_dir_help)
+    k.set_defaults(handler=_render_k8s)
     jobs.set_defaults(handler=lambda a: jobs.print_help())
+
+
+def _render_k8s(args):
+    from pathlib import Path
+
+    from pipeline.cli import emit
+    from pipeline.errors import ConfigError
+    from pipeline.jobs import load_jobs, render_cronjobs
+
+    if args.out is None:
+        if not Path("infra/k8s").is_dir():
+            raise ConfigError("no ./infra/k8s here to write cronjobs.yaml into", hint="pass --out DIR")
+        args.out = "infra/k8s"
+    out = Path(args.out) / "cronjobs.yaml"
+    text = render_cronjobs(load_jobs(args.jobs_dir), image=args.image)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    emit({"path": str(out), "cronjobs": text.count("kind: CronJob")}, args,
+         lambda r: f"wrote {r['path']} ({r['cronjobs']} CronJobs)")
 
 
 def _list(args):

@@ -14,13 +14,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+# --help text: the docstring without its first line (the module's name, which --help's usage line already says)
+DESCRIPTION = "The rollout health report: one self-contained HTML file with plots.\n\n" + \
+    (__doc__ or "").split("\n", 1)[1].strip("\n")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     from pipeline.cli import common
 
     p = common(sub.add_parser(
         "report", help="the rollout health report: one self-contained HTML file with plots",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--run-id", default=None, help="only this experiment (default: every run)")
     p.add_argument("--out", default="report.html", metavar="FILE", help="HTML file to write (default: report.html)")
     p.add_argument("--bucket", default="auto", choices=["auto", "second", "minute", "hour", "day", "week"],
@@ -29,10 +33,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="x axis of the training plots: optimizer step (default), wall time or samples")
     p.add_argument("--pass-k", type=int, default=4, help="k of the second pass@k curve (default: 4)")
     p.add_argument("--receipts", type=int, default=25, help="rows in the latest-receipts table (default: 25)")
+    p.add_argument("--check", action="store_true",
+                   help=f"exit {EXIT_ALERT} when any alert fires (for cron or CI; the report is still written, and "
+                        "--json lists the alerts as alert_checks: [{check, message}])")
     p.set_defaults(handler=_report)
 
 
-def _report(args: argparse.Namespace) -> dict[str, Any] | None:
+EXIT_ALERT = 4   # `report --check`: the report was written and at least one alert fired (README "Exit codes")
+
+
+def _report(args: argparse.Namespace) -> int | None:
     from pipeline.cli import emit, open_lake
     from pipeline.errors import PipelineError
     from pipeline.report.build import ReportOptions, write_report
@@ -42,6 +52,11 @@ def _report(args: argparse.Namespace) -> dict[str, Any] | None:
     result = write_report(open_lake(args), args.out, ReportOptions(
         run_id=args.run_id, bucket=args.bucket, pass_k=args.pass_k, receipts=args.receipts, train_x=args.train_x))
     emit(result, args, text=_text)
+    if args.check and result.get("alerts"):
+        from pipeline.cli import note
+
+        note(f"{len(result['alerts'])} alert(s) fired (report --check exits {EXIT_ALERT})")
+        return EXIT_ALERT
     return None
 
 

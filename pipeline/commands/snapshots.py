@@ -16,10 +16,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls = common(ssub.add_parser("list", help="every snapshot of the lake, newest first"))
     ls.set_defaults(handler=_list)
     sh = common(ssub.add_parser("show", help="a snapshot's row, manifest and decision counts"))
-    sh.add_argument("snapshot_id", help="the 64-character id `pipeline admit` printed")
+    sh.add_argument("snapshot_id", help="the id `pipeline admit` printed, or a unique prefix of it (>= 6 characters)")
     sh.set_defaults(handler=_show)
     vf = common(ssub.add_parser("verify", help="rehash a snapshot's files against its manifest and the table"))
-    vf.add_argument("snapshot_id", help="the 64-character id `pipeline admit` printed")
+    vf.add_argument("snapshot_id", help="the id `pipeline admit` printed, or a unique prefix of it (>= 6 characters)")
     vf.set_defaults(handler=_verify)
     s.set_defaults(handler=lambda args: s.print_help() or 0)
 
@@ -46,14 +46,16 @@ def _show(args: argparse.Namespace) -> None:
 
     import pyarrow.compute as pc
 
-    from pipeline.snapshots.format import open_snapshot
     from pipeline.cli import emit, open_lake
+    from pipeline.snapshots.format import open_snapshot, resolve_snapshot_id
 
     lake = open_lake(args)
-    snap = open_snapshot(lake, args.snapshot_id)
-    rows = [r for r in lake.read("snapshots").to_pylist() if r["snapshot_id"] == args.snapshot_id]
+    snapshot_id = resolve_snapshot_id(lake, args.snapshot_id)
+    snap = open_snapshot(lake, snapshot_id)
+    rows = [r for r in lake.read("snapshots").to_pylist() if r["snapshot_id"] == snapshot_id] \
+        if lake.exists("snapshots") else []
     rec = lake.read("receipts", columns=["decision", "snapshot_id"])
-    rec = rec.filter(pc.equal(rec.column("snapshot_id"), args.snapshot_id))
+    rec = rec.filter(pc.equal(rec.column("snapshot_id"), snapshot_id))
     out = {"snapshot_id": snap.snapshot_id, "path": snap.path, "manifest_sha256": snap.manifest_sha256,
            "manifest": snap.manifest, "registered": bool(rows), "receipted_groups": rec.num_rows}
     if rows:
@@ -62,14 +64,44 @@ def _show(args: argparse.Namespace) -> None:
         row["quality"] = json.loads(row.pop("quality_json") or "null")
         row.pop("config_json", None)
         out["row"] = row
-    emit(out, args, lambda d: json.dumps(d, indent=1, default=str, sort_keys=True))
+    emit(out, args, _show_text)
+
+
+def _show_text(d: dict) -> str:
+    """The snapshot as a person reads it (``--json`` gives the whole document)."""
+    m, row = d["manifest"], d.get("row") or {}
+    lines = [f"snapshot {d['snapshot_id']}",
+             f"  path:        {d['path']}",
+             f"  registered:  {'yes' if d['registered'] else 'no (files only: its snapshots row is missing)'}",
+             f"  estimator:   {m.get('advantage_estimator', row.get('advantage_estimator', '-'))}",
+             f"  members:     {m.get('num_members', row.get('num_members', '-'))}"
+             + (f" in {row['num_groups']} groups, {row['num_tokens']} tokens" if row else ""),
+             f"  receipts:    {d['receipted_groups']} group decision(s) point at it"]
+    if row:
+        lines += [f"  created:     {row.get('created_at')}",
+                  f"  policy:      current version {row.get('current_policy_version')} at admission",
+                  f"  config:      {row.get('config_hash')}",
+                  "  sources:     " + (", ".join(f"{k}@v{v}" for k, v in sorted(row.get("source_versions", {}).items()))
+                                      or "-")]
+        quality = row.get("quality")
+        if isinstance(quality, dict) and quality:
+            lines.append("  quality:     " + ", ".join(f"{k}={v}" for k, v in sorted(quality.items())
+                                                        if not isinstance(v, (dict, list))))
+    files = m.get("files", {})
+    sizes = [f"{name} ({meta['rows']} rows, {meta['bytes']:,} bytes)" if "bytes" in meta else name
+             for name, meta in files.items()]
+    lines.append(f"  files:       {', '.join(sizes)}")
+    lines.append(f"  manifest:    sha256 {d['manifest_sha256']}")
+    lines.append("(--json prints the whole manifest and row)")
+    return "\n".join(lines)
 
 
 def _verify(args: argparse.Namespace) -> None:
-    from pipeline.snapshots.format import verify_snapshot
     from pipeline.cli import emit, open_lake
+    from pipeline.snapshots.format import resolve_snapshot_id, verify_snapshot
 
-    out = verify_snapshot(open_lake(args), args.snapshot_id)
+    lake = open_lake(args)
+    out = verify_snapshot(lake, resolve_snapshot_id(lake, args.snapshot_id))
     emit(out, args, lambda d: f"ok: snapshot {d['snapshot_id']} verifies ({d['members']} members, "
                               f"{d['files']} file(s), registered={d['registered']})\n{d['snapshot_id']}")
     return None

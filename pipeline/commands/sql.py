@@ -31,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--as-of", action="append", default=None, metavar="[TABLE=]VERSION|TIME",
                    help="time travel: VERSION (trajectories), TABLE=VERSION, or an ISO time for every table")
     p.add_argument("--csv", action="store_true", help="print CSV (LF line ends)")
+    p.add_argument("--wide", action="store_true",
+                   help="never cut long values in the aligned table (by default columns but the last are cut "
+                        "at 60 characters, and the output says so)")
     p.add_argument("--list", action="store_true", help="list the named queries in sql/")
     p.set_defaults(handler=_sql)
 
@@ -147,10 +150,12 @@ def _sql(args: argparse.Namespace) -> None:
             raise ConfigError(f"--as-of {', '.join(bad)}: no such table",
                               hint=f"tables: {', '.join(ALL_TABLES)}")
     table = query(open_lake(args), sql, params=params, as_of=as_of)
-    print_table(table, as_json=args.json, as_csv=args.csv, out=result_stream())
+    print_table(table, as_json=args.json, as_csv=args.csv, out=result_stream(), max_width=0 if args.wide else 60)
 
 
 def print_table(table, *, as_json: bool = False, as_csv: bool = False, out=None, max_width: int = 60) -> None:
+    """Print ``table``: JSON, CSV, or an aligned text table whose cells, except the last column's (nothing is
+    aligned after it), are cut at ``max_width`` characters (0: never), with a note when any was."""
     out = out or sys.stdout
     rows = table.to_pylist()
     if as_json:
@@ -162,7 +167,10 @@ def print_table(table, *, as_json: bool = False, as_csv: bool = False, out=None,
         for r in rows:
             w.writerow([r[c] for c in table.column_names])
         return
-    cells = [[_fmt(r[c], max_width) for c in table.column_names] for r in rows]
+    last = len(table.column_names) - 1
+    full = [[_fmt(r[c], 0) for c in table.column_names] for r in rows]
+    cells = [[_fmt(r[c], max_width if i < last else 0) for i, c in enumerate(table.column_names)] for r in rows]
+    cut = any(a != b for fr, cr in zip(full, cells) for a, b in zip(fr, cr))
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(table.column_names)]
     buf = io.StringIO()
     buf.write("  ".join(c.ljust(w) for c, w in zip(table.column_names, widths)).rstrip() + "\n")
@@ -170,6 +178,8 @@ def print_table(table, *, as_json: bool = False, as_csv: bool = False, out=None,
     for row in cells:
         buf.write("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() + "\n")
     buf.write(f"({len(rows)} row{'s' if len(rows) != 1 else ''})\n")
+    if cut:
+        buf.write(f"(values over {max_width} characters are cut with …; --wide, --csv or --json print them whole)\n")
     out.write(buf.getvalue())
 
 
@@ -180,4 +190,4 @@ def _fmt(v, max_width: int) -> str:
         s = f"{v:.6g}"
     else:
         s = str(v)
-    return s if len(s) <= max_width else s[: max_width - 1] + "…"
+    return s if max_width <= 0 or len(s) <= max_width else s[: max_width - 1] + "…"

@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "and publishes it as the next policy version, with a metrics row per step and lineage.",
         epilog=keys,
         formatter_class=argparse.RawDescriptionHelpFormatter))
-    p.add_argument("--batch-snapshot", required=True, metavar="ID", help="snapshot id (pipeline admit prints it)")
+    p.add_argument("--batch-snapshot", required=True, metavar="ID", help="snapshot id (pipeline admit prints it), or a unique prefix of it (>= 6 characters)")
     add_config_options(p)
     p.add_argument("--from-checkpoint", default=None, metavar="ID",
                    help="start from this checkpoint id, policy version or HF directory (default: newest published)")
@@ -41,7 +41,11 @@ def _train(args: argparse.Namespace) -> int | None:
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: must be >= 1")
     src = args.from_checkpoint
-    res = train_snapshot(open_lake(args), args.batch_snapshot, cfg, from_checkpoint=src, resume=args.resume,
+    from pipeline.snapshots.format import resolve_snapshot_id
+
+    lake = open_lake(args)
+    res = train_snapshot(lake, resolve_snapshot_id(lake, args.batch_snapshot), cfg, from_checkpoint=src,
+                         resume=args.resume,
                          nproc=args.nproc, force=args.force, progress=False if args.no_progress else None)
     emit(res.to_dict(), args, _text)
     if res.worker_exit_codes and any(res.worker_exit_codes):
@@ -61,7 +65,8 @@ def _text(r: dict) -> str:
         head = f"already published: checkpoint {r['checkpoint_id']} (policy version {r['policy_version']})"
     else:
         head = (f"checkpoint {r['checkpoint_id']} published as policy version {r['policy_version']} "
-                f"({r['global_step']} steps, {r['samples_seen']} samples, {r['seconds']:.1f} s"
+                f"({r['global_step']} step{'' if r['global_step'] == 1 else 's'}, {r['samples_seen']} samples, "
+                f"{r['seconds']:.1f} s"
                 + (f", resumed at step {r['resumed_from_step']}" if r["resumed_from_step"] is not None else "") + ")")
     m = r["metrics"]
     tail = (f"\n  loss {m.get('loss_first', float('nan')):.4f} -> {m.get('loss_last', float('nan')):.4f}, "

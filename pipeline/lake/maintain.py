@@ -16,7 +16,7 @@ so `--as-of` queries and lineage can read the exact rows it saw.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pipeline.schema import ALL_TABLES, table_spec
 
@@ -27,6 +27,8 @@ if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
 @dataclass(frozen=True)
 class MaintainConfig:
     """Config keys of ``pipeline lake maintain`` (``--config`` / ``--set``)."""
+
+    config_section: ClassVar[str] = "maintain"   # its section in an experiment file (pipeline.config.SECTIONS)
 
     keep_checkpoints: int = field(default=0, metadata={"ge": 0, "help":
         "keep the DeepSpeed state (optimizer, RNG) of the newest N policy versions and remove it from older ones "

@@ -77,17 +77,42 @@ def connect(lake: Lake, *, as_of: dict[str, int | datetime] | int | datetime | N
         except NotFoundError:
             if lake.exists(name):  # the table is there, the version is not
                 raise
+            if name in versions:   # --as-of TABLE=... for a table that has never existed: say so, not 0 rows
+                raise NotFoundError(f"--as-of {_as_of_text(version)}: table {name} does not exist in this lake",
+                                    hint="drop --as-of for it, or query a table that exists "
+                                         "(pipeline lake info lists them)") from None
             if _has_spec(name):
                 # an empty view with the declared schema, so named queries run on a new lake
                 con.register(f"__ds_{name}", table_spec(name).arrow_schema().empty_table())
                 con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT * FROM "__ds_{name}"')
             continue
+        if isinstance(version, datetime):
+            _check_existed_at(name, dt, version)
         if not (lake.is_local and _parquet_view(con, name, dt, same_schema=_never_evolved(lake, name, dt))):
             con.register(f"__ds_{name}", lake.arrow_dataset(name, dt))
             con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT * FROM "__ds_{name}"')
     if tables is None or "component_tags" in tables:
         _component_tags_view(con)
     return con
+
+
+def _as_of_text(version: int | datetime) -> str:
+    return version.isoformat() if isinstance(version, datetime) else str(version)
+
+
+def _check_existed_at(name: str, dt: Any, at: datetime) -> None:
+    """deltalake loads version 0 for a time before the table's first commit; a query as of a time the
+    table did not exist yet is refused instead of answering from a version that was not there."""
+    from pipeline.errors import NotFoundError
+
+    first = min((h.get("timestamp") for h in dt.history() if h.get("timestamp") is not None), default=None)
+    if first is None:
+        return
+    created = datetime.fromtimestamp(first / 1000, tz=at.tzinfo) if at.tzinfo else datetime.fromtimestamp(first / 1000)
+    if at < created:
+        raise NotFoundError(f"--as-of {at.isoformat()}: table {name} did not exist yet (first commit "
+                            f"{created.isoformat()})",
+                            hint=f"use a time after {created.isoformat()}, or {name}=VERSION for a table version")
 
 
 def _component_tags_view(con: duckdb.DuckDBPyConnection) -> None:
@@ -239,9 +264,22 @@ def query(lake: Lake, sql: str, *, params: dict[str, Any] | None = None,
             raise SQLError("--as-of: a data file of that table version no longer exists (removed by vacuum)",
                            hint="pipeline lake maintain keeps only the versions snapshots were admitted from; "
                                 "query a newer version (pipeline lake info shows the current ones)") from None
+        missing_table = re.search(r"Table with name (\S+) does not exist", msg)
+        if missing_table:
+            raise _unknown_table(missing_table.group(1).strip('"'), con) from None
         raise SQLError(f"SQL failed: {msg}") from None
     finally:
         con.close()
+
+
+def _unknown_table(name: str, con: duckdb.DuckDBPyConnection) -> SQLError:
+    """DuckDB suggests its catalog's own tables ("Did you mean pg_attribute?"); suggest the lake's."""
+    import difflib
+
+    known = sorted(set(ALL_TABLES) | {"component_tags"})
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+    hint = ("did you mean " + " or ".join(close) + "? " if close else "") + f"the lake's tables: {', '.join(known)}"
+    return SQLError(f"no table named {name} in the lake", hint=hint)
 
 
 _PARAM_LINE = re.compile(r"^\s*--\s*@param\s+([A-Za-z_][A-Za-z0-9_]*)\s*(?:=\s*('(?:[^']|'')*'|\S+))?", re.M)

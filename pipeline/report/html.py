@@ -32,6 +32,7 @@ class Table:
 class Note:
     text: str
     kind: Literal["empty", "error", "info", "alert"] = "info"
+    check: str = ""   # for an alert: the check that raised it (a key of pipeline.report.build.ALERTS)
 
 
 @dataclass

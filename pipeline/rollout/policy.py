@@ -23,7 +23,7 @@ import random
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pipeline.config import config_dict, config_hash
 from pipeline.errors import ConflictError
@@ -36,6 +36,8 @@ if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
 
 @dataclass(frozen=True)
 class PolicyInitConfig:
+    config_section: ClassVar[str] = "policy"   # its section in an experiment file (pipeline.config.SECTIONS)
+
     seed: int = field(default=0, metadata={"ge": 0, "help": "model init, demonstration sampling and training seed"})
     hidden_size: int = field(default=64, metadata={"ge": 1, "help": "model width"})
     num_layers: int = field(default=2, metadata={"ge": 1, "help": "transformer blocks"})

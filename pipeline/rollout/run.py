@@ -42,7 +42,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pipeline.config import config_dict
 from pipeline.rollout.engine import Sampling, derive_seed
@@ -55,6 +55,8 @@ if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
 
 @dataclass(frozen=True)
 class RolloutConfig:
+    config_section: ClassVar[str] = "rollout"   # its section in an experiment file (pipeline.config.SECTIONS)
+
     env: str = field(default="arithmetic-tool", metadata={"help": "environment name (or module:Class)"})
     engine: Literal["hf", "vllm"] = field(default="hf", metadata={"help": "generation engine"})
     policy: str = field(default="latest", metadata={

@@ -207,7 +207,7 @@ def render_text(s: dict[str, Any]) -> str:
              f"{s['events']:,} events ({s['events_per_s'] or 0:,}/s)"]
     lines.append(f"  completions {s['completions']:,} (infra_failed {s['infra_failed']:,}, expired {s['expired']:,}); "
                  f"decided {s['decided']:,}; admitted {s['admitted']:,} ({s['admitted_per_hour']:,.0f}/h); "
-                 f"trained {s['trained']:,} in {s['steps']} steps")
+                 f"trained {s['trained']:,} in {s['steps']} step{'' if s['steps'] == 1 else 's'}")
     lines.append(f"  rejection rate: {s['slow_class']} {fmt(s['rejection_rate_slow'], '{:.1%}')} vs rest "
                  f"{fmt(s['rejection_rate_rest'], '{:.1%}')} (freshness only: {fmt(s['stale_rate_slow'], '{:.1%}')} "
                  f"vs {fmt(s['stale_rate_rest'], '{:.1%}')}); {s['slow_class']} share: created "

@@ -69,6 +69,31 @@ def check_snapshot_id(snapshot_id: str) -> str:
     return snapshot_id
 
 
+MIN_PREFIX = 6   # a shorter prefix of a sha256 id is too likely to match several snapshots to be worth accepting
+
+
+def resolve_snapshot_id(lake: Lake, ref: str) -> str:
+    """The full id for ``ref``: a full id as it is, or a unique prefix of a registered snapshot's id (the
+    12-character ids reports and progress lines show). An ambiguous or unknown prefix is an error."""
+    check_snapshot_id(ref)
+    if len(ref) == 64 or not re.fullmatch(r"[0-9a-f]+", ref):
+        return ref
+    if len(ref) < MIN_PREFIX:
+        raise NotFoundError(f"{ref!r} is too short for a snapshot id prefix (at least {MIN_PREFIX} characters)",
+                            hint="pipeline snapshots list shows the snapshots of this lake")
+    ids: list[str] = []
+    if lake.exists("snapshots"):
+        ids = [i for i in lake.read("snapshots", columns=["snapshot_id"]).column(0).to_pylist() if i.startswith(ref)]
+    matches = sorted(set(ids))
+    if len(matches) == 1:
+        return matches[0]
+    if len(matches) > 1:
+        raise NotFoundError(f"snapshot id prefix {ref} matches {len(matches)} snapshots: "
+                            f"{', '.join(m[:16] + '…' for m in matches[:5])}",
+                            hint="give more characters of the id (pipeline snapshots list)")
+    return ref   # not registered: opening it says whether its files exist
+
+
 def snapshot_dir(snapshot_id: str) -> str:
     """Directory of a snapshot relative to the lake root."""
     return f"_snapshots/{check_snapshot_id(snapshot_id)}"

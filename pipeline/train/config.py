@@ -10,7 +10,7 @@ snapshot + parent + config always names the same checkpoint.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pipeline.errors import ConfigError
 
@@ -19,6 +19,8 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mea
 
 @dataclass(frozen=True)
 class TrainConfig:
+    config_section: ClassVar[str] = "train"   # its section in an experiment file (pipeline.config.SECTIONS)
+
     # -- optimisation -------------------------------------------------------
     seed: int = field(default=0, metadata={"ge": 0, "help": "seed for data order, dropout and every RNG"})
     lr: float = field(default=1e-5, metadata={"gt": 0, "help": "AdamW learning rate (constant after warmup)"})

@@ -120,3 +120,40 @@ def test_bucket_rates_sql(lake):
     assert got[("length", "<256")] == (2, 1, 0.5, 1, 0, 0)
     t2 = query(lake, sql_path("bucket_rates").read_text(), params={"run_id": "other"})
     assert t2.num_rows == 0
+
+
+def test_short_ids_and_readable_show(lake, make_traj, capsys):
+    """The 12-character ids reports and progress lines print are accepted; `show` prints text, not raw JSON."""
+    lake.append("trajectories", stamp_derived(make_traj(40, seed=1), "i1"), command="test")
+    sid = admit(lake, CFG).snapshot_id
+    capsys.readouterr()
+    assert main(["snapshots", "show", sid[:12], "--lake", lake.uri]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"snapshot {sid}\n") and "members:" in text and "{" not in text.splitlines()[1]
+    assert main(["snapshots", "show", sid[:12], "--lake", lake.uri, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["snapshot_id"] == sid
+    assert main(["snapshots", "verify", sid[:8], "--lake", lake.uri, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["snapshot_id"] == sid
+    assert main(["snapshots", "show", sid[:3], "--lake", lake.uri]) == 2
+    assert "too short" in capsys.readouterr().err
+    other = "0" * 12 if not sid.startswith("0" * 12) else "f" * 12
+    assert main(["snapshots", "show", other, "--lake", lake.uri]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_ambiguous_prefix_is_refused(lake, make_traj):
+    import pyarrow as pa
+
+    from pipeline.errors import NotFoundError
+    from pipeline.snapshots import format as fmt
+
+    lake.append("trajectories", stamp_derived(make_traj(40, seed=1), "i1"), command="test")
+    sid = admit(lake, CFG).snapshot_id
+    twin = sid[:8] + ("0" if sid[8] != "0" else "1") + sid[9:]   # shares 8 characters with sid
+    row = lake.read("snapshots").slice(0, 1)
+    row = row.set_column(row.schema.get_field_index("snapshot_id"), "snapshot_id", pa.array([twin]))
+    lake.append("snapshots", row, command="test")
+    with pytest.raises(NotFoundError, match="matches 2 snapshots"):
+        fmt.resolve_snapshot_id(lake, sid[:8])
+    assert fmt.resolve_snapshot_id(lake, sid[:9]) == sid
+    assert fmt.resolve_snapshot_id(lake, twin[:9]) == twin

@@ -316,6 +316,9 @@ def test_every_command_explains_every_option_and_config_key():
         has_actions = any(isinstance(a, argparse._SubParsersAction) for a in sub._actions)
         if not has_actions:
             assert sub.description, f"pipeline {' '.join(path)} has no description"
+            # a module docstring as description leaks its first line ("CLI: `pipeline report` — ...")
+            assert not sub.description.lstrip().startswith(("CLI:", "`pipeline")), \
+                f"pipeline {' '.join(path)} --help starts with a docstring line: {sub.description.splitlines()[0]!r}"
         for action in sub._actions:
             if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
                 continue
@@ -364,3 +367,44 @@ def test_sql_param_takes_the_type_a_named_query_declares(tmp_path, make_traj, ca
     assert json.loads(capsys.readouterr().out)["rows"] == [{"twice": 6, "tag": "007"}]
     assert main(["sql", "--lake", lake.uri, "--file", str(q), "--param", "lag=abc"]) == 2
     assert "expects an integer" in capsys.readouterr().err
+
+
+def test_jobs_render_k8s_is_a_verb(tmp_path, monkeypatch, capsys):
+    from pipeline.jobs import load_jobs, render_cronjobs
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["jobs", "render-k8s"]) == 2, "outside a checkout it must ask for --out"
+    assert "--out" in capsys.readouterr().err
+    assert main(["jobs", "render-k8s", "--out", str(tmp_path / "k8s"), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["cronjobs"] >= 1
+    assert (tmp_path / "k8s" / "cronjobs.yaml").read_text() == render_cronjobs(load_jobs())
+
+
+def test_hints_carry_the_lake_the_operator_gave(tmp_path, capsys):
+    from pipeline.cli import with_lake
+
+    assert with_lake("see pipeline snapshots list", "/x y") == "see pipeline snapshots list --lake '/x y'"
+    assert with_lake("run `pipeline admit` then `pipeline train --batch-snapshot ID`", "s3://b/l") == \
+        "run `pipeline admit --lake s3://b/l` then `pipeline train --lake s3://b/l --batch-snapshot ID`"
+    assert with_lake("pipeline sql --lake a \"SELECT 1\"", "b") == "pipeline sql --lake a \"SELECT 1\""
+    assert with_lake("from pipeline import lineage", "b") == "from pipeline import lineage"
+    assert with_lake("pipeline snapshots list", None) == "pipeline snapshots list"
+    # end to end: a read command on a lake without that snapshot points at the same lake
+    lake = tmp_path / "my lake"
+    lake.mkdir()
+    assert main(["snapshots", "show", "a" * 64, "--lake", str(lake)]) == 2
+    err = capsys.readouterr().err
+    assert f"pipeline snapshots list --lake '{lake}'" in err
+
+
+def test_counts_are_singular_when_one_and_local_policies_have_no_fake_version():
+    from pipeline.commands.policy import _policy_label
+    from pipeline.commands.train import _text
+
+    r = {"already_published": False, "checkpoint_id": "c", "policy_version": 1, "global_step": 1, "samples_seen": 8,
+         "seconds": 1.0, "resumed_from_step": None, "metrics": {}, "path": "p"}
+    assert "(1 step, 8 samples" in _text(r)
+    assert "(2 steps," in _text({**r, "global_step": 2})
+    assert _policy_label({"policy_version": -1}, "./dir") == "policy ./dir (a local directory, not a lake version)"
+    assert _policy_label({"policy_version": 3}, "latest") == "policy v3"

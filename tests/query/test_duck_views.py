@@ -93,3 +93,42 @@ def test_unpartitioned_tables_match(tmp_path, table):
     key = table_spec(table).key  # rows are unique on the table's key
     order = lambda r: tuple(r[k] for k in key)  # noqa: E731
     assert sorted(got.to_pylist(), key=order) == sorted(want.to_pylist(), key=order)
+
+
+def test_unknown_table_suggests_the_lakes_tables_not_duckdbs_catalog(lake, make_traj):
+    from pipeline.query.duck import SQLError
+
+    _land(lake, make_traj, "r", seed=1)
+    with pytest.raises(SQLError) as exc:
+        query(lake, "SELECT count(*) FROM trajectorie")
+    assert exc.value.message == "no table named trajectorie in the lake"
+    assert "did you mean trajectories?" in exc.value.hint and "pg_" not in exc.value.hint
+
+
+def test_as_of_a_time_before_the_table_existed_is_refused_not_empty(lake, make_traj):
+    from datetime import datetime, timedelta, timezone
+
+    from pipeline.errors import NotFoundError
+
+    before = datetime.now(timezone.utc) - timedelta(days=1)
+    _land(lake, make_traj, "r", seed=1)
+    with pytest.raises(NotFoundError, match="table trajectories did not exist yet"):
+        query(lake, "SELECT count(*) FROM trajectories", as_of=before)
+    later = datetime.now(timezone.utc) + timedelta(seconds=1)
+    assert query(lake, "SELECT count(*) FROM trajectories", as_of=later).column(0)[0].as_py() == 12
+    with pytest.raises(NotFoundError, match="table receipts does not exist in this lake"):
+        query(lake, "SELECT count(*) FROM receipts", as_of={"receipts": 0})
+
+
+def test_sql_output_keeps_the_last_column_whole_and_says_when_it_cut(capsys):
+    from pipeline.commands.sql import print_table
+
+    reason = "missing_column: required column reward is absent; add it (null where there is no evaluation)"
+    t = pa.table({"trajectory_id": ["x" * 80], "reason": [reason]})
+    print_table(t)
+    text = capsys.readouterr().out
+    assert reason in text, "the last column (here a quarantine reason) is never cut"
+    assert "x" * 80 not in text and "--wide" in text, "a cut value is marked and the output says how to see it"
+    print_table(t, max_width=0)
+    text = capsys.readouterr().out
+    assert "x" * 80 in text and "--wide" not in text

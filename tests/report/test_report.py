@@ -185,6 +185,17 @@ def test_alerts_say_in_words_what_is_wrong(tmp_path):
     assert "mismatch_kl reached 0.05" in text and "step 99" in text
     assert "Held-out success fell" in text and f"policy version {last['policy_version'] + 1}" in text
     assert res["errors"] == []
+    checks = {a["check"] for a in res["alert_checks"]}
+    assert {"mismatch_kl", "eval_drop"} <= checks and len(res["alert_checks"]) == len(res["alerts"])
+    # --check: the report is written and the exit code says an alert fired (for cron or CI)
+    import json
+
+    from pipeline.cli import main
+    from pipeline.commands.report import EXIT_ALERT
+
+    out = tmp_path / "checked.html"
+    assert main(["report", "--lake", lake.uri, "--out", str(out), "--check", "--json"]) == EXIT_ALERT
+    assert out.exists()
 
 
 def test_bucket_follows_the_span_of_the_data(lake):
