@@ -2,7 +2,7 @@
 and clean up what crashed writers left.
 
 Safe to run while writers run and while another maintain runs: compaction
-commits are serialised (pipeline/lake/delta.py ``compact``), and the cleanup
+commits are serialised (pipeline/lake/delta/compact.py), and the cleanup
 only removes files no commit ever referenced that are older than an age guard
 (``orphan_min_age_s``, default one hour; a writer never commits a staged file
 older than half of that). docs/write-protocol.md has the argument.
