@@ -11,12 +11,14 @@ import pyarrow as pa
 from deltalake import CommitProperties, Transaction
 from deltalake.exceptions import CommitFailedError
 
+from pipeline.lake import staging
 from pipeline.lake.delta import writes
 from pipeline.lake.delta.store import (
     COMPACT_APP,
     MAX_COMMIT_RETRIES,
     MAX_KEYED_ATTEMPTS,
     ORPHAN_MIN_AGE_S,
+    FilesMissing,
     _metadata,
     _partition_str,
     pause_point,
@@ -53,6 +55,7 @@ def compact(lake: Lake, name: str, *, target_bytes: int = 128 << 20) -> dict[str
                 part = lake.files_dataset(name, [(p, pv) for p, pv, _ in files]).to_table()
                 new_actions += writes.write_data_files(lake, spec, writes.prepare(lake, spec, part), data_change=False)
             pause_point(f"compact:{name}:written")
+            writes.check_actions(lake, name, new_actions, what=f"compaction of {name}")
             now_ms = int(time.time() * 1000)
             removes = [RemoveAction(p, False, now_ms, size, pv) for files in plan for p, pv, size in files]
             dt.create_write_transaction(
@@ -62,11 +65,13 @@ def compact(lake: Lake, name: str, *, target_bytes: int = 128 << 20) -> dict[str
                     custom_metadata=_metadata("lake maintain: compact", None),
                     max_commit_retries=MAX_COMMIT_RETRIES,
                     app_transactions=[Transaction(COMPACT_APP, lock_v, now_ms)]))
+            writes.release(lake, name, new_actions)
             removed += len(removes)
             added += len(new_actions)
             break
-        except CommitFailedError:
-            # another compaction committed first: our rewrite may repeat its rows
+        except (CommitFailedError, FilesMissing):
+            # another compaction committed first (our rewrite may repeat its rows), or our
+            # files were deleted under us: plan again
             lake.discard(name, new_actions)
             time.sleep(random.uniform(0, min(0.02 * 2 ** min(attempt, 6), 1.0)))
         except BaseException:
@@ -79,13 +84,23 @@ def compact(lake: Lake, name: str, *, target_bytes: int = 128 << 20) -> dict[str
 def remove_orphans(lake: Lake, name: str, *, min_age_s: float = ORPHAN_MIN_AGE_S,
                    dry_run: bool = False) -> list[str]:
     """Delete data files under table ``name`` that no commit ever referenced
-    (staged by a writer that died before committing, or that lost a race) and
-    that are older than ``min_age_s``. A live writer never commits a staged
-    file older than ``STAGE_MAX_AGE_S`` (half the default age), so this never
-    removes a file that is about to be committed."""
+    (staged by a writer that died before committing, or that lost a race), that
+    no live writer declared in the staging registry, and that are older than
+    ``min_age_s`` (the backstop for writers that died on another host).
+
+    The order of the three reads is the argument (docs/write-protocol.md,
+    "Cleanup"): the files are listed first, then the declarations, then the
+    log. A writer declares a file before writing it and withdraws the
+    declaration only after its commit landed, so a listed file is either still
+    declared when the declarations are read, or referenced by the log read
+    after them. No clock is involved."""
     import pyarrow.fs as pafs
     from urllib.parse import unquote
 
+    fs, _ = lake.filesystem()
+    base = lake.table_uri(name) if lake.is_local else lake.table_uri(name).split("://", 1)[1]
+    listed = [i for i in fs.get_file_info(pafs.FileSelector(base, recursive=True)) if i.type == pafs.FileType.File]
+    declared = staging.declared(lake, remove_expired=not dry_run)
     dt = lake.table(name)
     referenced = {p for p, _ in lake.live_files(dt)}
     for v in range(dt.version() + 1):
@@ -93,15 +108,12 @@ def remove_orphans(lake: Lake, name: str, *, min_age_s: float = ORPHAN_MIN_AGE_S
             for kind in ("add", "remove"):
                 if kind in e:
                     referenced.add(unquote(e[kind]["path"]))
-    fs, _ = lake.filesystem()
-    base = lake.table_uri(name) if lake.is_local else lake.table_uri(name).split("://", 1)[1]
     cutoff = time.time() - min_age_s
     out = []
-    for info in fs.get_file_info(pafs.FileSelector(base, recursive=True)):
-        if info.type != pafs.FileType.File:
-            continue
+    for info in listed:
         rel = info.path[len(base) + 1:]
-        if rel.startswith("_delta_log/") or rel in referenced or not rel.endswith(".parquet"):
+        if rel.startswith("_delta_log/") or rel in referenced or not rel.endswith(".parquet") \
+                or declared.covers(f"{name}/{rel}"):
             continue
         mtime = info.mtime.timestamp() if info.mtime is not None else time.time()
         if mtime > cutoff:

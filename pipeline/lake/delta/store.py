@@ -22,7 +22,7 @@ from deltalake import CommitProperties, DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
 from pipeline import __version__
-from pipeline.errors import NotFoundError
+from pipeline.errors import IntegrityError, NotFoundError
 from pipeline.schema import table_spec
 
 if TYPE_CHECKING:
@@ -59,7 +59,8 @@ COMPACT_APP = "pipeline.compact"   # bumped by every compaction commit
 STAGE_MAX_AGE_S = 30 * 60
 ORPHAN_MIN_AGE_S = 2 * STAGE_MAX_AGE_S
 # Test hook for kill tests: "<point>=<marker path>" makes the process write the
-# marker at that point of the write path and block there until it is killed.
+# marker at that point of the write path and block there until it is killed (or,
+# for tests that act on the lake meanwhile, until "<marker>.go" exists).
 PAUSE_AT_ENV = "PIPELINE_TEST_PAUSE_AT"
 
 
@@ -73,8 +74,25 @@ def pause_point(point: str) -> None:
     tmp = Path(f"{marker}.tmp{os.getpid()}")
     tmp.write_text(str(os.getpid()))
     os.replace(tmp, marker)  # whole or absent: a test reading the marker never sees it half written
-    while True:  # inside the critical section until the test kills us
-        time.sleep(60)
+    go = Path(f"{marker}.go")
+    while not go.exists():  # inside the critical section until the test kills (or releases) us
+        time.sleep(0.01)
+
+
+class FilesMissing(IntegrityError):
+    """Files a commit was about to reference are gone or have another size than
+    written; nothing was committed. ``missing`` holds (path, expected size, found
+    size or None)."""
+
+    def __init__(self, what: str, missing: list[tuple[str, int, int | None]]) -> None:
+        shown = ", ".join(f"{p} ({'absent' if got is None else f'{got} bytes'}, wrote {want})"
+                          for p, want, got in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        super().__init__(f"{what}: {len(missing)} file(s) it wrote are no longer there as written: {shown}{more}; "
+                         "nothing was committed",
+                         hint="something deleted or changed files under the lake while it ran (a cleanup without "
+                              "the staging registry, a person); rerun it: it writes them again")
+        self.missing = missing
 
 
 
@@ -423,6 +441,29 @@ class Lake:
             return fs, self.uri[len("s3://"):]
         fs, root = pafs.FileSystem.from_uri(self.uri)
         return fs, root
+
+    def check_files(self, expected: dict[str, int], *, what: str) -> None:
+        """Raise :class:`FilesMissing` unless every path (relative to the lake root)
+        exists with the size given. Every commit calls it after its last write and
+        right before committing, so no version ever references a missing file
+        (docs/write-protocol.md, "Nothing committed without its files")."""
+        import pyarrow.fs as pafs
+
+        if not expected:
+            return
+        fs, root = self.filesystem()
+        rels = sorted(expected)
+        try:
+            infos = fs.get_file_info([f"{root}/{r}" for r in rels])
+        except FileNotFoundError:
+            infos = [pafs.FileInfo(f"{root}/{r}", pafs.FileType.NotFound) for r in rels]
+        missing = []
+        for rel, info in zip(rels, infos):
+            got = info.size if info.type == pafs.FileType.File else None
+            if got != expected[rel]:
+                missing.append((rel, expected[rel], got))
+        if missing:
+            raise FilesMissing(what, missing)
 
 
 def _partition_str(v: Any) -> str | None:

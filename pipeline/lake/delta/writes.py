@@ -33,12 +33,14 @@ from deltalake.exceptions import CommitFailedError
 
 from pipeline.errors import CommitError
 from pipeline.lake.delta import keyindex
+from pipeline.lake import staging
 from pipeline.lake.delta.store import (
     KEYS_APP,
     MAX_ATTEMPTS,
     MAX_COMMIT_RETRIES,
     MAX_KEYED_ATTEMPTS,
     STAGE_MAX_AGE_S,
+    FilesMissing,
     _metadata,
     _partition_str,
     pause_point,
@@ -66,6 +68,16 @@ class KeyRace(Exception):
     def __init__(self, keys: np.ndarray) -> None:
         super().__init__(f"{len(keys)} staged keys were landed by a concurrent append")
         self.keys = keys
+
+
+class StagedFilesMissing(KeyRace):
+    """Staged files are gone (or changed) at commit time: nothing was committed;
+    stage the rows again (ingest does, as after a lost race)."""
+
+    def __init__(self, missing: FilesMissing) -> None:
+        super().__init__(np.empty(0, np.int64))
+        self.args = (f"{missing.message}; stage the rows again (Lake.stage) and append those",)
+        self.missing = missing.missing
 
 
 @dataclass
@@ -127,8 +139,10 @@ def prepare(lake: Lake, spec: TableSpec, data: pa.Table) -> pa.Table:
 
 def stage(lake: Lake, name: str, data: pa.Table) -> Staged:
     """Write ``data`` as data files of table ``name`` without committing them;
-    pass the result to ``append(..., staged=[...])``. Until that commit lands
-    the files are invisible (orphan cleanup removes them if it never does)."""
+    pass the result to ``append(..., staged=[...])`` (or to ``discard``). Until
+    that commit lands the files are invisible; they are declared in the staging
+    registry, so maintenance leaves them alone while this process lives
+    (orphan cleanup removes them if it dies without committing)."""
     spec = table_spec(name)
     data = prepare(lake, spec, data)
     keys = (data.column(ROW_KEY).to_numpy() if spec.enforces_key else np.empty(0, np.int64))
@@ -137,15 +151,33 @@ def stage(lake: Lake, name: str, data: pa.Table) -> Staged:
 
 
 def discard(lake: Lake, name: str, staged: list) -> None:
-    """Best-effort removal of staged files that will not be committed."""
+    """Best-effort removal of staged files that will not be committed (and of
+    their staging-registry records)."""
     fs, _ = lake.filesystem()
     base = lake.table_uri(name) if lake.is_local else lake.table_uri(name).split("://", 1)[1]
-    for item in staged:
-        for action in (item.actions if isinstance(item, Staged) else [item]):
-            try:
-                fs.delete_file(f"{base}/{action.path}")
-            except (FileNotFoundError, OSError):
-                pass
+    actions = [a for item in staged for a in (item.actions if isinstance(item, Staged) else [item])]
+    for action in actions:
+        try:
+            fs.delete_file(f"{base}/{action.path}")
+        except (FileNotFoundError, OSError):
+            pass
+    release(lake, name, actions)
+
+
+def intent_id(name: str, path: str) -> str:
+    """The staging-registry record of one data file of table ``name`` (named after the file)."""
+    return f"{name}.{path.rsplit('/', 1)[-1].removesuffix('.parquet')}"
+
+
+def release(lake: Lake, name: str, actions: list) -> None:
+    """Remove the staging-registry records of ``actions`` (committed or given up)."""
+    for action in actions:
+        staging.release(lake, intent_id(name, action.path))
+
+
+def check_actions(lake: Lake, name: str, actions: list, *, what: str) -> None:
+    """:meth:`Lake.check_files` for the data files of add actions of table ``name``."""
+    lake.check_files({f"{name}/{a.path}": a.size for a in actions if hasattr(a, "size")}, what=what)
 
 
 
@@ -206,6 +238,7 @@ def append(lake: Lake, name: str, data: pa.Table | None, *, command: str, config
                 # committed by someone else with this app id (or before this call)
                 return AppendResult(name, False, 0, None, app_id, txn_version, duplicates, conflicts)
             # our own earlier attempt committed before failing: done
+            release(lake, name, actions or [])
             return AppendResult(name, True, rows, lake.version(name), app_id, txn_version,
                                 duplicates, conflicts)
         now_ms = int(time.time() * 1000)
@@ -214,6 +247,8 @@ def append(lake: Lake, name: str, data: pa.Table | None, *, command: str, config
         if lock is not None:
             held = dt.transaction_version(lock[0])
             if held is not None and held >= lock[1]:
+                if staged is None and actions:
+                    lake.discard(name, actions)
                 raise LockTaken(*lock)
             txns.append(Transaction(lock[0], lock[1], now_ms))
         if keyed:
@@ -246,6 +281,7 @@ def append(lake: Lake, name: str, data: pa.Table | None, *, command: str, config
                 actions = write_data_files(lake, spec, data)
                 written_at = time.time()
             pause_point(f"append:{name}:staged")
+            check_actions(lake, name, actions, what=f"append to {name}")   # nothing committed without its files
             dt.create_write_transaction(
                 actions,
                 mode="append",
@@ -258,15 +294,25 @@ def append(lake: Lake, name: str, data: pa.Table | None, *, command: str, config
                 ),
             )
             pause_point(f"append:{name}:committed")
+            release(lake, name, actions)
             # delta-rs moved `dt` to the version it committed (after any rebase onto newer commits)
             return AppendResult(name, True, rows, dt.version(), app_id, txn_version,
                                 duplicates, conflicts)
+        except FilesMissing as exc:
+            if staged is not None:
+                raise StagedFilesMissing(exc) from None
+            last_exc = exc     # deleted under us: write them again on the next attempt
+            lake.discard(name, actions or [])
+            actions = None
+            continue
         except CommitFailedError as exc:
             last_exc = exc
             if lock is not None:
                 held = lake.table(name).transaction_version(lock[0])
                 if held is not None and held >= lock[1] and \
                         (lake.table(name).transaction_version(app_id) or -1) < txn_version:
+                    if staged is None:
+                        lake.discard(name, actions or [])
                     raise LockTaken(*lock) from None
         except Exception as exc:  # ambiguous: the commit may have landed
             last_exc = exc
@@ -277,7 +323,10 @@ def append(lake: Lake, name: str, data: pa.Table | None, *, command: str, config
             time.sleep(min(0.05 * 2**attempt, 2.0))
     landed = lake.transaction_version(name, app_id)
     if landed is not None and landed >= txn_version:
+        release(lake, name, actions or [])
         return AppendResult(name, True, rows, lake.version(name), app_id, txn_version, duplicates, conflicts)
+    if staged is None and actions:
+        lake.discard(name, actions)     # never committed: unreferenced files
     raise CommitError(
         f"could not append {rows} rows to {name} after {attempts} attempts: {last_exc}",
         hint=f"retry with the same transaction id ({app_id}, {txn_version}); it lands at most once",
@@ -305,7 +354,8 @@ def drop_landed(lake: Lake, spec: TableSpec, dt: DeltaTable, data: pa.Table, *, 
     if hit.any():
         landed = lake.read(spec.name, columns=key_cols + ([cc] if cc else []) + [ROW_KEY],
                            version=dt.version(),
-                           filter=ds.field(ROW_KEY).isin(pa.array(np.unique(keys[hit]), pa.int64())))
+                           # Arrow-owned (not numpy's buffer): see docs/clean-exit.md, filters
+                           filter=ds.field(ROW_KEY).isin(pa.array(np.unique(keys[hit]).tolist(), pa.int64())))
         by_key = {tuple(r[c] for c in key_cols): (r[cc] if cc else None) for r in landed.to_pylist()}
         mine = data.select(key_cols + ([cc] if cc else [])).to_pylist()
         for i in np.flatnonzero(hit):
@@ -334,8 +384,10 @@ def write_data_files(lake: Lake, spec: TableSpec, data: pa.Table, *, data_change
     return their add actions. pyarrow's writer with dictionary encoding and
     statistics off for token lists was ~2x faster than delta-rs's writer on
     this table here; the commit itself stays delta-rs's (log, retries,
-    conflict checks, checkpoints). A commit that never lands leaves only
-    unreferenced files, which vacuum removes."""
+    conflict checks, checkpoints). Each file is declared in the staging
+    registry before it is written (the caller releases it after its commit).
+    A commit that never lands leaves only unreferenced files, which orphan
+    cleanup removes once their writer is gone."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
     from deltalake.transaction import AddAction
@@ -361,19 +413,33 @@ def write_data_files(lake: Lake, spec: TableSpec, data: pa.Table, *, data_change
             groups.append(({k: _partition_str(v) for k, v in key.items()}, data.filter(mask).drop_columns(parts)))
     else:
         groups.append(({}, data))
-    actions = []
-    for pvals, part in groups:
-        rel = "/".join(f"{k}={_path_safe(v)}" for k, v in pvals.items())
-        fname = f"part-00000-{uuid.uuid4()}-c000.zstd.parquet"
-        rel_path = f"{rel}/{fname}" if rel else fname
-        if rel:
-            fs.create_dir(f"{base_path}/{rel}", recursive=True)
-        with fs.open_output_stream(f"{base_path}/{rel_path}") as f:
-            pq.write_table(part, f, compression="zstd", compression_level=1, use_dictionary=dict_cols,
-                           write_statistics=scalar)
-        size = fs.get_file_info(f"{base_path}/{rel_path}").size
-        actions.append(AddAction(rel_path, size, pvals, int(time.time() * 1000), data_change,
-                                 _stats_json(part, scalar)))
+    actions: list = []
+    rel_path = ""
+    try:
+        for pvals, part in groups:
+            rel = "/".join(f"{k}={_path_safe(v)}" for k, v in pvals.items())
+            fname = f"part-00000-{uuid.uuid4()}-c000.zstd.parquet"
+            rel_path = f"{rel}/{fname}" if rel else fname
+            staging.declare(lake, [f"{spec.name}/{rel_path}"], rid=intent_id(spec.name, rel_path))
+            if rel:
+                fs.create_dir(f"{base_path}/{rel}", recursive=True)
+            with fs.open_output_stream(f"{base_path}/{rel_path}") as f:
+                pq.write_table(part, f, compression="zstd", compression_level=1, use_dictionary=dict_cols,
+                               write_statistics=scalar)
+            size = fs.get_file_info(f"{base_path}/{rel_path}").size
+            actions.append(AddAction(rel_path, size, pvals, int(time.time() * 1000), data_change,
+                                     _stats_json(part, scalar)))
+            rel_path = ""
+    except BaseException:
+        # nothing half-written stays behind (a full disk, an interrupt): this file and those before it
+        if rel_path:
+            try:
+                fs.delete_file(f"{base_path}/{rel_path}")
+            except (FileNotFoundError, OSError):
+                pass
+            staging.release(lake, intent_id(spec.name, rel_path))
+        discard(lake, spec.name, actions)
+        raise
     return actions
 
 
