@@ -236,6 +236,8 @@ def append(lake: Lake, name: str, data: pa.Table | None, *, command: str, config
         if landed is not None and landed >= txn_version:
             if not ambiguous:
                 # committed by someone else with this app id (or before this call)
+                if staged is None and actions:
+                    lake.discard(name, actions)    # ours were never committed: unreferenced files
                 return AppendResult(name, False, 0, None, app_id, txn_version, duplicates, conflicts)
             # our own earlier attempt committed before failing: done
             release(lake, name, actions or [])
