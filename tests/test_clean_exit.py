@@ -100,6 +100,7 @@ CLI_RUNS = 100
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)   # 100 interpreters: ~15 min at load 20 on 2 cores
 def test_fresh_cli_ingests_on_the_dedupe_path_exit_zero(tmp_path, make_traj):
     """100 fresh `pipeline ingest` processes, each landing a file half of whose
     ids are already in the table (the dedupe path: key lookup, fetch of the
@@ -128,7 +129,7 @@ def test_fresh_cli_ingests_on_the_dedupe_path_exit_zero(tmp_path, make_traj):
         return subprocess.run([sys.executable, "-m", "pipeline", "ingest", str(tmp_path / "in.parquet"), "--lake",
                                str(lake), "--json"], env=env, capture_output=True, text=True, timeout=600)
 
-    with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as pool:
+    with ThreadPoolExecutor(max_workers=max(3, min(4, os.cpu_count() or 2))) as pool:
         done = list(pool.map(one, lakes))
     failed = [(k, p.returncode, p.stderr[-1200:]) for k, p in enumerate(done) if p.returncode != 0]
     assert not failed, f"{len(failed)} of {CLI_RUNS} CLI processes did not exit cleanly; first: {failed[0]}"
