@@ -39,7 +39,7 @@ def _make_inputs(root: Path, n: int) -> list[Path]:
 
 
 def _matched_write(t, path: Path) -> None:
-    """pq.write_table with the settings pipeline/lake/delta.py writes data files with."""
+    """pq.write_table with the settings pipeline/lake/delta/writes.py writes data files with."""
     import pyarrow as pa
 
     scalar = [f.name for f in t.schema if not pa.types.is_list(f.type) and not pa.types.is_map(f.type)]

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, TextIO
 
 from pipeline import __version__
 from pipeline.commands import VERBS
-from pipeline.errors import InputFileError, NotFoundError, PipelineError
+from pipeline.errors import DiskFullError, InputFileError, NotFoundError, PipelineError, disk_full
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
@@ -398,6 +398,22 @@ def _error(exc: PipelineError, args: argparse.Namespace, code: int) -> None:
         print(f"  hint: {hint}", file=sys.stderr)
 
 
+def _disk_full(exc: BaseException, args: argparse.Namespace) -> int:
+    """One clear error for a full disk, whichever library hit it (no traceback)."""
+    if getattr(args, "verbose", False):
+        import traceback
+
+        traceback.print_exception(exc)
+    where = getattr(exc, "filename", None)
+    _error(DiskFullError(f"no space left on the device{f' writing {where}' if where else ''} "
+                         f"(lake {getattr(args, 'lake', None) or os.environ.get('PIPELINE_LAKE', './lake')}); "
+                         "nothing was committed by the write that failed",
+                         hint="free space on the lake's disk (or the cache / scratch directory), then rerun: "
+                              "what already landed is not landed twice (--verbose shows the traceback)"),
+           args, EXIT_TRANSIENT)
+    return EXIT_TRANSIENT
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -416,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
                 # the reader went away (`pipeline sql ... | head`): not an error of ours
                 result = EXIT_OK
     except PipelineError as exc:
+        if disk_full(exc):
+            return _disk_full(exc, args)
         code = EXIT_TRANSIENT if exc.transient else exc.exit_code
         _error(exc, args, code)
         return code
@@ -423,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except OSError as exc:
+        if disk_full(exc):
+            return _disk_full(exc, args)
         if exc.filename is None:   # not about a path the operator gave: treat as a bug
             return _internal_error()
         if verbose:
@@ -435,7 +455,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                       "(--verbose shows the traceback)"),
                args, EXIT_USER_ERROR)
         return EXIT_USER_ERROR
-    except Exception:   # a bug, not a user error: keep the traceback
+    except Exception as exc:   # a bug, not a user error: keep the traceback
+        if disk_full(exc):
+            return _disk_full(exc, args)
         return _internal_error()
     if isinstance(result, bool):
         return EXIT_OK

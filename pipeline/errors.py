@@ -48,6 +48,30 @@ class CommitError(PipelineError):
     transient = True
 
 
+class DiskFullError(PipelineError):
+    """A write found no space left (ENOSPC / EDQUOT) on the lake, a cache or a scratch disk."""
+
+    transient = True
+
+
+def disk_full(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what it was raised from) is a full disk or an exhausted quota.
+    Arrow, delta-rs, DuckDB and torch report it in their own exception types; the
+    errno, or the operating system's message they carry, says it."""
+    import errno
+
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(exc)
+        if "No space left on device" in text or "os error 28" in text or "Disk quota exceeded" in text:
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
 class MissingExtraError(PipelineError):
     """An optional dependency is not installed."""
 

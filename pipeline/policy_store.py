@@ -211,6 +211,9 @@ def publish_checkpoint(lake: Lake, *, checkpoint_id: str, policy_version: int | 
         raise NotFoundError(f"checkpoint {checkpoint_id} has no {HF_SUBDIR}/config.json at {local}")
     files = hash_dir(local)
     upload_checkpoint(lake, checkpoint_id, local)
+    # nothing published without its files (docs/write-protocol.md): each one is on the lake as hashed
+    lake.check_files({f"{checkpoint_rel(checkpoint_id)}/{rel}": (local / rel).stat().st_size for rel in files},
+                     what=f"publication of checkpoint {checkpoint_id}")
     row = {
         "checkpoint_id": checkpoint_id,
         "parent_checkpoint_id": parent_checkpoint_id,

@@ -219,10 +219,11 @@ def markdown(names: tuple[str, ...] = TABLES) -> str:
                 rules.append("one of " + ", ".join(c.enum))
             if c.enum_values:
                 rules.append("elements in {" + ", ".join(map(str, c.enum_values)) + "}")
+            each = "elements " if c.is_list else ""
             if c.min is not None:
-                rules.append(f">= {c.min}")
+                rules.append(f"{each}>= {c.min}")
             if c.max is not None:
-                rules.append(f"<= {c.max}")
+                rules.append(f"{each}<= {c.max}")
             if c.finite:
                 rules.append("finite")
             if c.non_empty:

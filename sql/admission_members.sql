@@ -7,6 +7,7 @@
 -- finished more than $group_timeout_s before $now.
 -- Rules (docs/admission-rules.md), first matching reason wins:
 --   quality:*  > infra_failed > expired > no_reward (UNKNOWN/ENV_ERROR verdict or null reward)
+--   > out_of_vocabulary (a token id >= $vocab_size, when set; max_token_id null = not recorded)
 --   > policy_/tokenizer_/template_/env_/verifier_/temperature_/top_p_/task_version_/harness_/
 --     tool_schema_/prompt_mismatch (first field that
 --     differs from the group's reference configuration: the most common tuple among
@@ -19,6 +20,7 @@
 -- @param max_queue_wait_ms = NULL
 -- @param group_timeout_s = 600
 -- @param now
+-- @param vocab_size = NULL
 WITH arrived AS (
     SELECT group_id, count(*) AS arrived, max(group_size) AS group_size, min(finished_at) AS oldest_finish
     FROM candidates GROUP BY group_id
@@ -34,6 +36,7 @@ m AS (
                 WHEN c.status = 'INFRA_FAILED' THEN 'infra_failed'
                 WHEN c.status = 'EXPIRED' THEN 'expired'
                 WHEN c.verdict IN ('UNKNOWN', 'ENV_ERROR') OR c.reward IS NULL THEN 'no_reward'
+                WHEN $vocab_size IS NOT NULL AND c.max_token_id >= $vocab_size THEN 'out_of_vocabulary'
            END AS member_reason
     FROM candidates c
     JOIN ready rd USING (group_id)

@@ -77,7 +77,7 @@ def pytest_runtest_setup(item):
 
 # -- kills inside a critical section -----------------------------------------------------------------
 # A process run with PIPELINE_TEST_PAUSE_AT=<point>=<marker> writes its pid to <marker> when its own code
-# reaches pause_point(<point>) (pipeline/lake/delta.py) and waits there; killing it then lands the kill
+# reaches pause_point(<point>) (pipeline/lake/delta/store.py) and waits there; killing it then lands the kill
 # inside that section, never in interpreter start-up.
 
 

@@ -94,3 +94,45 @@ def test_lake_datasets_read_through_a_native_filesystem(lake, make_traj):
     assert list(dataset.get_fragments(filter=ds.field("run_id") == "elsewhere")) == []
     assert list(dataset.get_fragments(filter=ds.field("trajectory_id") == "zzz")) == []
     assert lake.read("trajectories", filter=ds.field("trajectory_id") == "t1-3").num_rows == 1
+
+
+CLI_RUNS = 100
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)   # 100 interpreters: ~15 min at load 20 on 2 cores
+def test_fresh_cli_ingests_on_the_dedupe_path_exit_zero(tmp_path, make_traj):
+    """100 fresh `pipeline ingest` processes, each landing a file half of whose
+    ids are already in the table (the dedupe path: key lookup, fetch of the
+    landed ids, conflict check), against its own lake: 0 may abort. One in 30
+    aborted before the dedupe filters were Arrow-owned (docs/clean-exit.md)."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.lake.delta import Lake
+    from pipeline.lake.ingest import ingest_table
+
+    base = tmp_path / "base"
+    old = make_traj(16, seed=1, median_len=8, prompt_len=4, id_prefix="o-")
+    ingest_table(Lake(base), old)
+    new = make_traj(16, seed=2, median_len=8, prompt_len=4, id_prefix="n-")
+    pq.write_table(pa.concat_tables([old.slice(0, 8), new]), tmp_path / "in.parquet")
+    lakes = []
+    for k in range(CLI_RUNS):
+        shutil.copytree(base, tmp_path / f"lake{k}")
+        lakes.append(tmp_path / f"lake{k}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+
+    def one(lake: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pipeline", "ingest", str(tmp_path / "in.parquet"), "--lake",
+                               str(lake), "--json"], env=env, capture_output=True, text=True, timeout=600)
+
+    with ThreadPoolExecutor(max_workers=max(3, min(4, os.cpu_count() or 2))) as pool:
+        done = list(pool.map(one, lakes))
+    failed = [(k, p.returncode, p.stderr[-1200:]) for k, p in enumerate(done) if p.returncode != 0]
+    assert not failed, f"{len(failed)} of {CLI_RUNS} CLI processes did not exit cleanly; first: {failed[0]}"
+    import json
+
+    assert all(json.loads(p.stdout)["landed"] == 16 and json.loads(p.stdout)["duplicates"] == 8 for p in done)

@@ -30,7 +30,7 @@ SCALARS = (
     "status", "verdict", "reward", "difficulty", "num_tool_calls", "finished_at", "queue_wait_ms",
     "content_hash", "stop_reason", "top_p", "task_version", "harness_version", "tool_schema_version",
 )
-DERIVED = ("oldest_version", "response_len", "prompt_hash")  # stored per row at landing
+DERIVED = ("oldest_version", "response_len", "prompt_hash", "max_token_id")  # stored per row at landing
 
 
 def source_columns(cfg: AdmissionConfig) -> list[str]:
@@ -48,6 +48,7 @@ def candidate_schema(cfg: AdmissionConfig) -> pa.Schema:
     fields.insert(SCALARS.index("policy_version") + 1, pa.field("oldest_version", pa.int64(), False))
     fields.append(pa.field("response_len", pa.int64(), False))
     fields.append(pa.field("prompt_hash", pa.string(), False))
+    fields.append(pa.field("max_token_id", pa.int64()))      # null: landed before it was recorded
     i = [f.name for f in fields].index("tool_schema_version")
     fields[i] = fields[i].with_nullable(False)
     fields += [pa.field(f"comp_{c}", pa.float64()) for c in cfg.components]
@@ -81,6 +82,8 @@ def extract(batch: pa.Table | pa.RecordBatch, cfg: AdmissionConfig,
     cols["oldest_version"] = t.column("oldest_version")
     cols["response_len"] = pc.cast(t.column("response_len"), pa.int64())
     cols["prompt_hash"] = t.column("prompt_hash")
+    cols["max_token_id"] = (pc.cast(t.column("max_token_id"), pa.int64()) if "max_token_id" in t.column_names
+                            else pa.nulls(t.num_rows, pa.int64()))
     for name in NULLABLE_KEYS:
         cols[name] = pc.cast(cols[name], pa.string()).fill_null("")
     reward = t.column("reward")

@@ -69,6 +69,9 @@ class AdmissionConfig:
     baseline_momentum: float | None = field(default=None, metadata={"ge": 0, "lt": 1,
         "help": "reinforce_batch_norm only: running-mean baseline carried between snapshots, "
                 "b = m*b_prev + (1-m)*mean(batch); null = the batch mean."})
+    vocab_size: int | None = field(default=None, metadata={"ge": 1,
+        "help": "Exclude members holding a token id >= this (out_of_vocabulary); null = the current policy's "
+                "vocab_size (its checkpoint's hf/config.json), unchecked when that is unknown."})
     current_policy_version: int | None = field(default=None, metadata={
         "help": "Version freshness is measured against; null = newest published policy, else the newest "
                 "policy_version seen in trajectories."})

@@ -125,8 +125,9 @@ def decide_partition(df: pd.DataFrame, cfg: AdmissionConfig, current_policy_vers
     q = df["trajectory_id"].map(quality) if quality else pd.Series([None] * len(df), dtype=object)
     member_reason = np.select(
         [q.notna().to_numpy()] + [(df["status"] == s).to_numpy() for s, _ in rules.STATUS_REASONS]
-        + [(df["verdict"].isin(list(rules.NO_REWARD_VERDICTS)) | df["reward"].isna()).to_numpy()],
-        [q.to_numpy(dtype=object)] + [r for _, r in rules.STATUS_REASONS] + [rules.NO_REWARD],
+        + [(df["verdict"].isin(list(rules.NO_REWARD_VERDICTS)) | df["reward"].isna()).to_numpy()]
+        + [_out_of_vocabulary(df, cfg.vocab_size)],
+        [q.to_numpy(dtype=object)] + [r for _, r in rules.STATUS_REASONS] + [rules.NO_REWARD, rules.OUT_OF_VOCABULARY],
         default=None).astype(object)  # type: ignore[arg-type]  # numpy's stub omits the object default np.select takes
     df["member_reason"] = member_reason
     # 2. reference configuration among the rest
@@ -359,3 +360,11 @@ def run_with_quality(lake: Lake, version: int, cfg: AdmissionConfig, *, decided:
     gdf = pdf[gcols].drop_duplicates("g_group_id").rename(columns=lambda c: c[2:])
     groups = pa.Table.from_pandas(gdf, schema=g_schema, preserve_index=False)
     return conform(members, m_schema), conform(groups, g_schema), qsummary, n
+
+
+def _out_of_vocabulary(df: pd.DataFrame, vocab_size: int | None) -> np.ndarray:
+    """Members holding a token id >= ``vocab_size`` (unrecorded max_token_id: not excluded)."""
+    if vocab_size is None or "max_token_id" not in df:
+        return np.zeros(len(df), bool)
+    top = pd.to_numeric(df["max_token_id"], errors="coerce")
+    return (top.notna() & (top >= vocab_size)).to_numpy(dtype=bool)

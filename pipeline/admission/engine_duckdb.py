@@ -45,6 +45,7 @@ def params(cfg: AdmissionConfig, current_policy_version: int, now: datetime) -> 
         "now": now,
         "min_valid_members": int(cfg.min_valid_members),
         "min_reward_std": float(cfg.min_reward_std),
+        "vocab_size": cfg.vocab_size,
     }
 
 

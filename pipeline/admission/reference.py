@@ -81,6 +81,9 @@ def reference_members_groups(rows: list[dict], cfg: AdmissionConfig, *, current_
                 reason[tid] = "expired"
             elif r["verdict"] in ("UNKNOWN", "ENV_ERROR") or r["reward"] is None:
                 reason[tid] = "no_reward"
+            elif cfg.vocab_size is not None and r.get("max_token_id") is not None \
+                    and r["max_token_id"] >= cfg.vocab_size:
+                reason[tid] = "out_of_vocabulary"
             else:
                 reason[tid] = None
         ref = _ref_config([r for r in grp if reason[r["trajectory_id"]] is None])  # 2.

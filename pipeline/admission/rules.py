@@ -23,9 +23,10 @@ INFRA_FAILED, EXPIRED = "INFRA_FAILED", "EXPIRED"          # trajectories.status
 NO_REWARD_VERDICTS = ("UNKNOWN", "ENV_ERROR")              # verdicts without a valid evaluation
 STATUS_REASONS = ((INFRA_FAILED, "infra_failed"), (EXPIRED, "expired"))   # tried in this order
 NO_REWARD = "no_reward"
+OUT_OF_VOCABULARY = "out_of_vocabulary"                    # a token id >= the policy's vocab_size
 TRUNCATED = "truncated"                                    # truncation=filter only (truncation.py)
 QUALITY_PREFIX = "quality:"
-EXCLUSION_REASONS = tuple(r for _, r in STATUS_REASONS) + (NO_REWARD, TRUNCATED)
+EXCLUSION_REASONS = tuple(r for _, r in STATUS_REASONS) + (NO_REWARD, OUT_OF_VOCABULARY, TRUNCATED)
 
 # -- 2. comparability: the reference configuration's fields, each with its mismatch reason -----
 COMPARABILITY = (
@@ -50,13 +51,16 @@ FRESHNESS_REASONS = (STALE_POLICY, STALE_WAIT)
 BATCH_FIELDS = ("tokenizer_rev", "prompt_template_rev", "env_version", "verifier_version")
 
 
-def member_exclusion(status: str, verdict: str | None, reward: float | None) -> str | None:
+def member_exclusion(status: str, verdict: str | None, reward: float | None, *,
+                     max_token_id: int | None = None, vocab_size: int | None = None) -> str | None:
     """Step 1 for one member (quality and truncation aside): the reason, or None."""
     for value, reason in STATUS_REASONS:
         if status == value:
             return reason
     if verdict in NO_REWARD_VERDICTS or reward is None or (isinstance(reward, float) and math.isnan(reward)):
         return NO_REWARD
+    if vocab_size is not None and max_token_id is not None and max_token_id >= vocab_size:
+        return OUT_OF_VOCABULARY
     return None
 
 

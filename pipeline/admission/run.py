@@ -263,7 +263,7 @@ def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_ver
     current = resolve_current_policy_version(lake, cfg, current_policy_version)
     if current is None or not lake.exists("trajectories"):
         return AdmissionResult(run_id, None, current, None, engine, dry_run, receipts_schema.empty_table())
-    cfg = dataclasses.replace(cfg, current_policy_version=current)
+    cfg = dataclasses.replace(cfg, current_policy_version=current, vocab_size=resolve_vocab_size(lake, cfg, current))
     chash = admission_config_hash(cfg)
     now = now or datetime.now(timezone.utc)
     if now.tzinfo is None:
@@ -324,6 +324,23 @@ def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_ver
         return result
     raise PipelineError(f"admission could not commit after {MAX_ATTEMPTS} attempts (other admission runs kept "
                         "winning the receipts commit)", hint="rerun pipeline admit")
+
+
+def resolve_vocab_size(lake: Lake, cfg: AdmissionConfig, current: int) -> int | None:
+    """config > the current policy's ``vocab_size`` (its checkpoint's hf/config.json) > None (unchecked)."""
+    if cfg.vocab_size is not None:
+        return int(cfg.vocab_size)
+    try:
+        from pipeline.lake import objects
+        from pipeline.policy_store import HF_SUBDIR, checkpoint_rel, policy_info
+
+        info = policy_info(lake, current)
+        raw = objects.get(lake, f"{checkpoint_rel(info['checkpoint_id'])}/{HF_SUBDIR}/config.json") if info else None
+        conf = json.loads(raw) if raw else {}
+    except Exception:  # noqa: BLE001 - a lake without (readable) checkpoints: nothing to check against
+        return None
+    vocab = conf.get("vocab_size") or (conf.get("text_config") or {}).get("vocab_size")
+    return int(vocab) if isinstance(vocab, int) and vocab > 0 else None
 
 
 def _policy_tokenizer(lake: Lake, version: int) -> str | None:

@@ -1,4 +1,4 @@
-"""`pipeline lake maintain | info`: lake maintenance and inspection."""
+"""`pipeline lake maintain | verify | info`: lake maintenance and inspection."""
 
 from __future__ import annotations
 
@@ -27,6 +27,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     add_config_options(m)
     m.set_defaults(handler=_maintain)
+    v = common(lsub.add_parser("verify", help="check that every file of every table's current version exists and "
+                                              "reads, and that every snapshot verifies (exit 1 otherwise)"))
+    v.add_argument("--table", action="append", default=None, metavar="NAME",
+                   help="only these tables (repeatable; default: every table)")
+    v.add_argument("--no-snapshots", action="store_true", help="skip rehashing the snapshots' files")
+    v.set_defaults(handler=_verify)
     i = common(lsub.add_parser("info", help="tables, versions, row and file counts, sizes"))
     i.set_defaults(handler=_info)
     lake.set_defaults(handler=lambda a: lake.print_help())
@@ -56,6 +62,39 @@ def _maintain(args: argparse.Namespace) -> None:
     out = maintain(open_lake(args), retention_hours=args.retention_hours, dry_run=args.dry_run, tables=args.table,
                    orphan_min_age_s=age, keep_checkpoints=cfg.keep_checkpoints)
     emit(out, args, _maintain_text)
+    ver = out.get("verify")
+    if ver is not None and not ver["ok"]:   # maintenance itself succeeded: its exit code stays 0
+        import sys
+
+        print(f"warning: lake verify found {len(ver['problems'])} problem(s) (listed in the report); "
+              "`pipeline lake verify` exits non-zero on them", file=sys.stderr)
+
+
+def _verify(args: argparse.Namespace) -> int | None:
+    from pipeline.cli import emit, open_lake
+    from pipeline.errors import ConfigError
+    from pipeline.lake.verify import verify
+    from pipeline.schema import ALL_TABLES
+
+    unknown = sorted(set(args.table or ()) - set(ALL_TABLES))
+    if unknown:
+        raise ConfigError(f"unknown table(s) {', '.join(unknown)}", hint=f"tables: {', '.join(ALL_TABLES)}")
+    out = verify(open_lake(args), args.table, snapshots=not args.no_snapshots)
+    emit(out, args, _verify_text)
+    from pipeline.cli import EXIT_NOTHING_DONE
+
+    return None if out["ok"] else EXIT_NOTHING_DONE
+
+
+def _verify_text(r: dict[str, Any]) -> str:
+    lines = [f"{t}: version {v['version']}, {v['files']} files, "
+             + ("ok" if not v["problems"] else f"{len(v['problems'])} problem(s)") for t, v in r["tables"].items()]
+    lines.append(f"snapshots: {r['snapshots']['checked']} checked, "
+                 + ("ok" if not r["snapshots"]["problems"] else f"{len(r['snapshots']['problems'])} problem(s)"))
+    lines += [f"  {p}" for p in r["problems"]]
+    lines.append("ok: every referenced file is there and reads" if r["ok"] else
+                 "FAILED: restore the files listed from a copy (or time-travel to a version that has them)")
+    return "\n".join(lines)
 
 
 def _maintain_text(r: dict[str, Any]) -> str:
@@ -81,6 +120,10 @@ def _maintain_text(r: dict[str, Any]) -> str:
         lines.append(f"checkpoints: {verb} the DeepSpeed state of {len(ck['retired'])} old version(s) "
                      f"({ck['files_removed']} files, {ck['bytes_removed'] / 2**20:.1f} MiB); kept the newest "
                      f"{ck['keep_checkpoints']} and every hf/ model")
+    ver = r.get("verify")
+    if ver is not None:
+        lines.append("verify: ok" if ver["ok"] else
+                     "verify: FAILED\n" + "\n".join(f"  {p}" for p in ver["problems"]))
     if r.get("dry_run") and lines:
         lines.append("dry run: nothing was changed")
     return "\n".join(lines) or "no tables"

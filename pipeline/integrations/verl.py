@@ -18,7 +18,11 @@ then the trainer's reward / log-prob steps) holds, per sample ``i``:
 
 ``from_dataproto`` removes the padding exactly (a mask that is not one
 contiguous run, or a response_mask that is 1 on padding, is an error, never
-guessed around) and returns a ``pyarrow.Table`` for ``ingest_table``.
+guessed around) and returns a ``pyarrow.Table`` for ``ingest_table``. It
+validates like the file path: masks hold only 0 and 1, token ids are integers
+in 0..2^31-1 (the contract's int32), every sample has a uid, and the per-token
+tensors are [B, R]; anything else is one ``VerlBatchError`` naming the sample
+and the field, never a cast that silently changes a value.
 Derived columns: ``group_size`` = samples per uid in the batch;
 ``loss_mask`` = the unpadded ``response_mask``; ``response_logprobs`` = the
 log-probs with exact 0.0 where the mask is 0 (the contract's rule);
@@ -66,6 +70,33 @@ def _run(mask_row: np.ndarray, where: str, *, side: str, i: int) -> int:
     return n
 
 
+TOKEN_ID_MAX = 2**31 - 1   # the contract stores token ids as int32 (schemas/trajectories.yaml)
+
+
+def _check_binary(name: str, a: np.ndarray) -> np.ndarray:
+    """``a`` as int64 if every value is exactly 0 or 1; else an error naming the first bad sample."""
+    if a.dtype == bool:
+        return a.astype(np.int64)
+    bad = ~((a == 0) | (a == 1))
+    if bad.any():
+        i, j = (int(x) for x in np.argwhere(bad)[0])
+        raise VerlBatchError(f"sample {i}: {name}[{i}, {j}] is {a[i, j].item()!r}; a mask holds only 0 and 1",
+                             hint=f"pass verl's {name} unmodified (0/1 integers or booleans)")
+    return a.astype(np.int64)
+
+
+def _check_ids(name: str, i: int, ids: np.ndarray) -> np.ndarray:
+    """The unpadded token ids of sample ``i`` as int32, or an error naming the sample and field."""
+    if not (np.issubdtype(ids.dtype, np.integer) or ids.dtype == bool):
+        raise VerlBatchError(f"sample {i}: {name} has dtype {ids.dtype}; token ids are integers",
+                             hint=f"pass verl's {name} tensor unmodified (int64 token ids)")
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) > TOKEN_ID_MAX):
+        bad = ids[(ids < 0) | (ids > TOKEN_ID_MAX)][0]
+        raise VerlBatchError(f"sample {i}: {name} holds token id {int(bad)}, outside 0..{TOKEN_ID_MAX} (int32)",
+                             hint="token ids are a vocabulary index; check the tokenizer and the padding")
+    return ids.astype(np.int32)
+
+
 def _segments(mask: np.ndarray, value: int) -> int:
     """Number of maximal runs of ``value`` in a 0/1 vector."""
     hit = mask == value
@@ -85,12 +116,15 @@ def from_dataproto(batch, *, run_id: str, policy_version: int, tokenizer_rev: st
         raise VerlBatchError("non_tensor_batch has no 'uid' (the GRPO group of each sample)",
                              hint="verl's trainer sets batch.non_tensor_batch['uid'] before repeating prompts n times")
     prompts, responses = _np(td["prompts"]), _np(td["responses"])
-    rmask, amask = _np(td["response_mask"]).astype(np.int64), _np(td["attention_mask"]).astype(np.int64)
+    if prompts.ndim != 2 or responses.ndim != 2 or len(responses) != len(prompts):
+        raise VerlBatchError(f"prompts {prompts.shape} and responses {responses.shape} must be [B, P] and [B, R]")
     B, P = prompts.shape
     R = responses.shape[1]
+    rmask, amask = _np(td["response_mask"]), _np(td["attention_mask"])
     if amask.shape != (B, P + R) or rmask.shape != (B, R):
         raise VerlBatchError(f"attention_mask {amask.shape} / response_mask {rmask.shape} do not match prompts "
                              f"{prompts.shape} + responses {responses.shape}")
+    rmask, amask = _check_binary("response_mask", rmask), _check_binary("attention_mask", amask)
     lp_key = "rollout_log_probs" if "rollout_log_probs" in keys else "old_log_probs" if "old_log_probs" in keys else None
     if lp_key is None:
         raise VerlBatchError("the DataProto has neither rollout_log_probs nor old_log_probs",
@@ -99,7 +133,19 @@ def from_dataproto(batch, *, run_id: str, policy_version: int, tokenizer_rev: st
     logprobs = _np(td[lp_key]).astype(np.float32)
     score_key = "rm_scores" if "rm_scores" in keys else "token_level_scores" if "token_level_scores" in keys else None
     scores = _np(td[score_key]).astype(np.float64) if score_key else None
-    uids = [str(u) for u in nt["uid"]]
+    for name, arr in ((lp_key, logprobs), (score_key, scores)):
+        if arr is not None and arr.shape != (B, R):
+            raise VerlBatchError(f"{name} has shape {tuple(arr.shape)}, responses {(B, R)}: one value per response "
+                                 "token is needed", hint=f"pass the {name} computed for these responses")
+    for name, vals in nt.items():
+        if hasattr(vals, "__len__") and len(vals) != B:
+            raise VerlBatchError(f"non_tensor_batch[{name!r}] has {len(vals)} entries for {B} samples")
+    uids = []
+    for i, u in enumerate(nt["uid"]):
+        if u is None or (isinstance(u, float) and not np.isfinite(u)) or str(u).strip() == "":
+            raise VerlBatchError(f"sample {i}: uid is {u!r}; every sample needs the uid of its prompt (its group)",
+                                 hint="verl's trainer sets non_tensor_batch['uid'] before repeating prompts n times")
+        uids.append(str(u))
     counts: dict[str, int] = {}
     for u in uids:
         counts[u] = counts.get(u, 0) + 1
@@ -115,9 +161,7 @@ def from_dataproto(batch, *, run_id: str, policy_version: int, tokenizer_rev: st
         r_len = _run(amask[i, P:], "the response's attention_mask", side="left", i=i)
         if rmask[i, r_len:].any():
             raise VerlBatchError(f"sample {i}: response_mask is 1 on padding (after {r_len} response tokens)")
-        mask = rmask[i, :r_len].astype(np.int8)
-        if not set(np.unique(mask).tolist()) <= {0, 1}:
-            raise VerlBatchError(f"sample {i}: response_mask holds values other than 0/1")
+        mask = rmask[i, :r_len].astype(np.int8)   # 0/1, checked above
         lp = np.where(mask == 1, logprobs[i, :r_len], np.float32(0.0)).astype(np.float32)
         k = seen.get(uids[i], 0)
         seen[uids[i]] = k + 1
@@ -128,8 +172,8 @@ def from_dataproto(batch, *, run_id: str, policy_version: int, tokenizer_rev: st
         if "index" in nt:
             task = f"{nt['data_source'][i]}:{nt['index'][i]}" if "data_source" in nt else str(nt["index"][i])
         cols["task_id"].append(task)
-        cols["prompt_ids"].append(prompts[i, P - p_len:].astype(np.int32))
-        cols["response_ids"].append(responses[i, :r_len].astype(np.int32))
+        cols["prompt_ids"].append(_check_ids("prompts", i, prompts[i, P - p_len:]))
+        cols["response_ids"].append(_check_ids("responses", i, responses[i, :r_len]))
         cols["response_logprobs"].append(lp)
         cols["loss_mask"].append(mask)
         cols["token_policy_versions"].append(np.where(mask == 1, policy_version, -1).astype(np.int32))

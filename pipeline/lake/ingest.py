@@ -229,7 +229,8 @@ def stamp_derived(valid: pa.Table, ingest_id: str) -> pa.Table:
     here so admission never reads token payload): oldest_version = min sampled
     version over the response tokens (>= 0; observation tokens carry -1),
     policy_version when there is none; response_len = len(response_ids);
-    prompt_hash = the prompt's identity (``prompt_hashes``)."""
+    prompt_hash = the prompt's identity (``prompt_hashes``); max_token_id =
+    the largest id in prompt_ids and response_ids (admission's vocabulary check)."""
     from pipeline.lake.delta import row_keys
     from pipeline.schema import ROW_KEY, table_spec
 
@@ -242,7 +243,27 @@ def stamp_derived(valid: pa.Table, ingest_id: str) -> pa.Table:
     t = t.append_column("oldest_version", pa.array(np.where(tpv >= 0, tpv, pv), pa.int64()))
     lens = pc.list_value_length(valid.column("response_ids")).fill_null(0)
     t = t.append_column("response_len", pc.cast(lens, pa.int32()))
-    return t.append_column("prompt_hash", prompt_hashes(valid.column("prompt_ids")))
+    t = t.append_column("prompt_hash", prompt_hashes(valid.column("prompt_ids")))
+    top = np.maximum(list_max(valid.column("prompt_ids")), list_max(valid.column("response_ids")))
+    return t.append_column("max_token_id", pa.array(top, pa.int32()))
+
+
+def list_max(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Per list of int32: its largest element as int64; -1 when empty or null."""
+    arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+    out = np.full(len(arr), -1, np.int64)
+    if len(arr) == 0:
+        return out
+    offsets = np.asarray(arr.offsets, np.int64)
+    vals = arr.values.fill_null(-1) if arr.values.null_count else arr.values
+    values = np.asarray(vals.to_numpy(zero_copy_only=False))[offsets[0]:offsets[-1]]
+    offsets = offsets - offsets[0]
+    nonempty = np.diff(offsets) > 0
+    if values.size and nonempty.any():
+        out[nonempty] = np.maximum.reduceat(values, offsets[:-1][nonempty]).astype(np.int64)
+    if arr.null_count:
+        out[np.asarray(arr.is_null())] = -1
+    return out
 
 
 def prompt_hashes(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
@@ -405,18 +426,101 @@ def _ingest_table(lake: Lake, table, *, source: str = "memory", command: str = "
 
 
 def _as_arrow(table) -> pa.Table:
-    if isinstance(table, pa.Table):
-        return table
-    if isinstance(table, pa.RecordBatch):
-        return pa.Table.from_batches([table])
+    """Any frame ``ingest_table`` accepts as one Arrow table in types validation
+    understands; a frame that cannot be converted is one InputFileError naming
+    the column, never a raw Arrow or pandas exception."""
     mod = type(table).__module__.split(".")[0]
-    if mod == "polars":
-        return table.to_arrow()
-    if mod == "pandas":
-        return pa.Table.from_pandas(table, preserve_index=False)
-    if hasattr(table, "__arrow_c_stream__"):
-        return pa.table(table)
-    raise TypeError(f"ingest_table needs a pyarrow Table, pandas or polars DataFrame, not {type(table).__name__}")
+    try:
+        if isinstance(table, pa.Table):
+            out = table
+        elif isinstance(table, pa.RecordBatch):
+            out = pa.Table.from_batches([table])
+        elif mod == "polars":
+            if hasattr(table, "collect") and not hasattr(table, "to_arrow"):   # a LazyFrame: run its plan
+                table = table.collect()
+            out = table.to_arrow()
+        elif mod == "pandas":
+            out = _from_pandas(table)
+        elif hasattr(table, "__arrow_c_stream__"):
+            out = pa.table(table)
+        else:
+            raise TypeError(f"ingest_table needs a pyarrow Table, pandas or polars DataFrame (or LazyFrame), "
+                            f"not {type(table).__name__}")
+        return _plain_types(out)
+    except (pa.ArrowException, ValueError) as exc:
+        if isinstance(exc, InputFileError):
+            raise
+        raise InputFileError(f"ingest_table: the {type(table).__name__} cannot be read as a table: {exc}",
+                             hint="give each column one type the ingest contract names (README, Ingest contract)"
+                             ) from None
+
+
+def _from_pandas(df) -> pa.Table:
+    """A pandas frame column by column: a column Arrow cannot convert is named in
+    the error. Contract columns are converted to their contract type first (so a
+    map column given as lists of (key, value) tuples converts)."""
+    spec = table_spec("trajectories")
+    known = {c.name: c.arrow_type for c in spec.ingest_columns}
+    names = [str(c) for c in df.columns]
+    arrays = []
+    for k, name in enumerate(names):
+        col = df.iloc[:, k]
+        try:
+            arrays.append(pa.array(col, type=known[name], from_pandas=True))
+            continue
+        except (KeyError, pa.ArrowException, ValueError, TypeError):
+            pass    # not a contract column, or not in its type: validation says what is wrong with it
+        try:
+            arrays.append(pa.array(col, from_pandas=True))
+        except (pa.ArrowException, ValueError, TypeError) as exc:
+            kinds = sorted({type(v).__name__ for v in col.tolist() if v is not None})
+            raise InputFileError(f"ingest_table: column {name!r} (pandas dtype {col.dtype}) cannot be converted to "
+                                 f"one Arrow type: it holds {', '.join(kinds)} values ({exc})",
+                                 hint=f"give the column one type, e.g. df[{name!r}].astype(str), or drop it"
+                                 ) from None
+    return pa.Table.from_arrays(arrays, names=names)
+
+
+def _plain_types(t: pa.Table) -> pa.Table:
+    """View and dictionary encodings decoded to the plain types validation and
+    the contract use (list_view -> list, string_view -> string, dictionary ->
+    its values), recursively inside lists."""
+    def plain(typ: pa.DataType) -> pa.DataType:
+        if pa.types.is_dictionary(typ):
+            return plain(typ.value_type)
+        if pa.types.is_list_view(typ):
+            return pa.list_(plain(typ.value_type))
+        if pa.types.is_large_list_view(typ):
+            return pa.large_list(plain(typ.value_type))
+        if pa.types.is_list(typ):
+            return pa.list_(plain(typ.value_type))
+        if pa.types.is_large_list(typ):
+            return pa.large_list(plain(typ.value_type))
+        if pa.types.is_string_view(typ):
+            return pa.string()
+        if pa.types.is_binary_view(typ):
+            return pa.binary()
+        return typ
+
+    def view_to_list(arr: pa.Array) -> pa.Array:
+        # built by hand: pyarrow 26.0.1's cast of a list_view chunk to list gives an offsets buffer one entry short
+        valid = np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), bool)
+        sizes = np.where(valid, np.asarray(arr.sizes.fill_null(0).to_numpy(zero_copy_only=False), np.int64), 0)
+        large = pa.types.is_large_list_view(arr.type)
+        offsets = pa.array(np.concatenate([[0], np.cumsum(sizes)]), pa.int64() if large else pa.int32())
+        cls = pa.LargeListArray if large else pa.ListArray
+        return cls.from_arrays(offsets, arr.flatten(), mask=pa.array(~valid) if not valid.all() else None)
+
+    cols = []
+    changed = False
+    for col in t.columns:
+        want = plain(col.type)
+        if want != col.type:
+            if pa.types.is_list_view(col.type) or pa.types.is_large_list_view(col.type):
+                col = pa.chunked_array([view_to_list(c) for c in col.chunks], type=None if col.chunks else want)
+            col, changed = col.cast(want), True
+        cols.append(col)
+    return pa.Table.from_arrays(cols, names=t.column_names) if changed else t
 
 
 def _new_ingest_id() -> str:
@@ -591,7 +695,9 @@ def _key_filter(keys: np.ndarray):
 
     from pipeline.schema import ROW_KEY
 
-    return ds.field(ROW_KEY).isin(pa.array(keys, pa.int64()))
+    # an Arrow-owned copy: pa.array(ndarray) wraps numpy's buffer, and a scanner thread dropping the
+    # filter's last reference to it at interpreter exit aborted the process (docs/clean-exit.md)
+    return ds.field(ROW_KEY).isin(pa.array(keys.tolist(), pa.int64()))
 
 
 def _batch_app_id(txns: list[str]) -> str:

@@ -1,11 +1,12 @@
 """`pipeline lake maintain`: compact, checkpoint, vacuum what nothing needs,
-and clean up what crashed writers left.
+clean up what crashed writers left, then verify (pipeline/lake/verify.py).
 
 Safe to run while writers run and while another maintain runs: compaction
-commits are serialised (pipeline/lake/delta.py ``compact``), and the cleanup
-only removes files no commit ever referenced that are older than an age guard
-(``orphan_min_age_s``, default one hour; a writer never commits a staged file
-older than half of that). docs/write-protocol.md has the argument.
+commits are serialised (pipeline/lake/delta/compact.py), and the cleanup
+only removes files no commit ever referenced, that no live writer declared in
+the staging registry (pipeline/lake/staging.py) and that are older than an age
+guard (``orphan_min_age_s``, default one hour). docs/write-protocol.md has the
+argument.
 
 Snapshots materialize their members' payload into their own files, so vacuum
 of the source tables can never change what a snapshot id means. We still keep
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
+
+import pyarrow as pa
 
 from pipeline.schema import ALL_TABLES, table_spec
 
@@ -92,11 +95,14 @@ def _maintain(lake: Lake, *, retention_hours: int = 168, dry_run: bool = False,
             continue
         compacted: dict[str, Any] = {}
         index_version = None
-        if not dry_run:
+        damaged = None
+        try:
             compacted = lake.compact(name)
             lake.checkpoint(name)
             if table_spec(name).enforces_key:  # the sorted key index appends dedupe against
                 index_version = lake.write_key_index(name)
+        except (OSError, pa.ArrowInvalid) as exc:   # a referenced file is gone or unreadable: verify lists it
+            damaged = f"{type(exc).__name__}: {exc}"
         kept = sorted(keep.get(name, ()))
         vac = lake.vacuum(name, retention_hours=retention_hours, keep_versions=kept, dry_run=dry_run)
         orphans = lake.remove_orphans(name, min_age_s=age, dry_run=dry_run)
@@ -109,7 +115,7 @@ def _maintain(lake: Lake, *, retention_hours: int = 168, dry_run: bool = False,
             "orphans_removed": len(orphans),
             "key_index_version": index_version,
             "kept_versions": kept,
-        }
+        } | ({"not_compacted": damaged} if damaged else {})
     report["snapshot_temp_dirs_removed"] = remove_snapshot_temps(lake, min_age_s=age, dry_run=dry_run)
     from pipeline.snapshots.publish import remove_unpublished_payloads  # object stores' unpublished payloads
 
@@ -118,15 +124,22 @@ def _maintain(lake: Lake, *, retention_hours: int = 168, dry_run: bool = False,
         from pipeline.policy_store import retire_checkpoints
 
         report["checkpoints"] = retire_checkpoints(lake, keep_checkpoints, dry_run=dry_run)
+    if not dry_run:   # after compaction and cleanup: every file the current versions reference is there
+        from pipeline.lake.verify import verify
+
+        report["verify"] = verify(lake, tables, rehash=False)   # sizes, not hashes: `lake verify` rehashes
     return report
 
 
 def remove_snapshot_temps(lake: Lake, *, min_age_s: float, dry_run: bool = False) -> list[str]:
     """Temporary snapshot directories (``_snapshots/.tmp-*``) left by admissions
-    that died before publishing, older than ``min_age_s``."""
+    that died before publishing: not declared by a live admission in the staging
+    registry, and older than ``min_age_s``."""
     import time
 
     import pyarrow.fs as pafs
+
+    from pipeline.lake import staging
 
     fs, root = lake.filesystem()
     base = f"{root}/_snapshots"
@@ -134,11 +147,12 @@ def remove_snapshot_temps(lake: Lake, *, min_age_s: float, dry_run: bool = False
         entries = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True, recursive=False))
     except (FileNotFoundError, OSError):
         return []
+    declared = staging.declared(lake)   # after the listing (docs/write-protocol.md, "Cleanup")
     cutoff = time.time() - min_age_s
     out = []
     for info in entries:
         name = info.path.rsplit("/", 1)[-1]
-        if not name.startswith(".tmp"):
+        if not name.startswith(".tmp") or declared.covers(f"_snapshots/{name}/"):
             continue
         newest = info.mtime.timestamp() if info.mtime is not None else None
         if info.type == pafs.FileType.Directory:

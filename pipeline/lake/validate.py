@@ -399,6 +399,24 @@ def _check_column(arr: pa.Array, spec: ColumnSpec, fails: _Failures) -> None:
             hint = _NULL_ELEMENT_HINT.get(name, "lists hold no nulls")
             fails.add(_rows_with(flat_null, parents, n), "null_element",
                       lambda i: f"{name}[{first_null[i]}] is null; {hint}", column=name)
+        if (spec.min is not None or spec.max is not None) and (
+                pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type)):
+            values, offs = _flat(arr)     # a list column's range applies to every element (token ids >= 0)
+            bad_v = np.zeros(len(values), bool)
+            if spec.min is not None:
+                bad_v |= values < spec.min
+            if spec.max is not None:
+                bad_v |= values > spec.max
+            if bad_v.any():
+                rows = _per_row_any(bad_v, offs)
+                first_bad = {int(r): int(np.flatnonzero(bad_v[offs[r]:offs[r + 1]])[0]) for r in np.flatnonzero(rows)}
+                lo = spec.min if spec.min is not None else "-inf"
+                hi = spec.max if spec.max is not None else "inf"
+                fails.add(rows, "out_of_range",
+                          lambda i: f"{name}[{first_bad[i]}]={values[offs[i] + first_bad[i]]} is outside [{lo}, {hi}]"
+                          + ("; token ids are vocabulary indices (>= 0): a padding or ignore-index value "
+                             "(e.g. -100) must be removed before ingest" if name.endswith("_ids") else ""),
+                          column=name)
         if spec.enum_values or (spec.finite and pa.types.is_floating(t.value_type)):
             values, offs = _flat(arr)
             if spec.enum_values:

@@ -143,16 +143,23 @@ def _publish_local(lake: Lake, parts: Iterable[pa.Table | pa.RecordBatch],
                    snapshot_id: str, manifest_extra: dict[str, Any] | None) -> Snapshot:
     import uuid
 
+    from pipeline.lake import staging
+
     rel = snapshot_dir(snapshot_id)
     fs, root = lake.filesystem()
-    tmp = f"{root}/_snapshots/{TMP_PREFIX}{snapshot_id[:16]}-{uuid.uuid4().hex[:8]}"
-    fs.create_dir(tmp, recursive=True)
+    tmp_rel = f"_snapshots/{TMP_PREFIX}{snapshot_id[:16]}-{uuid.uuid4().hex[:8]}"
+    tmp = f"{root}/{tmp_rel}"
+    intent = staging.declare(lake, [f"{tmp_rel}/"])   # maintenance leaves the directory alone while we live
     try:
+        fs.create_dir(tmp, recursive=True)
         sha, nbytes, rows = _write_payload(fs, f"{tmp}/{DATA_FILE}", parts)
         manifest, mbytes = _manifest_bytes(snapshot_id, DATA_FILE, sha, nbytes, rows, manifest_extra)
         with fs.open_output_stream(f"{tmp}/{MANIFEST}") as f:
             f.write(mbytes)
         _barrier_point(snapshot_id)
+        # nothing published without its files: a vanished payload fails here, before the rename
+        lake.check_files({f"{tmp_rel}/{DATA_FILE}": nbytes, f"{tmp_rel}/{MANIFEST}": len(mbytes)},
+                         what=f"publication of snapshot {snapshot_id}")
         try:
             fs.move(tmp, f"{root}/{rel}")  # atomic directory rename; fails if the id exists
         except OSError:
@@ -166,6 +173,7 @@ def _publish_local(lake: Lake, parts: Iterable[pa.Table | pa.RecordBatch],
             fs.delete_dir(tmp)
         except (FileNotFoundError, OSError):
             pass
+        staging.release(lake, intent)
     return Snapshot(snapshot_id, rel, manifest, sha256_hex(mbytes))
 
 
@@ -173,17 +181,20 @@ def _publish_object_store(lake: Lake, parts: Iterable[pa.Table | pa.RecordBatch]
                           snapshot_id: str, manifest_extra: dict[str, Any] | None) -> Snapshot:
     import uuid
 
-    from pipeline.lake import objects
+    from pipeline.lake import objects, staging
 
     rel = snapshot_dir(snapshot_id)
     fs, root = lake.filesystem()
     data_name = f"{PENDING_DATA_PREFIX}{uuid.uuid4().hex[:16]}.parquet"
     data_path = f"{root}/{rel}/{data_name}"
     committed = False
+    intent = staging.declare(lake, [f"{rel}/{data_name}"])   # maintenance leaves the payload alone while we live
     try:
         sha, nbytes, rows = _write_payload(fs, data_path, parts)
         manifest, mbytes = _manifest_bytes(snapshot_id, data_name, sha, nbytes, rows, manifest_extra)
         _barrier_point(snapshot_id)
+        # nothing published without its files: a vanished payload fails here, before the manifest
+        lake.check_files({f"{rel}/{data_name}": nbytes}, what=f"publication of snapshot {snapshot_id}")
         for attempt in range(5):
             committed = objects.put_if_absent(lake, f"{rel}/{MANIFEST}", mbytes)   # the commit point
             published = None if committed else try_open(lake, snapshot_id)
@@ -195,12 +206,20 @@ def _publish_object_store(lake: Lake, parts: Iterable[pa.Table | pa.RecordBatch]
             import time
 
             time.sleep(0.2 * (attempt + 1))
+        if committed:
+            try:   # the payload vanished while the manifest went up: take the publication back
+                lake.check_files({f"{rel}/{data_name}": nbytes}, what=f"publication of snapshot {snapshot_id}")
+            except IntegrityError:
+                objects.delete(lake, f"{rel}/{MANIFEST}")
+                committed = False
+                raise
     finally:
         if not committed:
             try:
                 fs.delete_file(data_path)
             except (FileNotFoundError, OSError):
                 pass
+        staging.release(lake, intent)
     if committed:
         return Snapshot(snapshot_id, rel, manifest, sha256_hex(mbytes))
     # another writer published this id first: verify it, return it, never overwrite it
@@ -211,17 +230,21 @@ def _publish_object_store(lake: Lake, parts: Iterable[pa.Table | pa.RecordBatch]
 def remove_unpublished_payloads(lake: Lake, *, min_age_s: float, dry_run: bool = False) -> list[str]:
     """Payload files ``_snapshots/<id>/members.<rand>.parquet`` that the id's
     manifest does not name (a losing or killed publisher's on an object store),
-    older than ``min_age_s`` (a publication in progress looks the same until
-    its manifest lands). Returns ``<id>/<file>`` of each one removed."""
+    older than ``min_age_s`` and not declared by a live publisher in the staging
+    registry (a publication in progress looks the same until its manifest
+    lands). Returns ``<id>/<file>`` of each one removed."""
     import time
 
     import pyarrow.fs as pafs
+
+    from pipeline.lake import staging
 
     fs, root = lake.filesystem()
     try:
         infos = fs.get_file_info(pafs.FileSelector(f"{root}/_snapshots", allow_not_found=True, recursive=True))
     except (FileNotFoundError, OSError):
         return []
+    declared = staging.declared(lake)   # after the listing, before the manifests (docs/write-protocol.md)
     by_dir: dict[str, list] = {}
     for info in infos:
         parts = info.path[len(root) + 1:].split("/")
@@ -240,7 +263,8 @@ def remove_unpublished_payloads(lake: Lake, *, min_age_s: float, dry_run: bool =
         for info in files:
             name = info.base_name
             if name == MANIFEST or name in named or not (name.startswith(PENDING_DATA_PREFIX)
-                                                           and name.endswith(".parquet")):
+                                                           and name.endswith(".parquet")) \
+                    or declared.covers(f"_snapshots/{sid}/{name}"):
                 continue
             if info.mtime is not None and info.mtime.timestamp() > cutoff:
                 continue

@@ -80,6 +80,7 @@ def lakes(draw):
         advantage=draw(st.sampled_from(["grpo", "dr_grpo", "rloo"])),
         bucket_caps=draw(st.sampled_from([{}, {"difficulty:easy": 1}])),
         mix_batch_fields=draw(st.sampled_from([(), (), ("verifier_version", "env_version")])),
+        vocab_size=draw(st.sampled_from([None, None, 5, 6])),     # response ids 3..6: some out_of_vocabulary
     )
     quality = {r["trajectory_id"]: "quality:expect_column_values_to_be_in_set(status)"
                for r in rows if draw(st.integers(0, 9)) == 0}
@@ -152,3 +153,41 @@ def test_admit_duckdb_and_dask_write_identical_receipts_and_snapshots(tmp_path, 
     sb = Lake(tmp_path / "b").read("snapshots", columns=["snapshot_id", "manifest_sha256", "num_tokens"])
     assert sa.equals(sb)  # same manifest bytes: same payload file hash
     assert a.counts == b.counts and a.counts.get("admit", 0) > 0
+
+
+def test_token_ids_outside_the_policys_vocabulary_are_excluded_with_a_reason(tlake, make_traj):
+    """The trainer refused such a snapshot after its groups were decided; now the
+    member is excluded at admission (vocab_size from the current policy's config)."""
+    import json as _json
+
+    from pipeline.admission.run import admit
+    from pipeline.lake.ingest import ingest_table
+    from pipeline.policy_store import HF_SUBDIR, local_checkpoint_dir, policy_info
+
+    lake, _ = tlake
+    info = policy_info(lake, 0)
+    vocab = _json.loads((local_checkpoint_dir(lake, info["checkpoint_id"]) / HF_SUBDIR / "config.json")
+                        .read_text())["vocab_size"]
+    t = make_traj(8, seed=5, group_size=4, median_len=6, sigma=0.2, id_prefix="v-")
+    t = t.set_column(t.schema.get_field_index("response_ids"), "response_ids",
+                     pa.array([[i % vocab for i in r] for r in t.column("response_ids").to_pylist()],
+                              pa.list_(pa.int32())))
+    t = t.set_column(t.schema.get_field_index("prompt_ids"), "prompt_ids",
+                     pa.array([[i % vocab for i in r] for r in t.column("prompt_ids").to_pylist()],
+                              pa.list_(pa.int32())))
+    rows = t.drop_columns(["content_hash"]).to_pylist()
+    rows[1]["response_ids"][0] = vocab                      # one id the policy cannot embed
+    bad = rows[1]["trajectory_id"]
+    rewards = [0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0]
+    for r, w in zip(rows, rewards):
+        r["reward"], r["verdict"] = w, "PASS" if w > 0 else "FAIL"
+    assert ingest_table(lake, pa.Table.from_pylist(rows, schema=t.drop_columns(["content_hash"]).schema)).landed == 8
+    res = admit(lake, AdmissionConfig(quality=False), current_policy_version=0)
+    rec = {r["group_id"]: r for r in res.receipts.to_pylist()}
+    excluded = dict(rec[rows[1]["group_id"]]["excluded_members"])
+    assert excluded == {bad: "out_of_vocabulary"}
+    assert "out_of_vocabulary=1" in dict(rec[rows[1]["group_id"]]["checks"])["member_exclusions"]
+    assert res.snapshot_id is not None
+    from pipeline.snapshots.format import read_snapshot_table
+
+    assert bad not in read_snapshot_table(lake, res.snapshot_id).column("trajectory_id").to_pylist()

@@ -137,3 +137,48 @@ def test_bad_layouts_are_clear_errors():
     del b.non_tensor_batch["uid"]
     with pytest.raises(VerlBatchError, match="uid"):
         from_dataproto(b, **KW)
+
+
+@pytest.mark.parametrize("damage, match", [
+    ("float-mask", r"sample 0: response_mask\[0, 1\] is 0.5"),
+    ("mask-256", r"sample 2: response_mask\[2, 3\] is 256"),
+    ("attention-2", r"sample 1: attention_mask\[1, 7\] is 2"),
+    ("id-above-int32", r"sample 1: responses holds token id 2147483648"),
+    ("negative-id", r"sample 0: prompts holds token id -100"),
+    ("float-ids", r"sample 0: responses has dtype float32"),
+    ("uid-none", r"sample 3: uid is None"),
+    ("uid-empty", r"sample 4: uid is ''"),
+    ("logprobs-short", r"rollout_log_probs has shape \(5, 11\)"),
+    ("scores-short", r"rm_scores has shape \(5, 11\)"),
+    ("non-tensor-short", r"non_tensor_batch\['acc'\] has 4 entries for 5 samples"),
+])
+def test_malformed_batches_name_the_sample_and_field(damage, match):
+    """Each of these landed wrong rows (or raised a numpy error) before: a float
+    mask cast 0.5 to 0, 256 wrapped to 0 in int8, ids above int32 wrapped."""
+    b = _batch()
+    td, nt = b.batch, b.non_tensor_batch
+    if damage == "float-mask":
+        td["response_mask"] = td["response_mask"].to(torch.float32)
+        td["response_mask"][0, 1] = 0.5
+    elif damage == "mask-256":
+        td["response_mask"][2, 3] = 256
+    elif damage == "attention-2":
+        td["attention_mask"][1, 7] = 2
+    elif damage == "id-above-int32":
+        td["responses"][1, 0] = 2**31
+    elif damage == "negative-id":
+        td["prompts"][0, PROMPT_LEN - 1] = -100
+    elif damage == "float-ids":
+        td["responses"] = td["responses"].to(torch.float32)
+    elif damage == "uid-none":
+        nt["uid"][3] = None
+    elif damage == "uid-empty":
+        nt["uid"][4] = ""
+    elif damage in ("logprobs-short", "scores-short"):
+        key = "rollout_log_probs" if damage == "logprobs-short" else "rm_scores"
+        td[key] = td[key][:, :-1].clone()             # one token short
+    elif damage == "non-tensor-short":
+        nt["acc"] = nt["acc"][:4]
+    with pytest.raises(VerlBatchError, match=match):
+        from_dataproto(b, **KW)
+

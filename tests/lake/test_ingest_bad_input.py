@@ -359,3 +359,44 @@ def test_jsonl_lines_split_on_newline_only_and_bad_utf8_is_quarantined(lake, tmp
     q = _quarantine(lake)[0]
     assert q["source_row"] == 2 and "not valid UTF-8" in q["reason"]
     assert "a\u2028b" in lake.read("trajectories", columns=["difficulty"]).column(0).to_pylist()
+
+
+@pytest.mark.parametrize("column", ["response_ids", "prompt_ids"])
+def test_negative_token_id_is_quarantined(lake, tmp_path, good, make_traj, column):
+    """-100 (the ignore index) landed before: admitted, then refused by the trainer."""
+    t = make_traj(1, seed=8, median_len=8, sigma=0.0).drop_columns(["content_hash"])
+    row = t.to_pylist()[0]
+    row[column] = row[column][:2] + [-100] + row[column][3:]
+    bad = pa.Table.from_pylist([row], schema=t.schema)
+    _only_bad(lake, tmp_path, good, bad, "out_of_range", f"{column}[2]=-100 is outside [0, inf]")
+
+
+# -- odd in-memory frames through ingest_table: a quarantine reason or one clear error, never a raw exception
+
+
+def test_odd_frames_land_or_get_one_clear_error(lake, make_traj):
+    import numpy as np
+    import polars as pl
+
+    from pipeline.lake.ingest import ingest_table
+
+    t = make_traj(4, seed=1, median_len=4)
+    c = t.column("response_ids").combine_chunks()
+    off = np.asarray(c.offsets)
+    lv = pa.ListViewArray.from_arrays(pa.array(off[:-1], pa.int32()), pa.array(np.diff(off), pa.int32()), c.values)
+    as_view = t.set_column(t.schema.get_field_index("response_ids"), "response_ids", lv)
+    assert ingest_table(lake, as_view).landed == 4                              # list_view: decoded
+    u = make_traj(4, seed=2, median_len=4, id_prefix="p-")
+    assert ingest_table(lake, u.to_pandas()).landed == 4                         # a map column as (k, v) tuples
+    w = make_traj(4, seed=3, median_len=4, id_prefix="l-")
+    assert ingest_table(lake, pl.from_arrow(w).lazy()).landed == 4               # a polars LazyFrame: collected
+    dup = pa.Table.from_arrays(list(w.columns) + [w.column("reward")], names=w.column_names + ["reward"])
+    r = ingest_table(lake, dup)
+    assert r.landed == 0 and r.reasons == {"duplicate_column": 4}
+    mixed = make_traj(4, seed=4, median_len=4, id_prefix="m-").to_pandas()
+    mixed["task_id"] = ["a", 1, 2.5, None]
+    with pytest.raises(InputFileError, match=r"column 'task_id' \(pandas dtype object\) cannot be converted .*"
+                                             r"float, int, str"):
+        ingest_table(lake, mixed)
+    ids = lake.read("trajectories", columns=["trajectory_id"]).column(0).to_pylist()
+    assert len(ids) == len(set(ids)) == 12

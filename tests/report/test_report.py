@@ -188,7 +188,6 @@ def test_alerts_say_in_words_what_is_wrong(tmp_path):
     checks = {a["check"] for a in res["alert_checks"]}
     assert {"mismatch_kl", "eval_drop"} <= checks and len(res["alert_checks"]) == len(res["alerts"])
     # --check: the report is written and the exit code says an alert fired (for cron or CI)
-    import json
 
     from pipeline.cli import main
     from pipeline.commands.report import EXIT_ALERT

@@ -1,0 +1,156 @@
+"""Compaction and cleanup of one table: our own serialised compaction,
+removal of files no commit ever referenced, checkpoints and vacuum."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+from deltalake import CommitProperties, Transaction
+from deltalake.exceptions import CommitFailedError
+
+from pipeline.lake import staging
+from pipeline.lake.delta import writes
+from pipeline.lake.delta.store import (
+    COMPACT_APP,
+    MAX_COMMIT_RETRIES,
+    MAX_KEYED_ATTEMPTS,
+    ORPHAN_MIN_AGE_S,
+    FilesMissing,
+    _metadata,
+    _partition_str,
+    pause_point,
+)
+from pipeline.schema import table_spec
+
+if TYPE_CHECKING:
+    from pipeline.lake.delta.store import Lake
+
+
+def compact(lake: Lake, name: str, *, target_bytes: int = 128 << 20) -> dict[str, Any]:
+    """Rewrite each partition's small files into files of up to ``target_bytes``.
+
+    Our own rewrite instead of delta-rs's ``optimize.compact``: two of those
+    running at once both commit, each re-adding the same rows (measured:
+    every compacted row twice). Ours commits remove + add actions carrying the
+    next version of ``pipeline.compact``, so of two concurrent compactions
+    exactly one commits; the other discards its files and plans again on the
+    new version, where those files are gone. Rows never change: the added
+    files carry ``dataChange=false``."""
+    from deltalake.transaction import RemoveAction
+
+    spec = table_spec(name)
+    removed = added = 0
+    for attempt in range(MAX_KEYED_ATTEMPTS):
+        dt = lake.table(name)
+        plan = _compaction_plan(pa.table(dt.get_add_actions(flatten=True)), target_bytes)
+        if not plan:
+            break
+        lock_v = (dt.transaction_version(COMPACT_APP) or 0) + 1
+        new_actions: list = []
+        try:
+            for files in plan:
+                part = lake.files_dataset(name, [(p, pv) for p, pv, _ in files]).to_table()
+                new_actions += writes.write_data_files(lake, spec, writes.prepare(lake, spec, part), data_change=False)
+            pause_point(f"compact:{name}:written")
+            writes.check_actions(lake, name, new_actions, what=f"compaction of {name}")
+            now_ms = int(time.time() * 1000)
+            removes = [RemoveAction(p, False, now_ms, size, pv) for files in plan for p, pv, size in files]
+            dt.create_write_transaction(
+                removes + new_actions, mode="append", schema=spec.arrow_schema(),
+                partition_by=list(spec.partition_by) or None,
+                commit_properties=CommitProperties(
+                    custom_metadata=_metadata("lake maintain: compact", None),
+                    max_commit_retries=MAX_COMMIT_RETRIES,
+                    app_transactions=[Transaction(COMPACT_APP, lock_v, now_ms)]))
+            writes.release(lake, name, new_actions)
+            removed += len(removes)
+            added += len(new_actions)
+            break
+        except (CommitFailedError, FilesMissing):
+            # another compaction committed first (our rewrite may repeat its rows), or our
+            # files were deleted under us: plan again
+            lake.discard(name, new_actions)
+            time.sleep(random.uniform(0, min(0.02 * 2 ** min(attempt, 6), 1.0)))
+        except BaseException:
+            lake.discard(name, new_actions)
+            raise
+    return {"numFilesRemoved": removed, "numFilesAdded": added}
+
+
+
+def remove_orphans(lake: Lake, name: str, *, min_age_s: float = ORPHAN_MIN_AGE_S,
+                   dry_run: bool = False) -> list[str]:
+    """Delete data files under table ``name`` that no commit ever referenced
+    (staged by a writer that died before committing, or that lost a race), that
+    no live writer declared in the staging registry, and that are older than
+    ``min_age_s`` (the backstop for writers that died on another host).
+
+    The order of the three reads is the argument (docs/write-protocol.md,
+    "Cleanup"): the files are listed first, then the declarations, then the
+    log. A writer declares a file before writing it and withdraws the
+    declaration only after its commit landed, so a listed file is either still
+    declared when the declarations are read, or referenced by the log read
+    after them. No clock is involved."""
+    import pyarrow.fs as pafs
+    from urllib.parse import unquote
+
+    fs, _ = lake.filesystem()
+    base = lake.table_uri(name) if lake.is_local else lake.table_uri(name).split("://", 1)[1]
+    listed = [i for i in fs.get_file_info(pafs.FileSelector(base, recursive=True)) if i.type == pafs.FileType.File]
+    declared = staging.declared(lake, remove_expired=not dry_run)
+    dt = lake.table(name)
+    referenced = {p for p, _ in lake.live_files(dt)}
+    for v in range(dt.version() + 1):
+        for e in lake.log_entries(name, v) or []:
+            for kind in ("add", "remove"):
+                if kind in e:
+                    referenced.add(unquote(e[kind]["path"]))
+    cutoff = time.time() - min_age_s
+    out = []
+    for info in listed:
+        rel = info.path[len(base) + 1:]
+        if rel.startswith("_delta_log/") or rel in referenced or not rel.endswith(".parquet") \
+                or declared.covers(f"{name}/{rel}"):
+            continue
+        mtime = info.mtime.timestamp() if info.mtime is not None else time.time()
+        if mtime > cutoff:
+            continue
+        out.append(rel)
+        if not dry_run:
+            try:
+                fs.delete_file(info.path)
+            except (FileNotFoundError, OSError):
+                pass  # a concurrent maintain removed it first
+    return out
+
+
+
+def _compaction_plan(adds: pa.Table, target_bytes: int) -> list[list[tuple[str, dict[str, str | None], int]]]:
+    """Bins of small files (same partition, up to ``target_bytes`` each, >= 2 files)."""
+    parts = [c for c in adds.column_names if c.startswith("partition.")]
+    by_part: dict[tuple, list[tuple[str, dict[str, str | None], int]]] = {}
+    rows = adds.select(["path", "size_bytes"] + parts).to_pylist()
+    for r in sorted(rows, key=lambda r: r["path"]):
+        if r["size_bytes"] >= target_bytes:
+            continue
+        pv = {c[len("partition."):]: _partition_str(r[c]) for c in parts}
+        by_part.setdefault(tuple(sorted(pv.items(), key=lambda kv: kv[0])), []).append(
+            (r["path"], pv, r["size_bytes"]))
+    plan = []
+    for files in by_part.values():
+        bin_: list[tuple[str, dict[str, str | None], int]] = []
+        size = 0
+        for f in files:
+            if bin_ and size + f[2] > target_bytes:
+                if len(bin_) > 1:
+                    plan.append(bin_)
+                bin_, size = [], 0
+            bin_.append(f)
+            size += f[2]
+        if len(bin_) > 1:
+            plan.append(bin_)
+    return plan
+

@@ -1,0 +1,264 @@
+"""The key index: the ``row_key`` values of a keyed table version, which
+every keyed append dedupes against (docs/write-protocol.md, "The key index").
+
+``lake maintain`` writes a sorted index of a version's keys under
+``<lake>/_index/<table>/``; a reader takes the newest one at or below the
+version it checks and adds the keys of the files committed after it. A
+process caches the set and brings it forward by reading only new files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+from deltalake import DeltaTable
+
+from pipeline.schema import ROW_KEY
+
+if TYPE_CHECKING:
+    from pipeline.lake.delta.store import Lake
+
+
+def key_member(table_keys: np.ndarray, probes: np.ndarray) -> np.ndarray:
+    """Boolean mask: which ``probes`` occur in ``table_keys`` (unsorted, may repeat).
+
+    O(N log n) for N table keys and n probes: the few probes are sorted and the
+    many table keys binary-searched among them, so nothing of size N is sorted
+    or hashed."""
+    if len(probes) == 0 or len(table_keys) == 0:
+        return np.zeros(len(probes), bool)
+    sp = np.sort(probes)
+    pos = np.searchsorted(sp, table_keys)
+    pos[pos == len(sp)] = 0
+    found = sp[pos][sp[pos] == table_keys]
+    return np.isin(probes, found)
+
+
+@dataclass(frozen=True)
+class KeySet:
+    """The ``row_key`` values of a table version: a sorted index written by
+    ``lake maintain`` (memory-mapped on a local lake) plus the keys of files
+    committed after it, unsorted. ``contains`` costs O(n log N) for n probes."""
+
+    index: np.ndarray           # sorted (may be empty)
+    loose: np.ndarray           # unsorted, may repeat
+
+    def contains(self, probes: np.ndarray) -> np.ndarray:
+        mask = key_member(self.loose, probes)
+        if len(self.index) and len(probes):
+            pos = np.searchsorted(self.index, probes)
+            ok = pos < len(self.index)
+            mask |= ok & (self.index[np.minimum(pos, len(self.index) - 1)] == probes)
+        return mask
+
+    def __len__(self) -> int:
+        return len(self.index) + len(self.loose)
+
+
+_EMPTY = np.empty(0, np.int64)
+_KEY_CACHE: dict[tuple[str, str], tuple[int, frozenset[str], KeySet]] = {}
+INDEX_DIR = "_index"  # <lake>/_index/<table>/keys-<version>.idx: sorted row_keys of that version
+
+
+def keys(lake: Lake, name: str, dt: DeltaTable, *, since: int | None = None) -> KeySet:
+    """``row_key`` of every row in ``dt`` (since=None) or in the files committed
+    after version ``since``. The full set is the newest key index at or
+    below ``dt``'s version (written by ``lake maintain``) plus the keys of the
+    files committed after it, so its cost follows the data added since the
+    last maintenance, not the table's history. Cached per process and
+    brought forward by reading only files added since the cached version."""
+    version = dt.version()
+    if since is not None:
+        if since >= version:
+            return KeySet(_EMPTY, _EMPTY)
+        return KeySet(_EMPTY, read_keys(lake, name, lake.files_added(name, dt, since=since)))
+    cached = _KEY_CACHE.get((lake.uri, name))
+    live = lake.live_files(dt)
+    names = frozenset(p for p, _ in live)
+    if cached is not None and cached[0] <= version and cached[1] <= names:
+        # only appends since the cached version: read just the new files
+        extra = [f for f in live if f[0] not in cached[1]]
+        ks = cached[2]
+        if extra:
+            ks = KeySet(ks.index, np.concatenate([ks.loose, read_keys(lake, name, extra)]))
+    else:
+        found, rejected = _load_key_index(lake, name, version, dt=dt)
+        if found is None:
+            ks = KeySet(_EMPTY, read_keys(lake, name, live))
+            if rejected:   # rebuild from the keys just read: the next reader is fast again
+                try:
+                    write_key_index(lake, name, dt=dt, keys=ks.loose)
+                except OSError as exc:
+                    log.warning("could not rebuild the key index of %s: %s", name, exc)
+        else:
+            iv, index = found
+            ks = KeySet(index, read_keys(lake, name, lake.files_added(name, dt, since=iv)))
+    _KEY_CACHE[(lake.uri, name)] = (version, names, ks)
+    return ks
+
+
+def index_base(lake: Lake, name: str) -> str:
+    _, root = lake.filesystem()
+    return f"{root}/{INDEX_DIR}/{name}"
+
+
+
+INDEX_FORMAT = "pipeline.key-index/1"
+log = logging.getLogger("pipeline.lake")
+
+
+def _index_name(version: int) -> str:
+    return f"keys-{version:020d}.idx"
+
+
+def _commit_sha(lake: Lake, name: str, version: int) -> str | None:
+    """sha256 of the log entry of ``version``: names that commit in this history of the table."""
+    fs, _ = lake.filesystem()
+    base = lake.table_uri(name) if lake.is_local else lake.table_uri(name).split("://", 1)[1]
+    try:
+        with fs.open_input_stream(f"{base}/_delta_log/{version:020d}.json") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except (FileNotFoundError, OSError):
+        return None
+
+
+def encode_index(header: dict[str, Any], keys: np.ndarray) -> bytes:
+    """One JSON header line (padded to 8 bytes) followed by the keys as little-endian int64."""
+    body = np.ascontiguousarray(keys, dtype="<i8").tobytes()
+    head = json.dumps(dict(header, format=INDEX_FORMAT, rows=int(len(keys)),
+                           sha256=hashlib.sha256(body).hexdigest()), sort_keys=True).encode()
+    head += b" " * (-(len(head) + 1) % 8) + b"\n"
+    return head + body
+
+
+def decode_index(raw: bytes, *, table: str, table_id: str, version: int, commit: str | None) -> np.ndarray:
+    """The sorted keys of an index file, or ValueError saying why it cannot be trusted."""
+    nl = raw.find(b"\n")
+    if nl < 0:
+        raise ValueError("no header (empty, truncated or an older format)")
+    try:
+        head = json.loads(raw[:nl])
+    except ValueError:
+        raise ValueError("the header is not JSON (an older format, or damaged)") from None
+    if not isinstance(head, dict) or head.get("format") != INDEX_FORMAT:
+        raise ValueError(f"format {head.get('format') if isinstance(head, dict) else None!r}, not {INDEX_FORMAT}")
+    if head.get("table") != table or head.get("table_id") != table_id:
+        raise ValueError(f"built from table {head.get('table')!r} id {head.get('table_id')!r}, not this one")
+    if head.get("version") != version:
+        raise ValueError(f"its header says version {head.get('version')!r}")
+    if commit is None or head.get("commit") != commit:
+        raise ValueError(f"built from another history of the table (version {version}'s commit differs)")
+    body = raw[nl + 1:]
+    rows = head.get("rows")
+    if not isinstance(rows, int) or len(body) != 8 * rows:
+        raise ValueError(f"{len(body)} bytes of keys where the header says {rows!r} rows")
+    if hashlib.sha256(body).hexdigest() != head.get("sha256"):
+        raise ValueError("its checksum does not match its keys")
+    keys = np.frombuffer(body, dtype="<i8").astype(np.int64, copy=False)
+    if len(keys) > 1 and not bool(np.all(keys[1:] >= keys[:-1])):
+        raise ValueError("its keys are not sorted")
+    return keys
+
+
+def write_key_index(lake: Lake, name: str, *, dt: DeltaTable | None = None, keys: np.ndarray | None = None) -> int:
+    """Write the sorted ``row_key`` of every row of ``name``'s latest version (or
+    of ``dt``, whose keys are ``keys`` when given) as ``_index/<name>/keys-<version>.idx``
+    (one atomic put) and delete older indexes. The file records the table's id,
+    the version and the sha256 of that version's commit, and a checksum of the
+    keys: a reader trusts it only when all of them match (:func:`decode_index`).
+    Any valid index stays valid: readers add the keys of files committed after
+    its version."""
+    import pyarrow.fs as pafs
+
+    dt = dt or lake.table(name)
+    version = dt.version()
+    keys = np.sort(read_keys(lake, name, lake.live_files(dt)) if keys is None else keys)
+    data = encode_index({"table": name, "table_id": str(dt.metadata().id), "version": version,
+                         "commit": _commit_sha(lake, name, version)}, keys)
+    fs, _ = lake.filesystem()
+    base = index_base(lake, name)
+    fs.create_dir(base, recursive=True)
+    final = f"{base}/{_index_name(version)}"
+    tmp = f"{base}/.tmp-{uuid.uuid4().hex}"
+    with fs.open_output_stream(tmp if lake.is_local else final) as f:
+        f.write(data)
+    if lake.is_local:
+        fs.move(tmp, final)  # atomic rename: a reader never sees half an index
+    for info in fs.get_file_info(pafs.FileSelector(base, allow_not_found=True)):
+        fname = info.path.rsplit("/", 1)[-1]
+        if fname.startswith("keys-") and fname != _index_name(version) and (
+                fname.endswith(".npy") or fname < _index_name(version)):
+            try:
+                fs.delete_file(info.path)
+            except (FileNotFoundError, OSError):
+                pass
+    return version
+
+
+def load_key_index(lake: Lake, name: str, version: int, *, dt: DeltaTable | None = None
+                   ) -> tuple[int, np.ndarray] | None:
+    """(index version, sorted keys) of the newest trustworthy index at or below ``version``."""
+    return _load_key_index(lake, name, version, dt=dt)[0]
+
+
+def _load_key_index(lake: Lake, name: str, version: int, *, dt: DeltaTable | None = None
+                    ) -> tuple[tuple[int, np.ndarray] | None, bool]:
+    """(what ``load_key_index`` returns, whether an index was ignored as untrustworthy).
+
+    An index costs time, never correctness: anything in ``_index/`` that does not
+    verify (another table or history, a damaged or unsorted file, a failed
+    checksum, an older format) is ignored with a warning, and the keys come from
+    the table itself."""
+    import pyarrow.fs as pafs
+
+    fs, _ = lake.filesystem()
+    base = index_base(lake, name)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+    except (FileNotFoundError, OSError):
+        return None, False
+    found = []
+    for info in infos:
+        fname = info.path.rsplit("/", 1)[-1]
+        stem, _, ext = fname.partition(".")
+        if fname.startswith("keys-") and ext in ("idx", "npy") and stem[len("keys-"):].isdigit():
+            v = int(stem[len("keys-"):])
+            if v <= version:
+                found.append((v, ext, info.path))
+    if not found:
+        return None, False
+    dt = dt or lake.table(name)
+    table_id = str(dt.metadata().id)
+    rejected = False
+    for v, ext, path in sorted(found, reverse=True):
+        try:
+            with fs.open_input_stream(path) as f:
+                raw = f.read()
+        except (FileNotFoundError, OSError):
+            continue  # deleted by a newer maintain meanwhile: try the next
+        try:
+            if ext != "idx":
+                raise ValueError("an older format without table identity or checksum")
+            return (v, decode_index(raw, table=name, table_id=table_id, version=v,
+                                    commit=_commit_sha(lake, name, v))), rejected
+        except ValueError as exc:
+            rejected = True
+            log.warning("ignoring the key index %s of table %s: %s; reading the keys from the table "
+                        "(the index is rebuilt)", path.rsplit("/", 1)[-1], name, exc)
+    return None, rejected
+
+
+def read_keys(lake: Lake, name: str, files: list[tuple[str, dict[str, str | None]]]) -> np.ndarray:
+    if not files:
+        return np.empty(0, np.int64)
+    t = lake.files_dataset(name, files, schema=pa.schema([pa.field(ROW_KEY, pa.int64())])).to_table(
+        columns=[ROW_KEY])
+    return t.column(ROW_KEY).to_numpy()
+
