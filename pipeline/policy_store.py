@@ -265,7 +265,7 @@ def tokenizer_rev(hf_dir: str | Path) -> str:
     built-in char tokenizer (its vocabulary is the char table), otherwise
     ``bpe-`` + the sha256 of the tokenizer files' names and contents. A trained
     version copies its parent's tokenizer files, so it keeps its parent's rev."""
-    from pipeline.rollout import vocab
+    from pipeline import vocab
 
     d = Path(hf_dir)
     tj = d / "tokenizer.json"

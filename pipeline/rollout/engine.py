@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
-from pipeline.rollout import vocab
+from pipeline import vocab
 
 EngineName = Literal["hf", "vllm"]
 
