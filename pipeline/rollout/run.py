@@ -161,7 +161,7 @@ class _PolicyHolder:
 
     def __call__(self):
         from pipeline.policy_store import resolve_policy
-        from pipeline.rollout.engine import make_engine
+        from pipeline.rollout.backends import make_engine
 
         if self.engine is None or self.cfg.follow_latest:
             local = Path(self.cfg.policy)
