@@ -21,6 +21,8 @@ import pandas as pd
 from pipeline.report.html import Note, Plot, Section, Table, render
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    import pyarrow as pa
+
     from pipeline.lake.delta import Lake
 
 
@@ -42,6 +44,12 @@ class _Queries:
         self.opts = opts
         self.cache: dict[tuple, pd.DataFrame | Exception] = {}
 
+    def views(self) -> dict[str, pa.Table]:
+        """The non-lake views the diagnostics read (the environments' component tags)."""
+        from pipeline.rollout.envs.base import component_tags_table
+
+        return {"component_tags": component_tags_table()}
+
     def get(self, name: str, **params) -> pd.DataFrame | Exception:
         from pipeline.query.duck import query
         from pipeline.resources import sql_path
@@ -50,7 +58,7 @@ class _Queries:
         if key not in self.cache:
             try:
                 sql = sql_path(name).read_text()
-                self.cache[key] = query(self.lake, sql, params=params).to_pandas()
+                self.cache[key] = query(self.lake, sql, params=params, views=self.views()).to_pandas()
             except Exception as exc:  # one broken query must not take the report down
                 self.cache[key] = exc
         return self.cache[key]
@@ -59,7 +67,7 @@ class _Queries:
         from pipeline.query.duck import query
 
         try:
-            return query(self.lake, text).to_pandas()
+            return query(self.lake, text, views=self.views()).to_pandas()
         except Exception as exc:
             return exc
 

@@ -93,3 +93,19 @@ def test_unpartitioned_tables_match(tmp_path, table):
     key = table_spec(table).key  # rows are unique on the table's key
     order = lambda r: tuple(r[k] for k in key)  # noqa: E731
     assert sorted(got.to_pylist(), key=order) == sorted(want.to_pylist(), key=order)
+
+
+def test_a_view_outside_the_lake_is_passed_in_or_named_as_missing(tmp_path):
+    """component_tags comes from the environments, not the lake: the query layer
+    reads no stage, so the caller passes it (views=) and a query without it is
+    told how to get it instead of DuckDB's 'table does not exist'."""
+    from pipeline.lake.delta import Lake
+    from pipeline.query.duck import SQLError
+    from pipeline.rollout.envs.base import component_tags_table, declared_component_tags
+
+    lake = Lake(tmp_path / "lake")
+    with pytest.raises(SQLError, match="component_tags_table"):
+        query(lake, "SELECT * FROM component_tags")
+    got = query(lake, "SELECT env_version, component, tag FROM component_tags ORDER BY env_version, component",
+                views={"component_tags": component_tags_table()}).to_pylist()
+    assert got == declared_component_tags() and got   # the built-in environments declare some
