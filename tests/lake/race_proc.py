@@ -21,7 +21,7 @@ import time
 
 def main(argv: list[str]) -> int:
     from pipeline.lake.delta import Lake
-    from pipeline.lake.ingest import ingest_files
+    from pipeline.ingest import ingest_files
     from pipeline.lake.maintain import maintain
     from pipeline.policy_store import publish_checkpoint
 

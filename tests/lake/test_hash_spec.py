@@ -146,7 +146,7 @@ def test_real_rows_independent_vs_code_vs_lake(lake, tmp_path, make_traj):
     import pyarrow.parquet as pq
 
     from pipeline.lake.contenthash import content_hashes
-    from pipeline.lake.ingest import ingest_files
+    from pipeline.ingest import ingest_files
 
     t = make_traj(12, seed=5, median_len=20, group_size=3)
     path = tmp_path / "rows.parquet"

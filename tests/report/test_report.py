@@ -190,7 +190,7 @@ def test_alerts_say_in_words_what_is_wrong(tmp_path):
 def test_bucket_follows_the_span_of_the_data(lake):
     from datetime import datetime, timedelta, timezone
 
-    from pipeline.lake.ingest import ingest_table
+    from pipeline.ingest import ingest_table
     from pipeline.report.build import choose_bucket
     from pipeline.testing.trajectories import make_trajectories
 
