@@ -45,7 +45,7 @@ def _build_history(lake, n: int) -> None:
     from pipeline.admission.config import AdmissionConfig
     from pipeline.admission.run import admit
     from pipeline.lake.ingest import stamp_derived
-    from pipeline.lake.maintain import maintain
+    from pipeline.maintain import maintain
 
     start = datetime(2026, 10, 1, tzinfo=timezone.utc)
     for k in range(0, n, CHUNK):

@@ -16,7 +16,7 @@ from pipeline.admission.config import AdmissionConfig
 from pipeline.admission.run import admit
 from pipeline.lake.delta import Lake
 from pipeline.ingest import ingest_table
-from pipeline.lake.maintain import maintain
+from pipeline.maintain import maintain
 
 T0 = datetime(2026, 11, 20, 12, 0, tzinfo=timezone.utc)
 

@@ -213,7 +213,7 @@ def test_admission_keeps_one_tokenizer_and_scopes(lake, tmp_path):
 
 
 def test_checkpoint_retention_keeps_hf_and_newest_states(lake):
-    from pipeline.lake.maintain import maintain
+    from pipeline.maintain import maintain
     from pipeline.lineage import walk
     from pipeline.policy_store import local_checkpoint_dir, publish_checkpoint, resolve_policy, retired_files
     from pipeline.testing.train_fixtures import publish_tiny_policy

@@ -211,7 +211,7 @@ def pa_array(values, typ):
 
 
 def test_time_breakdown_comes_from_the_jobs_lineage_events(lake):
-    from pipeline.lake.maintain import maintain
+    from pipeline.maintain import maintain
     from pipeline.report.build import time_breakdown
 
     maintain(lake)
