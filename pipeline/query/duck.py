@@ -15,6 +15,7 @@ which ``pipeline sql`` and the report pass).
 
 from __future__ import annotations
 
+import os
 import re
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Mapping
@@ -23,6 +24,7 @@ import duckdb
 import pyarrow as pa
 
 from pipeline.errors import PipelineError
+from pipeline.lake.ref import as_lake
 from pipeline.schema import ALL_TABLES, table_spec
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
@@ -65,11 +67,12 @@ def scratch(threads: int | None = None) -> duckdb.DuckDBPyConnection:
     return duckdb.connect(config={"threads": threads} if threads else {})
 
 
-def connect(lake: Lake, *, as_of: dict[str, int | datetime] | int | datetime | None = None,
+def connect(lake: Lake | str | os.PathLike[str], *, as_of: dict[str, int | datetime] | int | datetime | None = None,
             threads: int | None = None, tables: set[str] | None = None,
             views: Mapping[str, pa.Table] | None = None) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with one view per existing lake table (only ``tables`` when given),
     plus one view per Arrow table of ``views`` (named by its key)."""
+    lake = as_lake(lake)
     from pipeline.errors import NotFoundError
 
     con = scratch(threads)
@@ -214,10 +217,11 @@ def _literal(value: Any, duck_type: str) -> str:
     return f"{_quote(str(value))}::{duck_type}"
 
 
-def query(lake: Lake, sql: str, *, params: dict[str, Any] | None = None,
+def query(lake: Lake | str | os.PathLike[str], sql: str, *, params: dict[str, Any] | None = None,
           as_of: dict[str, int | datetime] | int | datetime | None = None,
           views: Mapping[str, pa.Table] | None = None) -> pa.Table:
     """Run ``sql`` over the lake's views (and the Arrow tables of ``views``); returns an Arrow table."""
+    lake = as_lake(lake)
     stripped = _strip_comments(sql)
     views = views or {}
     missing_views = sorted(v for v in EXTERNAL_VIEWS if v not in views and _names(stripped, v))

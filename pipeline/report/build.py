@@ -11,6 +11,7 @@ that fails shows its error in its own section and the rest still renders.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import pandas as pd
 
+from pipeline.lake.ref import as_lake
 from pipeline.report.html import Note, Plot, Section, Table, render
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
@@ -632,8 +634,9 @@ def _bars(categories, series, **kw) -> bytes:
 # -- entry point ------------------------------------------------------------------------------------
 
 
-def build_report(lake: Lake, opts: ReportOptions = ReportOptions()) -> tuple[str, dict[str, Any]]:
+def build_report(lake: Lake | str | os.PathLike[str], opts: ReportOptions = ReportOptions()) -> tuple[str, dict[str, Any]]:
     """The HTML page and a summary (sections, plots, notes)."""
+    lake = as_lake(lake)
     import dataclasses
 
     if opts.bucket == "auto":
@@ -662,7 +665,9 @@ def build_report(lake: Lake, opts: ReportOptions = ReportOptions()) -> tuple[str
     return page, summary
 
 
-def write_report(lake: Lake, out: str | Path, opts: ReportOptions = ReportOptions()) -> dict[str, Any]:
+def write_report(lake: Lake | str | os.PathLike[str], out: str | Path,
+                 opts: ReportOptions = ReportOptions()) -> dict[str, Any]:
+    lake = as_lake(lake)
     page, summary = build_report(lake, opts)
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
