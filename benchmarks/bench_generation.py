@@ -25,7 +25,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def _requests(n_prompts: int, n: int):
-    from pipeline.rollout import vocab
+    from pipeline import vocab
     from pipeline.rollout.engine import Request, derive_seed
     from pipeline.rollout.envs import get_env
 

@@ -45,7 +45,7 @@ def _build_history(lake, n: int) -> None:
     from pipeline.admission.config import AdmissionConfig
     from pipeline.admission.run import admit
     from pipeline.lake.ingest import stamp_derived
-    from pipeline.lake.maintain import maintain
+    from pipeline.maintain import maintain
 
     start = datetime(2026, 10, 1, tzinfo=timezone.utc)
     for k in range(0, n, CHUNK):
@@ -59,7 +59,7 @@ def _build_history(lake, n: int) -> None:
 def _ingest_and_admit(lake, root: Path, rep: int, tag: str) -> tuple[float, float]:
     from pipeline.admission.config import AdmissionConfig
     from pipeline.admission.run import admit
-    from pipeline.lake.ingest import ingest_files
+    from pipeline.ingest import ingest_files
 
     path = root / f"new-{tag}-{rep}.parquet"
     pq.write_table(_batch(NEW, 7 + rep, f"n{tag}{rep}-", datetime.now(timezone.utc) - timedelta(hours=2)), path)

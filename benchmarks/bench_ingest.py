@@ -50,7 +50,7 @@ def _matched_write(t, path: Path) -> None:
 
 def run(quick: bool = False) -> list[Result]:
     from pipeline.lake.delta import Lake
-    from pipeline.lake.ingest import ingest_files
+    from pipeline.ingest import ingest_files
 
     n = 5_000 if quick else int(os.environ.get("BENCH_INGEST_N", 100_000))
     root = Path(tempfile.mkdtemp(prefix="bench-ingest-"))

@@ -58,7 +58,7 @@ def _lakes(n: int, events: int, commits: int):
     import shutil
 
     from pipeline.lake.delta import Lake
-    from pipeline.lake.maintain import maintain
+    from pipeline.maintain import maintain
     from pipeline.testing.health_lake import HealthLakeSpec, build_health_lake
 
     import hashlib

@@ -28,16 +28,15 @@ import contextlib
 import importlib
 import io
 import json
-import logging
 import os
 import re
 import sys
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, TextIO
 
 from pipeline import __version__
 from pipeline.commands import VERBS
+from pipeline.console import quiet_third_party
 from pipeline.errors import DiskFullError, InputFileError, NotFoundError, PipelineError, disk_full
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
@@ -50,19 +49,6 @@ EXIT_USER_ERROR = 2       # bad arguments, config, input; something named does n
 EXIT_TRANSIENT = 75       # may succeed when retried (a commit race, a flaky object store); EX_TEMPFAIL
 EXIT_INTERNAL = 70        # a bug: unexpected exception, traceback printed; EX_SOFTWARE
 EXIT_INTERRUPTED = 130
-
-# Environment for quiet third-party libraries (also inherited by worker processes).
-QUIET_ENV = {
-    "TRANSFORMERS_VERBOSITY": "error",
-    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    "VLLM_LOGGING_LEVEL": "ERROR",
-    "PYTHONWARNINGS": "ignore",
-    "DS_LOG_LEVEL": "error",
-    "DASK_LOGGING__DISTRIBUTED": "error",   # e.g. the shuffle plugin's WARNING lines on every admission
-}
-QUIET_LOGGERS = ("DeepSpeed", "deepspeed", "transformers", "vllm", "distributed", "dask", "torch",
-                 "torch.distributed", "great_expectations", "openlineage", "urllib3", "filelock", "asyncio")
 
 # Where results go while a handler runs (the real stdout); see stdout_for_results.
 _RESULT: TextIO | None = None
@@ -157,75 +143,6 @@ def _remote_lake_exists(lake: Lake) -> bool:
     except Exception:   # cannot list (permissions, endpoint): let the command itself report
         return True
     return bool(infos)
-
-
-@contextlib.contextmanager
-def progress_bar(total: int, desc: str, *, enabled: bool) -> Iterator[Callable[[int], None] | None]:
-    """A progress bar on stderr for a long step (``enabled``: usually stderr is a
-    terminal); yields ``advance(n)``, or None when disabled."""
-    if not enabled or total <= 0:
-        yield None
-        return
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, desc=desc, file=sys.stderr, unit="step", leave=False, dynamic_ncols=True)
-    try:
-        yield bar.update
-    finally:
-        bar.close()
-
-
-@contextlib.contextmanager
-def quiet_third_party(verbose: bool) -> Iterator[None]:
-    """Silence library logs, warnings and progress bars unless ``verbose``; undone on exit."""
-    if verbose:
-        yield
-        return
-    saved_env = {k: os.environ.get(k) for k in QUIET_ENV}
-    for k, v in QUIET_ENV.items():
-        os.environ.setdefault(k, v)
-    gate = _LevelGate(logging.ERROR)
-    loggers = [logging.getLogger(n) for n in QUIET_LOGGERS]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.addFilter(gate)               # records logged on the logger itself, even if a library resets its level
-        if lg.level < logging.ERROR:     # and its children (distributed.shuffle..., transformers.modeling_utils)
-            lg.setLevel(logging.ERROR)
-    tf_bars = None
-    if "transformers" in sys.modules:       # imported before us (tests): flip its switch too
-        try:
-            from transformers.utils import logging as tf_logging
-
-            tf_bars = tf_logging.is_progress_bar_enabled()
-            tf_logging.disable_progress_bar()
-        except Exception:
-            tf_bars = None
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.removeFilter(gate)
-            lg.setLevel(level)
-        for k, old in saved_env.items():
-            if old is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = old
-        if tf_bars:
-            from transformers.utils import logging as tf_logging
-
-            tf_logging.enable_progress_bar()
-
-
-class _LevelGate(logging.Filter):
-    def __init__(self, level: int) -> None:
-        super().__init__()
-        self.level = level
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= self.level
 
 
 @contextlib.contextmanager

@@ -170,7 +170,7 @@ def run_demo(lake: Lake, cfg: DemoConfig, *, out=print) -> dict[str, Any]:
     t_start = time.perf_counter()
     out(f"lake: {lake.uri}   mode: {cfg.mode}   engine: {cfg.engine}   env: {cfg.env}")
     t0 = time.perf_counter()
-    from pipeline.cli import progress_bar
+    from pipeline.console import progress_bar
     from pipeline.rollout.policy import PolicyInitConfig
 
     steps = PolicyInitConfig().warm_start_steps

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 
 from pipeline import __version__
+from pipeline.lake.ref import as_lake
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
@@ -426,8 +427,9 @@ def job_run(lake: Lake, job_name: str, *, job_type: str, engine: str | None = No
         run._emit("COMPLETE")
 
 
-def read_events(lake: Lake, run_id: str | None = None) -> list[dict[str, Any]]:
+def read_events(lake: Lake | str | os.PathLike[str], run_id: str | None = None) -> list[dict[str, Any]]:
     """Events of the default file transport (optionally one run's)."""
+    lake = as_lake(lake)
     path = lineage_file(lake)
     if not path.is_file():
         return []
@@ -467,9 +469,11 @@ def _read_where(lake: Lake, name: str, columns: list[str] | None, column: str, v
     return lake.read(name, columns=columns, version=version, filter=ds.field(column).isin(list(values)))
 
 
-def walk(lake: Lake, checkpoint_id: str, *, with_trajectories: bool = True, max_ancestors: int = 100) -> dict[str, Any]:
+def walk(lake: Lake | str | os.PathLike[str], checkpoint_id: str, *, with_trajectories: bool = True,
+         max_ancestors: int = 100) -> dict[str, Any]:
     """checkpoint -> parent chain; -> snapshots (row + manifest) -> member
     trajectories -> the versions they were produced with (counts)."""
+    lake = as_lake(lake)
     from pipeline.snapshots.format import open_snapshot, read_snapshot_table
     from pipeline.errors import NotFoundError
 

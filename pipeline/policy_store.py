@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from pipeline import __version__
 from pipeline.errors import IntegrityError, NotFoundError
+from pipeline.lake.ref import as_lake
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
@@ -110,7 +111,8 @@ def _rows(lake: Lake) -> list[dict[str, Any]]:
     return t.to_pylist()
 
 
-def latest_policy_version(lake: Lake) -> int | None:
+def latest_policy_version(lake: Lake | str | os.PathLike[str]) -> int | None:
+    lake = as_lake(lake)
     rows = _rows(lake)
     return max((r["policy_version"] for r in rows), default=None)
 
@@ -120,9 +122,10 @@ def next_policy_version(lake: Lake) -> int:
     return 0 if v is None else v + 1
 
 
-def resolve_policy(lake: Lake, spec: str | int | None = None, *, verify: bool = True) -> PolicyRef:
+def resolve_policy(lake: Lake | str | os.PathLike[str], spec: str | int | None = None, *, verify: bool = True) -> PolicyRef:
     """A policy by version number, checkpoint id, ``latest`` (None), or a local
     HF directory path (not verified: a user's own model)."""
+    lake = as_lake(lake)
     if isinstance(spec, str) and spec not in ("latest",) and not spec.isdigit():
         p = Path(spec)
         if p.is_dir():
@@ -268,7 +271,7 @@ def tokenizer_rev(hf_dir: str | Path) -> str:
     built-in char tokenizer (its vocabulary is the char table), otherwise
     ``bpe-`` + the sha256 of the tokenizer files' names and contents. A trained
     version copies its parent's tokenizer files, so it keeps its parent's rev."""
-    from pipeline.rollout import vocab
+    from pipeline import vocab
 
     d = Path(hf_dir)
     tj = d / "tokenizer.json"
@@ -300,9 +303,10 @@ def _origin(row: dict[str, Any]) -> str:
     return {"warm_start": "init", "import": "import"}.get(kind, "train")
 
 
-def list_policies(lake: Lake) -> list[dict[str, Any]]:
+def list_policies(lake: Lake | str | os.PathLike[str]) -> list[dict[str, Any]]:
     """One row per published version: version, checkpoint id, origin (init /
     import / train), tokenizer_rev, parent, architecture, created_at."""
+    lake = as_lake(lake)
     if not lake.exists("checkpoints"):
         return []
     t = lake.read("checkpoints", columns=["checkpoint_id", "policy_version", "parent_checkpoint_id",
@@ -331,7 +335,7 @@ def policy_info(lake: Lake, policy_version: int) -> dict[str, Any] | None:
     return rows[-1] if rows else None
 
 
-def import_policy(lake: Lake, hf_dir: str | Path) -> dict[str, Any]:
+def import_policy(lake: Lake | str | os.PathLike[str], hf_dir: str | Path) -> dict[str, Any]:
     """Register a Hugging Face causal LM directory as the next policy version.
 
     Checks that transformers can read its config and tokenizer and that it has
@@ -339,6 +343,7 @@ def import_policy(lake: Lake, hf_dir: str | Path) -> dict[str, Any]:
     ``<lake>/_checkpoints/import-<hash>/hf/`` and publishes them (every file
     hashed). Idempotent: importing the same files again returns the version they
     already have."""
+    lake = as_lake(lake)
     import shutil
 
     from pipeline.errors import InputFileError

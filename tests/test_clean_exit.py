@@ -30,7 +30,8 @@ from pathlib import Path
 from pipeline.admission.config import AdmissionConfig
 from pipeline.admission.run import admit
 from pipeline.snapshots.format import read_snapshot_table
-from pipeline.lake import Lake, ingest_files
+from pipeline.ingest import ingest_files
+from pipeline.lake import Lake
 from pipeline.query.duck import query
 
 work, quality = Path(sys.argv[1]), sys.argv[2] == "1"

@@ -12,7 +12,7 @@ import pytest
 
 @pytest.fixture
 def trained(lake, tmp_path):
-    from pipeline.lake.ingest import ingest_files
+    from pipeline.ingest import ingest_files
     from pipeline.testing.trajectories import make_trajectories
     from pipeline.train.config import TrainConfig
     from pipeline.testing.train_fixtures import publish_synthetic_snapshot, publish_tiny_policy

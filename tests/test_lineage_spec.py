@@ -58,8 +58,8 @@ def _facets(event: dict):
 def test_full_loop_events_validate_and_join(lake, tmp_path, validator):
     from pipeline.admission.run import admit
     from pipeline.jobs import JobSpec, run_job
-    from pipeline.lake.ingest import ingest_files
-    from pipeline.lake.maintain import maintain
+    from pipeline.ingest import ingest_files
+    from pipeline.maintain import maintain
     from pipeline.lineage import read_events
     from pipeline.testing.trajectories import make_trajectories
     from pipeline.train.config import TrainConfig
@@ -123,7 +123,7 @@ def test_full_loop_events_validate_and_join(lake, tmp_path, validator):
 
 def test_failed_job_emits_fail(lake, tmp_path, validator):
     from pipeline.errors import PipelineError
-    from pipeline.lake.ingest import ingest_files
+    from pipeline.ingest import ingest_files
     from pipeline.lineage import read_events
 
     bad = tmp_path / "bad.parquet"
@@ -146,7 +146,7 @@ def test_s3_names_follow_the_naming_spec():
 
 def test_user_transport_from_standard_config(lake, tmp_path, monkeypatch):
     """OPENLINEAGE__TRANSPORT__* (the client's own configuration) replaces the lake's file."""
-    from pipeline.lake.maintain import maintain
+    from pipeline.maintain import maintain
     from pipeline.lineage import lineage_file
 
     target = tmp_path / "user.jsonl"

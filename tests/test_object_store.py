@@ -29,7 +29,7 @@ def test_whole_loop_on_object_storage(s3_env, tmp_path, make_traj):
     from pipeline.snapshots.format import verify_snapshot
     from pipeline.cli import main
     from pipeline.lake.delta import Lake
-    from pipeline.lake.ingest import ingest_files
+    from pipeline.ingest import ingest_files
     from pipeline.query.duck import query
     from pipeline.rollout.policy import init_policy
     from pipeline.rollout.run import run_rollout

@@ -47,9 +47,10 @@ import pyarrow.compute as pc
 from pipeline.admission import candidates as cand
 from pipeline.admission.config import AdmissionConfig, admission_config_hash
 from pipeline.admission.decide import conform, finalize, group_schema, member_schema
-from pipeline.snapshots.format import compute_snapshot_id, snapshot_dir
 from pipeline.errors import IntegrityError, PipelineError
+from pipeline.lake.ref import as_lake
 from pipeline.schema import table_spec
+from pipeline.snapshots.format import compute_snapshot_id, snapshot_dir
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
@@ -231,13 +232,15 @@ def _decisions_from_engine(lake: Lake, tv: int, cfg: AdmissionConfig, engine: st
     return conform(members, member_schema(cfg)), conform(groups, group_schema(cfg)), qsummary, n
 
 
-def admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_version: int | None = None,
-          dry_run: bool = False, engine: Literal["duckdb", "dask"] = "duckdb", dask_scheduler: str | None = None,
+def admit(lake: Lake | str | os.PathLike[str], cfg: AdmissionConfig | None = None, *,
+          current_policy_version: int | None = None, dry_run: bool = False,
+          engine: Literal["duckdb", "dask"] = "duckdb", dask_scheduler: str | None = None,
           target_groups: int | None = None, now: datetime | None = None,
           command: str = "pipeline admit", scope: Scope | None = None) -> AdmissionResult:
     """Decide every ready, undecided group (of ``scope``: pipeline/admission/scope.py); write receipts
     and one snapshot of the admitted members, all sampled with one tokenizer. Reported as an
     OpenLineage run (pipeline.lineage)."""
+    lake = as_lake(lake)
     from pipeline import lineage
 
     with lineage.admit_run(lake, cfg or AdmissionConfig(), engine, dry_run) as run:

@@ -24,7 +24,7 @@ def _ingest(args: argparse.Namespace) -> int:
 
     from pipeline.cli import emit, note, open_lake, with_lake
     from pipeline.errors import InputFileError
-    from pipeline.lake.ingest import ingest_files
+    from pipeline.ingest import ingest_files
 
     for f in args.files:   # before the lake is created: a typo must not leave a new empty lake behind
         if not Path(f).is_file():

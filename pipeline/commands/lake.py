@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _maintain(args: argparse.Namespace) -> None:
     from pipeline.cli import emit, open_lake
     from pipeline.errors import ConfigError
-    from pipeline.lake.maintain import maintain
+    from pipeline.maintain import maintain
     from pipeline.schema import ALL_TABLES
 
     if args.retention_hours < 0:
@@ -52,7 +52,7 @@ def _maintain(args: argparse.Namespace) -> None:
     if unknown:
         raise ConfigError(f"unknown table(s) {', '.join(unknown)}", hint=f"tables: {', '.join(ALL_TABLES)}")
     from pipeline.config import load_config, parse_set
-    from pipeline.lake.maintain import MaintainConfig
+    from pipeline.maintain import MaintainConfig
 
     over = parse_set(args.set)
     if args.keep_checkpoints is not None:
@@ -73,7 +73,7 @@ def _maintain(args: argparse.Namespace) -> None:
 def _verify(args: argparse.Namespace) -> int | None:
     from pipeline.cli import emit, open_lake
     from pipeline.errors import ConfigError
-    from pipeline.lake.verify import verify
+    from pipeline.maintain import verify
     from pipeline.schema import ALL_TABLES
 
     unknown = sorted(set(args.table or ()) - set(ALL_TABLES))

@@ -60,7 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _init(args: argparse.Namespace) -> None:
     import sys
 
-    from pipeline.cli import config_overrides, emit, open_lake, progress_bar
+    from pipeline.cli import config_overrides, emit, open_lake
+    from pipeline.console import progress_bar
     from pipeline.config import load_config
     from pipeline.rollout.policy import PolicyInitConfig, init_policy
 

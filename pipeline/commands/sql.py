@@ -149,7 +149,10 @@ def _sql(args: argparse.Namespace) -> None:
         if bad:
             raise ConfigError(f"--as-of {', '.join(bad)}: no such table",
                               hint=f"tables: {', '.join(ALL_TABLES)}")
-    table = query(open_lake(args), sql, params=params, as_of=as_of)
+    from pipeline.rollout.envs.base import component_tags_table
+
+    table = query(open_lake(args), sql, params=params, as_of=as_of,
+                  views={"component_tags": component_tags_table()})
     print_table(table, as_json=args.json, as_csv=args.csv, out=result_stream(), max_width=0 if args.wide else 60)
 
 

@@ -1,9 +1,10 @@
 """The lake: Delta tables under one root, idempotent appends, quarantine,
-time travel and maintenance.
+time travel and maintenance (the storage layer: docs/architecture.md).
 
-Public API: :class:`Lake`, :func:`ingest_files`, :func:`ingest_table` (an
-in-memory Arrow table, pandas or polars frame), :class:`IngestReport`,
-:func:`content_hash`, :func:`content_hashes`, :func:`validate_trajectories`.
+Public API: :class:`Lake`, :func:`as_lake` (a Lake from a Lake, path or URI),
+:class:`IngestReport`, :func:`content_hash`, :func:`content_hashes`,
+:func:`validate_trajectories`. Landing rows as a job is
+``pipeline.ingest.ingest_files`` / ``ingest_table``, a layer above.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # heavy: deltalake
     from pipeline.lake.delta import AppendResult, Lake
 
-__all__ = ["Lake", "AppendResult", "ingest_files", "ingest_table", "IngestReport", "content_hash", "content_hashes", "validate_trajectories"]
+__all__ = ["Lake", "AppendResult", "as_lake", "IngestReport", "content_hash", "content_hashes", "validate_trajectories"]
 
 
 def __getattr__(name: str) -> Any:  # lazy: `import pipeline.lake` must not import deltalake
@@ -29,8 +30,12 @@ def __getattr__(name: str) -> Any:  # lazy: `import pipeline.lake` must not impo
         from pipeline.lake.validate import validate_trajectories
 
         return validate_trajectories
-    if name in ("ingest_files", "ingest_table", "IngestReport"):
-        from pipeline.lake import ingest
+    if name == "as_lake":
+        from pipeline.lake.ref import as_lake
 
-        return getattr(ingest, name)
+        return as_lake
+    if name == "IngestReport":
+        from pipeline.lake.ingest import IngestReport
+
+        return IngestReport
     raise AttributeError(name)

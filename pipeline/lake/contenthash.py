@@ -12,8 +12,9 @@ or the byte length / element / entry count), and the payload sections hold
 the variable-length bytes the header counts.
 
 The layout is fixed-width where it can be so the whole table hashes in a few
-vectorized passes plus one SHA-256 per row. NaN/±inf and repeated map keys
-have no hash (the contract rejects them before hashing): ValueError.
+vectorized passes plus one SHA-256 per row. NaN/±inf, null list elements, null
+map values and repeated map keys have no hash (the contract rejects them before
+hashing): ValueError.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def _list_values(arr: pa.Array, spec: ColumnSpec) -> tuple[np.ndarray, memoryvie
     # Normalize to a zero-offset list so offsets index `values` directly.
     offsets = arr.offsets.to_numpy().astype(np.int64)
     values = arr.values
+    if values.slice(offsets[0], offsets[-1] - offsets[0]).null_count:
+        raise ValueError(f"content hash: {spec.name} holds null elements, which the contract rejects")
     vals = values.to_numpy(zero_copy_only=False)
     np_dtype = {1: "<i1", 4: "<f4" if pa.types.is_floating(values.type) else "<i4"}[width]
     vals = np.ascontiguousarray(vals.astype(np_dtype, copy=False))

@@ -1,6 +1,10 @@
 """Land trajectories: read files, validate (pure core in validate.py), dedupe
 against the table, write valid rows and quarantine the rest.
 
+This is the storage half of ingest (:func:`land_files`, :func:`land_table`);
+the job that users call, which also reports an OpenLineage run, is
+:mod:`pipeline.ingest` (``ingest_files`` / ``ingest_table``), a layer above.
+
 Idempotence, at two levels:
 - file: each file's sha256 is an application transaction (``ingest:<sha>``) on
   both tables, so re-ingesting a file is a no-op, and a run that died between
@@ -341,20 +345,8 @@ def precheck(path: str, data: bytes | pa.Buffer) -> None:
                              hint="the file is corrupt or truncated; re-export it") from None
 
 
-def ingest_files(lake: Lake, paths: Iterable[str | os.PathLike[str]], *, command: str = "ingest",
-                 progress: bool = False) -> IngestReport:
-    """See :func:`_ingest_files`; reported as an OpenLineage run (pipeline.lineage)."""
-    from pipeline import lineage
-
-    paths = [str(p) for p in paths]
-    with lineage.ingest_run(lake, paths, command) as run:
-        report = _ingest_files(lake, paths, command=command, progress=progress)
-        lineage.ingest_done(run, lake, report)
-    return report
-
-
-def _ingest_files(lake: Lake, paths: Iterable[str | os.PathLike[str]], *, command: str = "ingest",
-                  progress: bool = False) -> IngestReport:
+def land_files(lake: Lake, paths: Iterable[str | os.PathLike[str]], *, command: str = "ingest",
+               progress: bool = False) -> IngestReport:
     """Land valid rows (one commit) and quarantine the rest (one commit).
 
     Every file is fingerprinted and structurally checked first: an unreadable
@@ -394,17 +386,7 @@ def _ingest_files(lake: Lake, paths: Iterable[str | os.PathLike[str]], *, comman
     return _land(lake, sources, [fp for _, fp in heads], report, command=command)
 
 
-def ingest_table(lake: Lake, table, *, source: str = "memory", command: str = "ingest_table") -> IngestReport:
-    """See :func:`_ingest_table`; reported as an OpenLineage run (pipeline.lineage)."""
-    from pipeline import lineage
-
-    with lineage.ingest_run(lake, [], command) as run:
-        report = _ingest_table(lake, table, source=source, command=command)
-        lineage.ingest_done(run, lake, report)
-    return report
-
-
-def _ingest_table(lake: Lake, table, *, source: str = "memory", command: str = "ingest_table") -> IngestReport:
+def land_table(lake: Lake, table, *, source: str = "memory", command: str = "ingest_table") -> IngestReport:
     """Land an in-memory ``pyarrow.Table`` (or pandas / polars DataFrame) with
     the same validation, quarantine, dedupe and exactly-once guarantees as
     ``pipeline ingest``. The table's content fingerprint (sha256 of its Arrow IPC

@@ -3,7 +3,9 @@
 JSON has one number type and no timestamps, so parsing is where a value's
 type is decided: an integer field accepts only JSON integers (not 1.0, not
 true), a float field accepts integers and floats, a timestamp field accepts
-only ISO-8601 strings with a UTC offset. A value that does not fit makes its
+only ISO-8601 strings with a UTC offset (at most microsecond precision), and a
+key repeated within one object (a column or a map key) is an error, never
+last-one-wins. A value that does not fit makes its
 row a reject with the field named; nothing is coerced. Every problem of a
 line is reported at once (not only the first), and text that is not valid
 Unicode (invalid UTF-8 bytes, a lone surrogate escape such as ``"\\ud800"``)
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -52,9 +55,25 @@ def _ts(v: Any, name: str) -> datetime:
         t = datetime.fromisoformat(v.replace("Z", "+00:00"))
     except ValueError:
         raise _Bad("wrong_type", f"{name}={v!r} is not an ISO-8601 timestamp") from None
+    frac = _FRACTION.search(v)
+    if frac and frac.group(1)[6:].strip("0"):   # fromisoformat would drop the digits past microseconds
+        raise _Bad("out_of_range", f"{name}={v!r} has sub-microsecond precision; round it to µs")
     if t.tzinfo is None:
         raise _Bad("naive_timestamp", f"{name}={v!r} has no UTC offset; write e.g. 2026-01-01T00:00:00Z")
     return t.astimezone(timezone.utc)
+
+
+_FRACTION = re.compile(r"T[0-9:]+[.,]([0-9]+)")
+
+
+def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook``: a repeated key (a column, or a map key) is an error, not last-one-wins."""
+    seen: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in seen:
+            raise _Bad("bad_json", f"key {k!r} appears twice in one object; each column and map key at most once")
+        seen[k] = v
+    return seen
 
 
 def _unicode(v: str, name: str) -> None:
@@ -125,7 +144,7 @@ def parse_jsonl(data: bytes, path: Path | str, table: str = "trajectories") -> t
             if i in undecodable:
                 raise _Bad("bad_json", f"line {i + 1} is not valid UTF-8 ({undecodable[i]}); "
                                        f"re-export the file as UTF-8")
-            obj = json.loads(line)
+            obj = json.loads(line, object_pairs_hook=_no_repeated_keys)
             if not isinstance(obj, dict):
                 raise _Bad("bad_json", f"line {i + 1} is a JSON {type(obj).__name__}, expected an object")
         except json.JSONDecodeError as exc:

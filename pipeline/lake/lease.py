@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.errors import ConfigError, ConflictError, PipelineError
 from pipeline.lake import objects
 from pipeline.lake.liveness import holder_is_dead, identity
+from pipeline.lake.ref import as_lake
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
@@ -184,8 +185,9 @@ def _forget_below(lake: Lake, name: str, gen: int, also: list[int] | None = None
                 pass  # best effort: a leftover superseded generation is harmless
 
 
-def holder(lake: Lake, name: str) -> dict[str, Any] | None:
+def holder(lake: Lake | str | os.PathLike[str], name: str) -> dict[str, Any] | None:
     """The live owner's record (owner, expires, generation, host, pid), or None."""
+    lake = as_lake(lake)
     _check_name(name)
     for _ in range(MAX_ROUNDS):
         gens = _generations(lake, name)
@@ -236,10 +238,11 @@ def _legacy(lake: Lake, name: str, *, ttl: float, remove: bool) -> dict[str, Any
     return rec if _live(rec) else None
 
 
-def try_acquire(lake: Lake, name: str, *, owner: str | None = None, ttl: float, info: dict[str, Any] | None = None
-                ) -> tuple[Lease | None, dict[str, Any] | None]:
+def try_acquire(lake: Lake | str | os.PathLike[str], name: str, *, owner: str | None = None, ttl: float,
+                info: dict[str, Any] | None = None) -> tuple[Lease | None, dict[str, Any] | None]:
     """(lease, None) when acquired, else (None, the live holder's record).
     ``info``: extra fields written into the lease body."""
+    lake = as_lake(lake)
     _check_name(name)
     owner = owner or default_owner()
     token = uuid.uuid4().hex
@@ -273,13 +276,15 @@ def try_acquire(lake: Lake, name: str, *, owner: str | None = None, ttl: float, 
     return None, seen
 
 
-def acquire(lake: Lake, name: str, *, owner: str | None = None, ttl: float) -> Lease | None:
+def acquire(lake: Lake | str | os.PathLike[str], name: str, *, owner: str | None = None, ttl: float) -> Lease | None:
     """The lease, or None when a live owner holds it (``holder`` says who)."""
+    lake = as_lake(lake)
     return try_acquire(lake, name, owner=owner, ttl=ttl)[0]
 
 
-def require(lake: Lake, name: str, *, owner: str | None = None, ttl: float) -> Lease:
+def require(lake: Lake | str | os.PathLike[str], name: str, *, owner: str | None = None, ttl: float) -> Lease:
     """The lease, or LeaseHeldError naming the live owner."""
+    lake = as_lake(lake)
     lease, rec = try_acquire(lake, name, owner=owner, ttl=ttl)
     if lease is None:
         raise LeaseHeldError(name, rec)

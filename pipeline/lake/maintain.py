@@ -1,5 +1,8 @@
-"""`pipeline lake maintain`: compact, checkpoint, vacuum what nothing needs,
-clean up what crashed writers left, then verify (pipeline/lake/verify.py).
+"""The storage half of `pipeline lake maintain` (:func:`maintain_tables`):
+compact, checkpoint, vacuum what nothing needs, and clean up what crashed
+writers left. The job (pipeline/maintain.py) runs it and, from the layer above
+storage, removes unpublished snapshot payloads, retires old checkpoints and
+verifies the result (every table file and every snapshot; `pipeline lake verify`).
 
 Safe to run while writers run and while another maintain runs: compaction
 commits are serialised (pipeline/lake/delta/compact.py), and the cleanup
@@ -16,8 +19,7 @@ so `--as-of` queries and lineage can read the exact rows it saw.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -25,17 +27,6 @@ from pipeline.schema import ALL_TABLES, table_spec
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
-
-
-@dataclass(frozen=True)
-class MaintainConfig:
-    """Config keys of ``pipeline lake maintain`` (``--config`` / ``--set``)."""
-
-    config_section: ClassVar[str] = "maintain"   # its section in an experiment file (pipeline.config.SECTIONS)
-
-    keep_checkpoints: int = field(default=0, metadata={"ge": 0, "help":
-        "keep the DeepSpeed state (optimizer, RNG) of the newest N policy versions and remove it from older ones "
-        "(their hf/ model always stays); 0 = keep every state (like verl's max checkpoints to keep)"})
 
 
 def snapshot_source_versions(lake: Lake) -> dict[str, set[int]]:
@@ -51,28 +42,12 @@ def snapshot_source_versions(lake: Lake) -> dict[str, set[int]]:
     return out
 
 
-def maintain(lake: Lake, *, retention_hours: int = 168, dry_run: bool = False,
-             tables: list[str] | None = None, orphan_min_age_s: float | None = None,
-             keep_checkpoints: int = 0) -> dict[str, Any]:
-    """Compact, checkpoint, vacuum and clean every table, and apply checkpoint retention
-    (``keep_checkpoints``); an OpenLineage run (pipeline.lineage)."""
-    from pipeline import lineage
-
-    with lineage.maintain_run(lake, {"retention_hours": retention_hours, "dry_run": dry_run, "tables": tables,
-                                     "orphan_min_age_s": orphan_min_age_s}
-                               | ({"keep_checkpoints": keep_checkpoints} if keep_checkpoints else {})) as run:
-        report = _maintain(lake, retention_hours=retention_hours, dry_run=dry_run, tables=tables,
-                           orphan_min_age_s=orphan_min_age_s, keep_checkpoints=keep_checkpoints)
-        lineage.maintain_done(run, lake, report, dry_run)
-    return report
-
-
-def _maintain(lake: Lake, *, retention_hours: int = 168, dry_run: bool = False,
-              tables: list[str] | None = None, orphan_min_age_s: float | None = None,
-              keep_checkpoints: int = 0) -> dict[str, Any]:
-    from pipeline.lake.delta import ORPHAN_MIN_AGE_S
-
-    age = ORPHAN_MIN_AGE_S if orphan_min_age_s is None else orphan_min_age_s
+def maintain_tables(lake: Lake, *, retention_hours: int = 168, dry_run: bool = False,
+                    tables: list[str] | None = None, orphan_min_age_s: float | None = None) -> dict[str, Any]:
+    """Compact, checkpoint, vacuum and clean every table (``tables``: only these),
+    and remove the temporary snapshot directories of dead admissions; the report
+    ``pipeline lake maintain`` prints."""
+    age = orphan_age(orphan_min_age_s)
     keep = snapshot_source_versions(lake)
     report: dict[str, Any] = {"tables": {}, "dry_run": dry_run}
     for name in tables or list(ALL_TABLES):
@@ -117,18 +92,15 @@ def _maintain(lake: Lake, *, retention_hours: int = 168, dry_run: bool = False,
             "kept_versions": kept,
         } | ({"not_compacted": damaged} if damaged else {})
     report["snapshot_temp_dirs_removed"] = remove_snapshot_temps(lake, min_age_s=age, dry_run=dry_run)
-    from pipeline.snapshots.publish import remove_unpublished_payloads  # object stores' unpublished payloads
-
-    report["snapshot_temp_dirs_removed"] += remove_unpublished_payloads(lake, min_age_s=age, dry_run=dry_run)
-    if keep_checkpoints:
-        from pipeline.policy_store import retire_checkpoints
-
-        report["checkpoints"] = retire_checkpoints(lake, keep_checkpoints, dry_run=dry_run)
-    if not dry_run:   # after compaction and cleanup: every file the current versions reference is there
-        from pipeline.lake.verify import verify
-
-        report["verify"] = verify(lake, tables, rehash=False)   # sizes, not hashes: `lake verify` rehashes
     return report
+
+
+def orphan_age(orphan_min_age_s: float | None) -> float:
+    """The age guard for removing unreferenced files: ``orphan_min_age_s``, or the
+    default (``ORPHAN_MIN_AGE_S``, one hour) when None."""
+    from pipeline.lake.delta import ORPHAN_MIN_AGE_S
+
+    return ORPHAN_MIN_AGE_S if orphan_min_age_s is None else orphan_min_age_s
 
 
 def remove_snapshot_temps(lake: Lake, *, min_age_s: float, dry_run: bool = False) -> list[str]:

@@ -1,19 +1,18 @@
-"""`pipeline lake verify`: is everything the lake's current versions reference
-there and readable?
+"""The storage half of `pipeline lake verify`: is every file the tables' current
+versions reference there and readable?
 
 For every table, each data file of its latest version must exist with the
 size its add action records and have a readable Parquet footer whose row
-count matches the action's statistics (when it has them); every snapshot the
-``snapshots`` table registers must verify (:func:`verify_snapshot`: every file
-rehashed against its manifest). `lake maintain` runs it after compaction,
-checking snapshot files by size instead of rehashing them.
+count matches the action's statistics (when it has them). The snapshot half
+(every registered snapshot verifies) and the whole check are
+:func:`pipeline.maintain.verify`, a layer above storage; `lake maintain` runs
+it after compaction, checking snapshot files by size instead of rehashing them.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pipeline.errors import PipelineError
 from pipeline.schema import ALL_TABLES
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
@@ -61,39 +60,3 @@ def verify_tables(lake: Lake, tables: list[str] | None = None) -> dict[str, Any]
                 problems.append(f"{rel}: {rows} rows, the log says {want}")
         out[name] = {"version": dt.version(), "files": len(adds), "problems": problems}
     return out
-
-
-def verify_snapshots(lake: Lake, *, rehash: bool = True) -> dict[str, Any]:
-    """{checked, problems: [...]} over every snapshot the ``snapshots`` table registers:
-    each verifies (``rehash``: every file rehashed against its manifest), or, without
-    ``rehash``, its manifest opens and names files present with their recorded sizes."""
-    from pipeline.snapshots.format import open_snapshot, verify_snapshot
-
-    if not lake.exists("snapshots"):
-        return {"checked": 0, "problems": []}
-    ids = sorted(set(lake.read("snapshots", columns=["snapshot_id"]).column(0).to_pylist()))
-    problems = []
-    for sid in ids:
-        try:
-            if rehash:
-                verify_snapshot(lake, sid)
-            else:
-                snap = open_snapshot(lake, sid)
-                lake.check_files({f"{snap.path}/{n}": int(i["bytes"]) for n, i in snap.manifest["files"].items()},
-                                 what=f"snapshot {sid}")
-        except PipelineError as exc:
-            problems.append(f"snapshot {sid}: {exc.message}")
-        except Exception as exc:  # noqa: BLE001 - a payload that does not read at all
-            problems.append(f"snapshot {sid}: {type(exc).__name__}: {exc}")
-    return {"checked": len(ids), "problems": problems}
-
-
-def verify(lake: Lake, tables: list[str] | None = None, *, snapshots: bool = True,
-           rehash: bool = True) -> dict[str, Any]:
-    """The whole check: ``ok`` is False when anything is missing or unreadable;
-    ``problems`` lists each finding as one line. ``rehash=False`` checks snapshot
-    files by size instead of rehashing them (what ``lake maintain`` runs)."""
-    t = verify_tables(lake, tables)
-    s: dict[str, Any] = verify_snapshots(lake, rehash=rehash) if snapshots else {"checked": 0, "problems": []}
-    problems = [p for v in t.values() for p in v["problems"]] + s["problems"]
-    return {"ok": not problems, "tables": t, "snapshots": s, "problems": problems}

@@ -5,18 +5,26 @@ local lake DuckDB's ``read_parquet`` over exactly that version's data files
 (fastest); otherwise (object stores, tables outside schemas/) deltalake's
 pyarrow dataset, with projection and filter pushdown. Named queries in sql/
 may use ``$name`` parameters.
+
+Facts that live outside the lake come in as Arrow tables the caller passes
+(``views``), registered as views of those names: the query layer reads no
+stage. The environments' reward component tags are one
+(``views={"component_tags": pipeline.rollout.envs.base.component_tags_table()}``,
+which ``pipeline sql`` and the report pass).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import duckdb
 import pyarrow as pa
 
 from pipeline.errors import PipelineError
+from pipeline.lake.ref import as_lake
 from pipeline.schema import ALL_TABLES, table_spec
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
@@ -59,9 +67,12 @@ def scratch(threads: int | None = None) -> duckdb.DuckDBPyConnection:
     return duckdb.connect(config={"threads": threads} if threads else {})
 
 
-def connect(lake: Lake, *, as_of: dict[str, int | datetime] | int | datetime | None = None,
-            threads: int | None = None, tables: set[str] | None = None) -> duckdb.DuckDBPyConnection:
-    """A DuckDB connection with one view per existing lake table (only ``tables`` when given)."""
+def connect(lake: Lake | str | os.PathLike[str], *, as_of: dict[str, int | datetime] | int | datetime | None = None,
+            threads: int | None = None, tables: set[str] | None = None,
+            views: Mapping[str, pa.Table] | None = None) -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection with one view per existing lake table (only ``tables`` when given),
+    plus one view per Arrow table of ``views`` (named by its key)."""
+    lake = as_lake(lake)
     from pipeline.errors import NotFoundError
 
     con = scratch(threads)
@@ -91,8 +102,9 @@ def connect(lake: Lake, *, as_of: dict[str, int | datetime] | int | datetime | N
         if not (lake.is_local and _parquet_view(con, name, dt, same_schema=_never_evolved(lake, name, dt))):
             con.register(f"__ds_{name}", lake.arrow_dataset(name, dt))
             con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT * FROM "__ds_{name}"')
-    if tables is None or "component_tags" in tables:
-        _component_tags_view(con)
+    for name, t in (views or {}).items():
+        con.register(f"__view_{name}", t)
+        con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT * FROM "__view_{name}"')
     return con
 
 
@@ -115,19 +127,11 @@ def _check_existed_at(name: str, dt: Any, at: datetime) -> None:
                             hint=f"use a time after {created.isoformat()}, or {name}=VERSION for a table version")
 
 
-def _component_tags_view(con: duckdb.DuckDBPyConnection) -> None:
-    """View ``component_tags(env_version, component, tag)``: each registered
-    environment's declaration of its reward components as ``fact`` or
-    ``heuristic`` (pipeline/rollout/envs/base.py), for the diagnostics."""
-    import pyarrow as pa
-
-    from pipeline.rollout.envs.base import declared_component_tags
-
-    s = pa.string()
-    t = pa.Table.from_pylist(declared_component_tags(),
-                             schema=pa.schema([("env_version", s), ("component", s), ("tag", s)]))
-    con.register("__component_tags", t)
-    con.execute('CREATE OR REPLACE VIEW component_tags AS SELECT * FROM "__component_tags"')
+# Views the named queries read that are not lake tables: the caller passes them (``views``).
+EXTERNAL_VIEWS = {
+    "component_tags": "each environment's reward components tagged fact or heuristic: pass "
+                      "views={'component_tags': pipeline.rollout.envs.base.component_tags_table()}",
+}
 
 
 _DUCK_TYPES = {"string": "VARCHAR", "date32": "DATE", "int32": "INTEGER", "int64": "BIGINT"}
@@ -238,13 +242,20 @@ def _literal(value: Any, duck_type: str) -> str:
     return f"{_quote(str(value))}::{duck_type}"
 
 
-def query(lake: Lake, sql: str, *, params: dict[str, Any] | None = None,
-          as_of: dict[str, int | datetime] | int | datetime | None = None) -> pa.Table:
-    """Run ``sql`` over the lake's views; returns an Arrow table."""
+def query(lake: Lake | str | os.PathLike[str], sql: str, *, params: dict[str, Any] | None = None,
+          as_of: dict[str, int | datetime] | int | datetime | None = None,
+          views: Mapping[str, pa.Table] | None = None) -> pa.Table:
+    """Run ``sql`` over the lake's views (and the Arrow tables of ``views``); returns an Arrow table."""
+    lake = as_lake(lake)
     stripped = _strip_comments(sql)
+    views = views or {}
+    missing_views = sorted(v for v in EXTERNAL_VIEWS if v not in views and _names(stripped, v))
+    if missing_views:
+        raise SQLError(f"the query reads {', '.join(missing_views)}, which is not a lake table",
+                       hint="; ".join(f"{v}: {EXTERNAL_VIEWS[v]}" for v in missing_views))
     # open only the tables the query names: each costs a Delta log load
-    named = {t for t in ALL_TABLES + ("component_tags",) if re.search(rf"\b{t}\b", stripped, re.I)}
-    con = connect(lake, as_of=as_of, tables=named)
+    named = {t for t in ALL_TABLES if _names(stripped, t)}
+    con = connect(lake, as_of=as_of, tables=named, views={k: v for k, v in views.items() if _names(stripped, k)})
     try:
         used = set(re.findall(r"\$([A-Za-z_][A-Za-z0-9_]*)", stripped))
         params = {**declared_params(sql), **(params or {})}
@@ -307,6 +318,10 @@ def declared_params(sql: str) -> dict[str, Any]:
                 except ValueError:
                     pass
     return out
+
+
+def _names(sql: str, name: str) -> bool:
+    return re.search(rf"\b{name}\b", sql, re.I) is not None
 
 
 def _strip_comments(sql: str) -> str:

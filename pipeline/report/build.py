@@ -11,6 +11,7 @@ that fails shows its error in its own section and the rest still renders.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,9 +19,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import pandas as pd
 
+from pipeline.lake.ref import as_lake
 from pipeline.report.html import Note, Plot, Section, Table, render
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
+    import pyarrow as pa
+
     from pipeline.lake.delta import Lake
 
 
@@ -42,6 +46,12 @@ class _Queries:
         self.opts = opts
         self.cache: dict[tuple, pd.DataFrame | Exception] = {}
 
+    def views(self) -> dict[str, pa.Table]:
+        """The non-lake views the diagnostics read (the environments' component tags)."""
+        from pipeline.rollout.envs.base import component_tags_table
+
+        return {"component_tags": component_tags_table()}
+
     def get(self, name: str, **params) -> pd.DataFrame | Exception:
         from pipeline.query.duck import query
         from pipeline.resources import sql_path
@@ -50,7 +60,7 @@ class _Queries:
         if key not in self.cache:
             try:
                 sql = sql_path(name).read_text()
-                self.cache[key] = query(self.lake, sql, params=params).to_pandas()
+                self.cache[key] = query(self.lake, sql, params=params, views=self.views()).to_pandas()
             except Exception as exc:  # one broken query must not take the report down
                 self.cache[key] = exc
         return self.cache[key]
@@ -59,7 +69,7 @@ class _Queries:
         from pipeline.query.duck import query
 
         try:
-            return query(self.lake, text).to_pandas()
+            return query(self.lake, text, views=self.views()).to_pandas()
         except Exception as exc:
             return exc
 
@@ -632,8 +642,9 @@ def _bars(categories, series, **kw) -> bytes:
 # -- entry point ------------------------------------------------------------------------------------
 
 
-def build_report(lake: Lake, opts: ReportOptions = ReportOptions()) -> tuple[str, dict[str, Any]]:
+def build_report(lake: Lake | str | os.PathLike[str], opts: ReportOptions = ReportOptions()) -> tuple[str, dict[str, Any]]:
     """The HTML page and a summary (sections, plots, notes)."""
+    lake = as_lake(lake)
     import dataclasses
 
     if opts.bucket == "auto":
@@ -663,7 +674,9 @@ def build_report(lake: Lake, opts: ReportOptions = ReportOptions()) -> tuple[str
     return page, summary
 
 
-def write_report(lake: Lake, out: str | Path, opts: ReportOptions = ReportOptions()) -> dict[str, Any]:
+def write_report(lake: Lake | str | os.PathLike[str], out: str | Path,
+                 opts: ReportOptions = ReportOptions()) -> dict[str, Any]:
+    lake = as_lake(lake)
     page, summary = build_report(lake, opts)
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)

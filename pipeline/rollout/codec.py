@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.rollout import vocab
+from pipeline import vocab
 
 CALL, END_CALL, OBS, END_OBS, ANS = vocab.CALL, vocab.END_CALL, vocab.OBS, vocab.END_OBS, vocab.ANS
 

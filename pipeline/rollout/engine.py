@@ -1,4 +1,5 @@
-"""The engine interface both generation backends implement (no heavy imports).
+"""The engine interface both generation backends implement (no heavy imports;
+the factory that picks a backend by name is pipeline/rollout/backends.py).
 
 An engine takes requests (a token context + how many samples + a seed) and
 returns, for every sample, the sampled token ids and the log-prob of every
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
-from pipeline.rollout import vocab
+from pipeline import vocab
 
 EngineName = Literal["hf", "vllm"]
 
@@ -76,18 +77,3 @@ def truncate_at_stop(ids: list[int], logprobs: list[float], stop_ids: tuple[int,
         if t in stop_ids:
             return Completion(list(ids[:k + 1]), list(logprobs[:k + 1]), "stop")
     return Completion(list(ids[:max_new_tokens]), list(logprobs[:max_new_tokens]), "length")
-
-
-def make_engine(name: str, hf_dir: str | Path, *, threads: int | None = None, **kwargs) -> Engine:
-    """``hf`` (transformers) or ``vllm`` (vLLM offline engine)."""
-    if name == "hf":
-        from pipeline.rollout.hf import HFEngine
-
-        return HFEngine(Path(hf_dir), threads=threads, **kwargs)
-    if name == "vllm":
-        from pipeline.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(Path(hf_dir), threads=threads, **kwargs)
-    from pipeline.errors import ConfigError
-
-    raise ConfigError(f"unknown engine {name!r}", hint="use --engine hf or --engine vllm")

@@ -31,7 +31,8 @@ def evaluate(policy, env_name: str = "arithmetic-tool", *, n: int = 200, seed: i
     """``policy``: a PolicyRef, an HF directory, or (with ``lake``) a version / id / 'latest'."""
     from pipeline.policy_store import PolicyRef, resolve_policy
     from pipeline.rollout import codec
-    from pipeline.rollout.engine import Sampling, derive_seed, make_engine
+    from pipeline.rollout.backends import make_engine
+    from pipeline.rollout.engine import Sampling, derive_seed
     from pipeline.rollout.envs import get_env
     from pipeline.rollout.harness import Harness, Limits
     from pipeline.rollout.spool import Spool

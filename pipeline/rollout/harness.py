@@ -60,7 +60,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-from pipeline.rollout import codec as codecs, vocab
+from pipeline import vocab
+from pipeline.rollout import codec as codecs
 from pipeline.rollout.engine import Engine, Request, Sampling, derive_seed
 from pipeline.rollout.envs import Environment, Task, ToolError, ToolTimeout, Verification
 from pipeline.rollout.envs.base import tool_schema_version

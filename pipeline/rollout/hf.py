@@ -27,7 +27,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessor,
                           LogitsProcessorList, PreTrainedTokenizerFast)
 
-from pipeline.rollout import vocab
+from pipeline import vocab
 from pipeline.rollout.engine import Completion, Request, Sampling, derive_seed, truncate_at_stop
 
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pipeline.config import config_dict, config_hash
 from pipeline.errors import ConflictError
 from pipeline.policy_store import HF_SUBDIR, PolicyRef, local_checkpoint_dir, publish_checkpoint, resolve_policy
-from pipeline.rollout import vocab
+from pipeline import vocab
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pipeline.config import config_dict
+from pipeline.lake.ref import as_lake
 from pipeline.rollout.engine import Sampling, derive_seed
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
@@ -163,7 +164,7 @@ class _PolicyHolder:
 
     def __call__(self):
         from pipeline.policy_store import resolve_policy
-        from pipeline.rollout.engine import make_engine
+        from pipeline.rollout.backends import make_engine
 
         if self.engine is None or self.cfg.follow_latest:
             local = Path(self.cfg.policy)
@@ -562,8 +563,9 @@ def _merge(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: float) -> R
     return s
 
 
-def run_rollout(lake: Lake, cfg: RolloutConfig | None = None, **overrides: Any) -> RolloutSummary:
+def run_rollout(lake: Lake | str | os.PathLike[str], cfg: RolloutConfig | None = None, **overrides: Any) -> RolloutSummary:
     """Sample ``cfg.groups`` groups of ``cfg.group_size`` and land them (see module doc)."""
+    lake = as_lake(lake)
     if cfg is None:
         from pipeline.config import load_config
 

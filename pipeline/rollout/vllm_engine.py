@@ -58,7 +58,7 @@ class VLLMEngine:
                             max_model_len=max_model_len or int(cfg.get("max_position_embeddings", 128)),
                             enforce_eager=True, gpu_memory_utilization=gpu_memory_utilization)
         # the first generate call pays a one-off warm-up (seconds): take it here, with start-up
-        from pipeline.rollout import vocab
+        from pipeline import vocab
 
         self.generate([Request((vocab.BOS_ID,), 1, 0)], Sampling(max_new_tokens=2))
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
@@ -34,6 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.errors import IntegrityError, NotFoundError
+from pipeline.lake.ref import as_lake
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
@@ -160,7 +162,8 @@ def data_file(snap: Snapshot) -> str:
     return names[0]
 
 
-def open_snapshot(lake: Lake, snapshot_id: str) -> Snapshot:
+def open_snapshot(lake: Lake | str | os.PathLike[str], snapshot_id: str) -> Snapshot:
+    lake = as_lake(lake)
     check_snapshot_id(snapshot_id)
     snap = try_open(lake, snapshot_id)
     if snap is None:
@@ -187,10 +190,11 @@ def _read_file(lake: Lake, snap: Snapshot, name: str) -> pa.Buffer:
                              hint="the snapshot's files were deleted; restore the directory from a copy") from None
 
 
-def verify_snapshot(lake: Lake, snapshot_id: str) -> dict[str, Any]:
+def verify_snapshot(lake: Lake | str | os.PathLike[str], snapshot_id: str) -> dict[str, Any]:
     """Rehash every file against the manifest, check the manifest against the
     snapshots table (when it has the row), and recompute the id from the members.
     Raises IntegrityError on any mismatch."""
+    lake = as_lake(lake)
     snap = open_snapshot(lake, snapshot_id)
     for name, info in snap.manifest["files"].items():
         data = _read_file(lake, snap, name)
@@ -221,8 +225,10 @@ def verify_snapshot(lake: Lake, snapshot_id: str) -> dict[str, Any]:
             "members": table.num_rows, "manifest_sha256": snap.manifest_sha256, "registered": row_sha is not None}
 
 
-def read_snapshot_table(lake: Lake, snap: Snapshot | str, *, verify: bool = True, columns: list[str] | None = None) -> pa.Table:
+def read_snapshot_table(lake: Lake | str | os.PathLike[str], snap: Snapshot | str, *, verify: bool = True,
+                        columns: list[str] | None = None) -> pa.Table:
     """The snapshot's members with payload. ``verify`` rehashes the files first."""
+    lake = as_lake(lake)
     if isinstance(snap, str):
         snap = open_snapshot(lake, snap)
     name = data_file(snap)

@@ -85,11 +85,9 @@ def open(lake: Lake | str | os.PathLike[str], snapshot_id: str, *,
     """Open snapshot ``snapshot_id`` of ``lake`` (a pipeline.lake.Lake, or its
     path / URI), verified unless ``verify=False``. Raises NotFoundError /
     IntegrityError."""
-    if isinstance(lake, (str, os.PathLike)):
-        from pipeline.lake.delta import Lake
+    from pipeline.lake.ref import as_lake
 
-        lake = Lake(lake)
-    return SnapshotReader(lake, snapshot_id, verify=verify)
+    return SnapshotReader(as_lake(lake), snapshot_id, verify=verify)
 
 
 def member(table: pa.Table, i: int) -> dict[str, Any]:

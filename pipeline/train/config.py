@@ -15,6 +15,16 @@ from typing import ClassVar, Literal
 from pipeline.errors import ConfigError
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+# Metric trackers the live metrics may mirror to (pipeline/train/live.py opens them).
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+
+
+def parse_trackers(text: str) -> list[str]:
+    names = [t.strip().lower() for t in (text or "").replace(";", ",").split(",") if t.strip()]
+    bad = [t for t in names if t not in TRACKERS]
+    if bad:
+        raise ConfigError(f"unknown tracker(s) {bad}", hint=f"trackers is a comma-separated subset of {list(TRACKERS)}")
+    return list(dict.fromkeys(names))
 
 
 @dataclass(frozen=True)
@@ -93,8 +103,6 @@ class TrainConfig:
     tracker_dir: str = field(default="", metadata={"help": "tracker files (default <lake>/_trackers)"})
 
     def __post_init__(self) -> None:
-        from pipeline.train.live import parse_trackers
-
         parse_trackers(self.trackers)
         if self.metrics_every_steps < 0 or self.metrics_every_s < 0:
             raise ConfigError("metrics_every_steps and metrics_every_s must be >= 0")

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from pipeline.config import config_dict, config_hash
 from pipeline.errors import ConflictError, NotFoundError, PipelineError
+from pipeline.lake.ref import as_lake
 from pipeline.train.config import TrainConfig
 
 if TYPE_CHECKING:
@@ -122,9 +123,9 @@ def _published_result(lake: Lake, checkpoint_id: str, snapshot_id: str) -> Train
 # -- public entry ------------------------------------------------------------------
 
 
-def train_snapshot(lake: Lake, snapshot_id: str, cfg: TrainConfig | None = None, *, from_checkpoint: str | int | None = None,
-                   resume: bool = False, nproc: int = 1, force: bool = False, progress: bool | None = None,
-                   crash_at: str | None = None) -> TrainResult:
+def train_snapshot(lake: Lake | str | os.PathLike[str], snapshot_id: str, cfg: TrainConfig | None = None, *,
+                   from_checkpoint: str | int | None = None, resume: bool = False, nproc: int = 1, force: bool = False,
+                   progress: bool | None = None, crash_at: str | None = None) -> TrainResult:
     """Train on ``snapshot_id`` starting from ``from_checkpoint`` (a checkpoint
     id, policy version, or HF dir; default: the newest published policy) and
     publish the result as the next policy version.
@@ -134,6 +135,7 @@ def train_snapshot(lake: Lake, snapshot_id: str, cfg: TrainConfig | None = None,
     checkpoint already consumed. ``crash_at`` is for the failure drills only
     (``"publish"``: die with the checkpoint files half written).
     """
+    lake = as_lake(lake)
     cfg = cfg or TrainConfig()
     if nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return _launch(lake, snapshot_id, cfg, from_checkpoint=from_checkpoint, resume=resume, nproc=nproc,

@@ -65,7 +65,7 @@ def _finish(code: int) -> None:
 if __name__ == "__main__":
     import os as _os
 
-    from pipeline.cli import quiet_third_party
+    from pipeline.console import quiet_third_party
 
     with quiet_third_party(_os.environ.get("PIPELINE_VERBOSE") == "1"):
         _code = main(sys.argv[1:])

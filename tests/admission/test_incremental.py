@@ -15,8 +15,8 @@ from pipeline.admission import run as admission_run
 from pipeline.admission.config import AdmissionConfig
 from pipeline.admission.run import admit
 from pipeline.lake.delta import Lake
-from pipeline.lake.ingest import ingest_table
-from pipeline.lake.maintain import maintain
+from pipeline.ingest import ingest_table
+from pipeline.maintain import maintain
 
 T0 = datetime(2026, 11, 20, 12, 0, tzinfo=timezone.utc)
 

@@ -109,7 +109,7 @@ def test_maintain_removes_unpublished_payloads_on_s3(s3_lake, tmp_path):
 
     from pipeline.snapshots.publish import write_snapshot_files
     from pipeline.lake import objects
-    from pipeline.lake.maintain import maintain
+    from pipeline.maintain import maintain
     from pipeline.testing.train_fixtures import synthetic_payload
 
     def payload(seed):

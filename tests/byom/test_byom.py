@@ -118,7 +118,7 @@ def _with(t, **cols):
 def _synth_lake(lake, tmp_path, n=32, **kw):
     import pyarrow.parquet as pq
 
-    from pipeline.lake.ingest import ingest_files
+    from pipeline.ingest import ingest_files
     from pipeline.testing.trajectories import make_trajectories
 
     t = make_trajectories(n, seed=2, median_len=12, prompt_len=4, **kw)
@@ -153,7 +153,7 @@ def test_prompt_template_revision_the_policy_was_not_trained_with(lake, tmp_path
 
     import pyarrow.parquet as pq
 
-    from pipeline.lake.ingest import ingest_files
+    from pipeline.ingest import ingest_files
     from pipeline.testing.trajectories import make_trajectories
 
     publish_tiny_policy(lake, vocab_size=30000, hidden_size=16, intermediate_size=32)
@@ -178,7 +178,7 @@ def test_admission_keeps_one_tokenizer_and_scopes(lake, tmp_path):
 
     from pipeline.admission.run import admit
     from pipeline.admission.scope import Scope
-    from pipeline.lake.ingest import ingest_files
+    from pipeline.ingest import ingest_files
     from pipeline.testing.trajectories import make_trajectories
     from pipeline.testing.train_fixtures import publish_tiny_policy
 
@@ -213,7 +213,7 @@ def test_admission_keeps_one_tokenizer_and_scopes(lake, tmp_path):
 
 
 def test_checkpoint_retention_keeps_hf_and_newest_states(lake):
-    from pipeline.lake.maintain import maintain
+    from pipeline.maintain import maintain
     from pipeline.lineage import walk
     from pipeline.policy_store import local_checkpoint_dir, publish_checkpoint, resolve_policy, retired_files
     from pipeline.testing.train_fixtures import publish_tiny_policy

@@ -100,7 +100,7 @@ def test_stdout_carries_only_results_even_from_child_processes(capfd):
 def test_third_party_noise_is_silenced_unless_verbose(capsys, monkeypatch):
     import logging
 
-    from pipeline.cli import QUIET_ENV, quiet_third_party
+    from pipeline.console import QUIET_ENV, quiet_third_party
 
     for key in QUIET_ENV:  # a setting the user (or an earlier vLLM test) made is respected: start from none
         monkeypatch.delenv(key, raising=False)

@@ -71,7 +71,7 @@ def consumed_snapshots(lake) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("point", [FILES_PARTLY_WRITTEN, ROW_STAGED])
 def test_pipeline_train_killed_mid_publish(tlake, tmp_path, point, kill_at_marker):
-    from pipeline.lake.maintain import maintain
+    from pipeline.maintain import maintain
 
     lake, sid = tlake                       # policy version 0 (tiny-v0) and an unconsumed snapshot
     assert resolve_policy(lake).checkpoint_id == "tiny-v0"

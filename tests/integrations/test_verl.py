@@ -79,7 +79,7 @@ def _land(lake, tmp_path, table):
         return lake_api.ingest_table(lake, table, source="verl-test")
     import pyarrow.parquet as pq
 
-    from pipeline.lake.ingest import ingest_files
+    from pipeline.ingest import ingest_files
 
     path = tmp_path / f"verl-{len(list(tmp_path.iterdir()))}.parquet"
     pq.write_table(table, path)

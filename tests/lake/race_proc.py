@@ -21,8 +21,8 @@ import time
 
 def main(argv: list[str]) -> int:
     from pipeline.lake.delta import Lake
-    from pipeline.lake.ingest import ingest_files
-    from pipeline.lake.maintain import maintain
+    from pipeline.ingest import ingest_files
+    from pipeline.maintain import maintain
     from pipeline.policy_store import publish_checkpoint
 
     uri, start, cmd, args = argv[0], argv[1], argv[2], argv[3:]

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import struct
 import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "schemas" / "README.md"
@@ -46,9 +49,19 @@ def _i64(n: int) -> bytes:
 
 
 def _micros(text: str) -> int:
+    frac = re.search(r"T[0-9:]+[.,]([0-9]+)", text)
+    if frac and frac.group(1)[6:].strip("0"):
+        raise ValueError(f"{text}: finer than a microsecond has no hash")
     t = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    assert t.tzinfo is not None
+    if t.tzinfo is None:
+        raise ValueError(f"{text}: a timestamp without a UTC offset has no hash")
     return (t - EPOCH) // timedelta(microseconds=1)
+
+
+def _finite(x) -> float:
+    if x is None or isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise ValueError(f"{x!r}: a null, NaN or infinite number inside a value has no hash")
+    return float(x)
 
 
 _WIDTH = {"int32": "<i", "int8": "<b", "float32": "<f"}
@@ -71,16 +84,19 @@ def canonical_form(row: dict) -> bytes:
         elif typ in ("int32", "int64"):
             entry += _i64(v)
         elif typ == "float64":
-            entry += struct.pack("<d", v)
+            entry += struct.pack("<d", _finite(v))
         elif typ == "timestamp[us, UTC]":
             entry += _i64(_micros(v))
         elif typ.startswith("list<"):
             fmt = _WIDTH[typ[5:-1]]
             entry += _u64(len(v))
-            lists.append(b"".join(struct.pack(fmt, x) for x in v))
+            if any(x is None for x in v):
+                raise ValueError(f"{name}: a null list element has no hash")
+            # a float32 element: the JSON number as the nearest binary64, then the nearest binary32 (struct does it)
+            lists.append(b"".join(struct.pack(fmt, _finite(x) if fmt == "<f" else x) for x in v))
         elif typ.startswith("map<"):
             entry += _u64(len(v))
-            items = sorted((k.encode("utf-8"), x) for k, x in v.items())
+            items = sorted((k.encode("utf-8"), _finite(x)) for k, x in v.items())
             maps.append(b"".join(_u64(len(k)) + k + struct.pack("<d", x) for k, x in items))
         else:
             raise AssertionError(f"type {typ} not in the spec")
@@ -103,17 +119,48 @@ def test_readme_columns_are_the_schema():
     assert spec_columns() == [(c.name, c.type_text) for c in hashed_columns()]
 
 
+def _excluded() -> dict[str, str]:
+    text = SPEC.read_text()
+    block = text[text.index("<!-- hash-excluded:begin -->"):text.index("<!-- hash-excluded:end -->")]
+    return dict(re.findall(r"^\| (\w+) \| ([^|]+?) \|$", block, flags=re.M)[1:])
+
+
+def test_the_column_rule_applied_to_the_yaml_gives_the_readme_table():
+    """The README's rule (every column without `ingest: derived`, in YAML order,
+    except content_hash and the `hashed: false` ones), applied to the YAML with
+    a plain YAML reader, gives the README's hashed table; the README's table of
+    excluded columns names every other column, each for its reason."""
+    import yaml
+
+    cols = yaml.safe_load((ROOT / "schemas" / "trajectories.yaml").read_text())["columns"]
+    by_rule = [(c["name"], c["type"]) for c in cols
+               if c.get("ingest") != "derived" and c["name"] != "content_hash" and c.get("hashed", True)]
+    assert spec_columns() == by_rule
+    excluded = _excluded()
+    assert set(excluded) == {c["name"] for c in cols} - {n for n, _ in by_rule}
+    for c in cols:
+        if c["name"] in excluded:
+            why = excluded[c["name"]]
+            if c.get("ingest") == "derived":
+                assert "derived" in why, c["name"]
+            elif c["name"] != "content_hash":
+                assert c.get("hashed") is False and "hashed: false" in why, c["name"]
+
+
 def test_golden_vectors_independent_implementation():
     vectors = _vectors()
     assert len(vectors) >= 8
     names = {v["name"] for v in vectors}
-    assert {"optional_nulls", "empty_map", "unicode", "negative_zero", "positive_zero"} <= names
+    assert {"optional_nulls", "empty_map", "unicode", "negative_zero", "positive_zero", "tool_schema_version_not_hashed",
+            "float32_from_decimal", "map_keys_utf8_order", "timestamp_offsets"} <= names
     for v in vectors:
         canon = canonical_form(v["row"])
         assert canon.hex() == v["canonical_hex"], v["name"]
         assert hashlib.sha256(canon).hexdigest() == v["content_hash"], v["name"]
     by = {v["name"]: v["content_hash"] for v in vectors}
     assert by["negative_zero"] != by["positive_zero"]  # -0.0 is not normalized
+    assert by["tool_schema_version_not_hashed"] == by["basic"]   # hashed: false
+    assert by["timestamp_offsets"] == by["basic"]   # the same instants written with other offsets
 
 
 def test_golden_vectors_match_the_code():
@@ -132,6 +179,44 @@ def test_golden_vectors_match_the_code():
     assert checked.valid.column("content_hash").to_pylist() == [v["content_hash"] for v in vectors]
 
 
+NO_HASH = {   # rows the text says have no hash: (row, the reason ingest quarantines it with)
+    "null_list_element": (lambda: _base() | {"response_ids": [42, None, 2]}, "null_element"),
+    "null_token_version": (lambda: _base() | {"token_policy_versions": [3, None, 3]}, "null_element"),
+    "null_logprob": (lambda: _base() | {"response_logprobs": [-0.5, None, -1.25]}, "null_element"),
+    "null_map_value": (lambda: _base() | {"reward_components": {"format": None}}, "not_finite"),
+    "nan_reward": (lambda: _base() | {"reward": float("nan")}, "not_finite"),
+    "sub_microsecond": (lambda: _base() | {"finished_at": "2026-11-01T00:01:30.5000001Z"}, "out_of_range"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NO_HASH))
+def test_rows_without_a_hash_are_refused_by_both_and_quarantined(case):
+    from pipeline.lake.contenthash import content_hashes
+    from pipeline.lake.jsonl import parse_jsonl
+    from pipeline.lake.validate import validate_table
+
+    make, reason = NO_HASH[case]
+    row = make()
+    with pytest.raises(ValueError):
+        spec_hash(row)
+    table, _, rejects = parse_jsonl(json.dumps(row).encode(), "bad.jsonl")
+    if reason == "out_of_range":   # refused while parsing, before any hash
+        assert [r.code for r in rejects] == [reason]
+        return
+    assert rejects == []
+    with pytest.raises(ValueError):
+        content_hashes(table)
+    assert [r.code for r in validate_table(table).rejects] == [reason]
+
+
+def test_a_json_object_with_a_repeated_key_is_rejected_not_last_one_wins():
+    from pipeline.lake.jsonl import parse_jsonl
+
+    line = json.dumps(_base()).replace('"reward_components": {', '"reward_components": {"format": 9.0, ')
+    _, _, rejects = parse_jsonl(line.encode(), "dup.jsonl")
+    assert [r.code for r in rejects] == ["bad_json"] and "format" in rejects[0].message
+
+
 def test_readme_example_bytes():
     text = SPEC.read_text()
     row = _vectors()[0]["row"] | {"group_size": 4, "reward": None, "reward_components": {"b": 1.0, "a": -0.0}}
@@ -146,7 +231,7 @@ def test_real_rows_independent_vs_code_vs_lake(lake, tmp_path, make_traj):
     import pyarrow.parquet as pq
 
     from pipeline.lake.contenthash import content_hashes
-    from pipeline.lake.ingest import ingest_files
+    from pipeline.ingest import ingest_files
 
     t = make_traj(12, seed=5, median_len=20, group_size=3)
     path = tmp_path / "rows.parquet"
@@ -205,6 +290,14 @@ def _make_vectors() -> list[dict]:
         "long_tokens": b() | {"trajectory_id": "vec-long", "response_ids": list(range(300)),
                               "response_logprobs": [-1.0] * 300, "loss_mask": [1] * 300,
                               "token_policy_versions": [3] * 300},
+        # added with the complete text (same hash version: every earlier vector is unchanged)
+        "tool_schema_version_not_hashed": b() | {"tool_schema_version": "tools-2"},
+        "float32_from_decimal": b() | {"trajectory_id": "vec-f32-decimal", "response_logprobs": [-0.1, 0.0, -2.3],
+                                       "reward": 0.3},
+        "map_keys_utf8_order": b() | {"trajectory_id": "vec-keys", "reward_components":
+                                      {"\uffff": 1.0, "\U0001f600": 2.0, "\u00e9": 3.0, "e": 4.0, "E": 5.0}},
+        "timestamp_offsets": b() | {"created_at": "2026-10-31T19:00:00.000001-05:00",
+                                    "finished_at": "2026-11-01T09:31:30.500000+09:30"},
     }
     from pipeline.lake.contenthash import content_hashes
     from pipeline.lake.jsonl import parse_jsonl

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.errors import InputFileError
-from pipeline.lake.ingest import ingest_files
+from pipeline.ingest import ingest_files
 
 
 def _write(path, table):

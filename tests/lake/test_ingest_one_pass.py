@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.lake.ingest import ingest_files
+from pipeline.ingest import ingest_files
 from pipeline.lake.validate import validate_table
 from pipeline.schema import table_spec
 

@@ -70,8 +70,8 @@ def test_appends_dedupe_against_the_key_index_and_what_landed_after_it(lake, mak
     import numpy as np
 
     import pipeline.lake.delta as delta
-    from pipeline.lake.ingest import ingest_table
-    from pipeline.lake.maintain import maintain
+    from pipeline.ingest import ingest_table
+    from pipeline.maintain import maintain
 
     a = make_traj(30, seed=1, id_prefix="a-")
     b = make_traj(30, seed=2, id_prefix="b-")

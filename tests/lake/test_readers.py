@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
 from pipeline.cli import main
-from pipeline.lake.ingest import ingest_files
+from pipeline.ingest import ingest_files
 
 
 def _sql(capsys, lake, q, *extra):

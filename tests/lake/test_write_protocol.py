@@ -237,7 +237,7 @@ def test_ingest_killed_at_each_commit_boundary_converges_on_rerun(lake, tmp_path
     assert out["landed"] + out["duplicates"] == (20 if out["skipped_files"] else 18)
     if point.endswith("staged"):
         assert _unreferenced_files(lake, "trajectories"), "the kill left no staged file: not inside the section"
-    from pipeline.lake.maintain import maintain
+    from pipeline.maintain import maintain
 
     maintain(lake, orphan_min_age_s=0)
     assert _unreferenced_files(lake, "trajectories") == []

@@ -85,7 +85,10 @@ def diag(tmp_path_factory):
 
 
 def run(lake, name: str, **params) -> pd.DataFrame:
-    return query(lake, sql_path(name).read_text(), params=params).to_pandas()
+    from pipeline.rollout.envs.base import component_tags_table
+
+    return query(lake, sql_path(name).read_text(), params=params,
+                 views={"component_tags": component_tags_table()}).to_pandas()
 
 
 def same(got: pd.DataFrame, want: pd.DataFrame, keys: list[str]) -> None:

@@ -132,3 +132,19 @@ def test_sql_output_keeps_the_last_column_whole_and_says_when_it_cut(capsys):
     print_table(t, max_width=0)
     text = capsys.readouterr().out
     assert "x" * 80 in text and "--wide" not in text
+
+
+def test_a_view_outside_the_lake_is_passed_in_or_named_as_missing(tmp_path):
+    """component_tags comes from the environments, not the lake: the query layer
+    reads no stage, so the caller passes it (views=) and a query without it is
+    told how to get it instead of DuckDB's 'table does not exist'."""
+    from pipeline.lake.delta import Lake
+    from pipeline.query.duck import SQLError
+    from pipeline.rollout.envs.base import component_tags_table, declared_component_tags
+
+    lake = Lake(tmp_path / "lake")
+    with pytest.raises(SQLError, match="component_tags_table"):
+        query(lake, "SELECT * FROM component_tags")
+    got = query(lake, "SELECT env_version, component, tag FROM component_tags ORDER BY env_version, component",
+                views={"component_tags": component_tags_table()}).to_pylist()
+    assert got == declared_component_tags() and got   # the built-in environments declare some

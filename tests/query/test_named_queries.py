@@ -28,8 +28,15 @@ HEALTH_QUERIES = (
 KEYS = ["run_id", "policy_version"]
 
 
+def views() -> dict[str, pa.Table]:
+    """The non-lake view the diagnostics read, as the report and `pipeline sql` pass it."""
+    from pipeline.rollout.envs.base import component_tags_table
+
+    return {"component_tags": component_tags_table()}
+
+
 def run_named(lake, name: str, **params) -> pd.DataFrame:
-    return query(lake, sql_path(name).read_text(), params=params).to_pandas()
+    return query(lake, sql_path(name).read_text(), params=params, views=views()).to_pandas()
 
 
 def _edge_rows() -> pa.Table:
@@ -131,7 +138,7 @@ def test_header_documents_summary_parameters_and_every_column(health, name):
     declared = set(re.findall(r"@param\s+(\w+)", header))
     assert used == declared, "every $parameter is declared with -- @param (and nothing else)"
     params = {"trajectory_id": "x"} if name == "lineage_trajectory" else {}
-    cols = query(lake, text, params=params).column_names
+    cols = query(lake, text, params=params, views=views()).column_names
     for c in cols:
         assert re.search(rf"\b{re.escape(c)}\b", header), f"column {c} is not documented in the header"
 
@@ -144,7 +151,7 @@ def test_declared_params_parse():
 @pytest.mark.parametrize("name", HEALTH_QUERIES)
 def test_runs_on_an_empty_lake(lake, name):
     params = {"trajectory_id": "x"} if name == "lineage_trajectory" else {}
-    out = query(lake, sql_path(name).read_text(), params=params)
+    out = query(lake, sql_path(name).read_text(), params=params, views=views())
     assert out.num_rows == 0
 
 

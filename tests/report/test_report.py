@@ -200,7 +200,7 @@ def test_alerts_say_in_words_what_is_wrong(tmp_path):
 def test_bucket_follows_the_span_of_the_data(lake):
     from datetime import datetime, timedelta, timezone
 
-    from pipeline.lake.ingest import ingest_table
+    from pipeline.ingest import ingest_table
     from pipeline.report.build import choose_bucket
     from pipeline.testing.trajectories import make_trajectories
 
@@ -221,7 +221,7 @@ def pa_array(values, typ):
 
 
 def test_time_breakdown_comes_from_the_jobs_lineage_events(lake):
-    from pipeline.lake.maintain import maintain
+    from pipeline.maintain import maintain
     from pipeline.report.build import time_breakdown
 
     maintain(lake)

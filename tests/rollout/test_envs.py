@@ -7,7 +7,7 @@ import random
 import pytest
 
 from pipeline.errors import ConfigError
-from pipeline.rollout import vocab
+from pipeline import vocab
 from pipeline.rollout.envs import Task, ToolError, Verification, get_env, list_envs, register_env, split_of
 from pipeline.rollout.envs.arithmetic import calculate
 

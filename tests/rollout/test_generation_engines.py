@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.rollout import vocab
+from pipeline import vocab
 from pipeline.rollout.engine import Request, Sampling
 
 PROMPTS = ["37*45=", "12+88=", "r:40213=", "91-17="]

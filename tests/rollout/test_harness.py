@@ -8,7 +8,7 @@ import json
 import pyarrow.compute as pc
 import pytest
 
-from pipeline.rollout import vocab
+from pipeline import vocab
 from pipeline.rollout.run import RolloutConfig, run_rollout
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pipeline.rollout import vocab
+from pipeline import vocab
 
 
 def test_vocab_roundtrip():

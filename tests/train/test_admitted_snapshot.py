@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 
 def test_train_on_an_admitted_snapshot(lake, tmp_path):
     from pipeline.admission.run import admit
-    from pipeline.lake.ingest import ingest_files
+    from pipeline.ingest import ingest_files
     from pipeline.lineage import walk
     from pipeline.testing.trajectories import make_trajectories
     from pipeline.train.config import TrainConfig

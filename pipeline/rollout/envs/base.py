@@ -161,6 +161,17 @@ def declared_component_tags() -> list[dict[str, str]]:
     return sorted(rows, key=lambda r: (r["env_version"], r["component"]))
 
 
+def component_tags_table():
+    """:func:`declared_component_tags` as an Arrow table ``(env_version, component,
+    tag)``: the ``component_tags`` view a query gets through ``views=``
+    (pipeline/query/duck.py)."""
+    import pyarrow as pa
+
+    s = pa.string()
+    return pa.Table.from_pylist(declared_component_tags(),
+                                schema=pa.schema([("env_version", s), ("component", s), ("tag", s)]))
+
+
 def split_of(text: str, eval_fraction: int = 10) -> Split:
     """Deterministic train/eval split of a task by its content: 1 in ``eval_fraction``
     tasks is held out for evaluation."""

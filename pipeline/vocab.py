@@ -1,4 +1,5 @@
-"""The character-level vocabulary of the built-in policy (pure Python, no deps).
+"""The character-level vocabulary of the built-in policy (pure Python, no deps; below
+both the policy store, which recognizes its tokenizer, and the rollout engines).
 
 One token per character plus a few markers. The same table is saved as a
 Hugging Face ``tokenizer.json`` (``hf.build_tokenizer``) so both engines and the
