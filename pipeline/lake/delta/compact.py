@@ -13,7 +13,7 @@ from deltalake.exceptions import CommitFailedError
 
 from pipeline.lake import staging
 from pipeline.lake.delta import writes
-from pipeline.lake.delta.store import (
+from pipeline.lake.delta.common import (
     COMPACT_APP,
     MAX_COMMIT_RETRIES,
     MAX_KEYED_ATTEMPTS,

@@ -8,10 +8,7 @@ the same names here call them.
 
 from __future__ import annotations
 
-import getpass
 import os
-import socket
-import time
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,8 +18,22 @@ import pyarrow.dataset as ds
 from deltalake import CommitProperties, DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
-from pipeline import __version__
-from pipeline.errors import IntegrityError, NotFoundError
+from pipeline.errors import NotFoundError
+from pipeline.lake.delta.common import (  # noqa: F401 - re-exported: importable from the store as before
+    COMPACT_APP,
+    KEYS_APP,
+    MAX_ATTEMPTS,
+    MAX_COMMIT_RETRIES,
+    MAX_KEYED_ATTEMPTS,
+    ORPHAN_MIN_AGE_S,
+    PAUSE_AT_ENV,
+    STAGE_MAX_AGE_S,
+    TABLE_PROPERTIES,
+    FilesMissing,
+    _metadata,
+    _partition_str,
+    pause_point,
+)
 from pipeline.schema import table_spec
 
 if TYPE_CHECKING:
@@ -32,69 +43,6 @@ if TYPE_CHECKING:
     from pipeline.lake.delta.writes import AppendResult, Staged
 
 DEFAULT_LAKE = "./lake"
-
-# Old versions stay loadable until `pipeline lake maintain` says otherwise:
-# delta-rs would otherwise clean expired logs (30 days) on checkpoint.
-TABLE_PROPERTIES: dict[str, str] = {
-    "delta.logRetentionDuration": "interval 36500 days",
-    "delta.enableExpiredLogCleanup": "false",
-    "delta.deletedFileRetentionDuration": "interval 7 days",
-    "delta.checkpointInterval": "50",
-}
-
-# Raised from delta-rs's 15: with 8 writers on one table, 22 of 999 commits
-# still failed at the default in our measurements.
-MAX_COMMIT_RETRIES = 100
-MAX_ATTEMPTS = 8
-# Keyed appends lose the serialising transaction to every concurrent keyed
-# append that commits first; each loss costs one log reload and a check of the
-# files committed meanwhile, so they get more attempts.
-MAX_KEYED_ATTEMPTS = 200
-
-KEYS_APP = "pipeline.keys"         # bumped by every append to a keyed table
-COMPACT_APP = "pipeline.compact"   # bumped by every compaction commit
-# A staged (written, uncommitted) data file older than this is rewritten before
-# it is committed, so orphan cleanup, which only removes unreferenced files
-# older than ORPHAN_MIN_AGE_S, can never delete a file a live writer commits.
-STAGE_MAX_AGE_S = 30 * 60
-ORPHAN_MIN_AGE_S = 2 * STAGE_MAX_AGE_S
-# Test hook for kill tests: "<point>=<marker path>" makes the process write the
-# marker at that point of the write path and block there until it is killed (or,
-# for tests that act on the lake meanwhile, until "<marker>.go" exists).
-PAUSE_AT_ENV = "PIPELINE_TEST_PAUSE_AT"
-
-
-def pause_point(point: str) -> None:
-    raw = os.environ.get(PAUSE_AT_ENV)
-    if not raw:
-        return
-    want, _, marker = raw.partition("=")
-    if want != point:
-        return
-    tmp = Path(f"{marker}.tmp{os.getpid()}")
-    tmp.write_text(str(os.getpid()))
-    os.replace(tmp, marker)  # whole or absent: a test reading the marker never sees it half written
-    go = Path(f"{marker}.go")
-    while not go.exists():  # inside the critical section until the test kills (or releases) us
-        time.sleep(0.01)
-
-
-class FilesMissing(IntegrityError):
-    """Files a commit was about to reference are gone or have another size than
-    written; nothing was committed. ``missing`` holds (path, expected size, found
-    size or None)."""
-
-    def __init__(self, what: str, missing: list[tuple[str, int, int | None]]) -> None:
-        shown = ", ".join(f"{p} ({'absent' if got is None else f'{got} bytes'}, wrote {want})"
-                          for p, want, got in missing[:5])
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        super().__init__(f"{what}: {len(missing)} file(s) it wrote are no longer there as written: {shown}{more}; "
-                         "nothing was committed",
-                         hint="something deleted or changed files under the lake while it ran (a cleanup without "
-                              "the staging registry, a person); rerun it: it writes them again")
-        self.missing = missing
-
-
 
 def resolve_lake_uri(uri: str | os.PathLike[str] | None = None) -> str:
     """``--lake`` > ``$PIPELINE_LAKE`` > ``./lake``; local paths made absolute."""
@@ -464,28 +412,3 @@ class Lake:
                 missing.append((rel, expected[rel], got))
         if missing:
             raise FilesMissing(what, missing)
-
-
-def _partition_str(v: Any) -> str | None:
-    if v is None:
-        return None
-    return v.isoformat() if hasattr(v, "isoformat") else str(v)
-
-
-
-def _metadata(command: str, config_hash: str | None) -> dict[str, str]:
-    try:
-        user = getpass.getuser()
-    except Exception:  # no passwd entry in some containers
-        user = os.environ.get("USER", "unknown")
-    meta = {
-        "pipeline.command": command,
-        "pipeline.user": user,
-        "pipeline.host": socket.gethostname(),
-        "pipeline.pid": str(os.getpid()),
-        "pipeline.version": __version__,
-    }
-    if config_hash:
-        meta["pipeline.config_hash"] = config_hash
-    return meta
-

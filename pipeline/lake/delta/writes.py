@@ -34,7 +34,7 @@ from deltalake.exceptions import CommitFailedError
 from pipeline.errors import CommitError
 from pipeline.lake.delta import keyindex
 from pipeline.lake import staging
-from pipeline.lake.delta.store import (
+from pipeline.lake.delta.common import (
     KEYS_APP,
     MAX_ATTEMPTS,
     MAX_COMMIT_RETRIES,
