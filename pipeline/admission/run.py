@@ -41,6 +41,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -154,14 +155,24 @@ def _quality(cands: pa.Table, cfg: AdmissionConfig) -> tuple[pa.Table, dict[str,
     return rejects, summary
 
 
+QUALITY_COLUMNS = tuple(c for c in cand.SCALARS if c != "reward")  # reward here is the capped reward
+
+
+def quality_suites() -> dict[str, list[str]]:
+    """The suites admission validates and the columns each sees (what a resident
+    process builds once: pipeline.quality.gx.prepare)."""
+    from pipeline.admission.decide import admitted_schema
+
+    return {"trajectories": list(QUALITY_COLUMNS), "snapshot_members": admitted_schema().names}
+
+
 def _quality_suite(cands: pa.Table, cfg: AdmissionConfig) -> tuple[pa.Table, dict[str, Any]]:
     empty = pa.table({"trajectory_id": pa.array([], pa.string()), "reason": pa.array([], pa.string())})
     if not cfg.quality or cands.num_rows == 0:
         return empty, {"skipped": not cfg.quality}
-    from pipeline.quality.gx import validate
+    from pipeline.quality.gx import validate  # imported only when a suite runs
 
-    cols = [c for c in cand.SCALARS if c != "reward"]  # reward here is the capped reward
-    res = validate(cands.select(cols), "trajectories", key="trajectory_id")
+    res = validate(cands.select(list(QUALITY_COLUMNS)), "trajectories", key="trajectory_id")
     if not res.failing:
         return empty, res.summary
     ids = sorted(res.failing)
@@ -286,9 +297,7 @@ def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_ver
         timings["decide_s"] = time.perf_counter() - t0
         admitted = dec.admitted
         n_admit_groups = dec.counts.get("admit", 0)
-        snapshot_id = (compute_snapshot_id(zip(admitted.column("trajectory_id").to_pylist(),
-                                               admitted.column("content_hash").to_pylist()), chash, cfg.advantage)
-                       if admitted.num_rows else None)
+        snapshot_id = snapshot_id_of(admitted, chash, cfg.advantage) if admitted.num_rows else None
         source_versions = {"trajectories": int(tv), "receipts": int(rv)}
         target = _target_report(target_groups, n_admit_groups, dec.receipts.num_rows)
         receipts = stamp_receipts(dec.receipts, run_id, snapshot_id, receipts_schema)
@@ -324,6 +333,30 @@ def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_ver
         return result
     raise PipelineError(f"admission could not commit after {MAX_ATTEMPTS} attempts (other admission runs kept "
                         "winning the receipts commit)", hint="rerun pipeline admit")
+
+
+def snapshot_id_of(admitted: pa.Table, config_hash: str, estimator: str) -> str:
+    """``compute_snapshot_id`` of the admitted members, hashed from one Arrow buffer:
+    the rows sorted in Arrow (UTF-8 byte order = Python's code-point order), each
+    ``tid\tchash\n`` joined by an Arrow kernel, the whole buffer hashed once (the
+    same bytes the per-row loop feeds sha256). Falls back to that loop on nulls."""
+    import hashlib
+
+    from pipeline.snapshots.format import FORMAT_VERSION
+
+    t = admitted.select(["trajectory_id", "content_hash"])
+    if t.num_rows == 0 or t.column(0).null_count or t.column(1).null_count:
+        return compute_snapshot_id(zip(t.column(0).to_pylist(), t.column(1).to_pylist()), config_hash, estimator)
+    t = t.sort_by([("trajectory_id", "ascending"), ("content_hash", "ascending")])
+    t = t.combine_chunks()
+    lines = pc.binary_join_element_wise(t.column(0).chunk(0), t.column(1).chunk(0), "\t")
+    lines = pc.binary_join_element_wise(lines, pa.scalar("", pa.string()), "\n")
+    offsets = np.frombuffer(lines.buffers()[1], np.int32, len(lines) + 1, lines.offset * 4)
+    body = lines.buffers()[2].to_pybytes()[offsets[0]:offsets[-1]]
+    h = hashlib.sha256(f"snapshot-v{FORMAT_VERSION}\n".encode())
+    h.update(body)
+    h.update(f"config\t{config_hash}\nestimator\t{estimator}\n".encode())
+    return h.hexdigest()
 
 
 def _policy_tokenizer(lake: Lake, version: int) -> str | None:
