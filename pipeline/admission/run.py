@@ -195,27 +195,44 @@ def _previous_state(lake: Lake, rv: int) -> tuple[int, datetime] | None:
     return int(meta[STATE_VERSION]), datetime.fromisoformat(meta[STATE_PENDING])
 
 
+@dataclass(frozen=True)
+class ReadPlan:
+    """Which trajectories files hold every candidate row of a version: ``whole``
+    files read entirely (added since the previous admission, or all of them
+    without one) and ``pending`` files read only for rows finished at or after
+    ``bound`` (pruned by Parquet statistics). Both engines read exactly this."""
+
+    whole: list[tuple[str, dict[str, str | None]]]
+    pending: list[tuple[str, dict[str, str | None]]]
+    bound: datetime | None
+
+
+def read_plan(lake: Lake, tv: int, previous: tuple[int, datetime] | None) -> ReadPlan:
+    dt = lake.table("trajectories", tv)
+    if previous is None or previous[0] > tv:
+        return ReadPlan(lake.live_files(dt), [], None)
+    new = lake.files_added("trajectories", dt, since=previous[0])
+    names = {p for p, _ in new}
+    old = [f for f in lake.live_files(dt) if f[0] not in names]
+    return ReadPlan(new, old, previous[1] - timedelta(seconds=1))
+
+
 def _trajectory_sources(lake: Lake, tv: int, previous: tuple[int, datetime] | None) -> list[tuple[Any, Any]]:
     """(dataset, filter) pairs holding every candidate row of trajectories version ``tv``."""
     import pyarrow.dataset as ds
 
-    dt = lake.table("trajectories", tv)
-    if previous is None or previous[0] > tv:
-        return [(lake.files_dataset("trajectories", lake.live_files(dt)), None)]
-    new = lake.files_added("trajectories", dt, since=previous[0])
-    names = {p for p, _ in new}
-    old = [f for f in lake.live_files(dt) if f[0] not in names]
-    bound = pa.scalar(previous[1] - timedelta(seconds=1), pa.timestamp("us", tz="UTC"))
-    out = [(lake.files_dataset("trajectories", new), None)] if new else []
-    if old:
-        out.append((lake.files_dataset("trajectories", old), ds.field("finished_at") >= bound))
+    plan = read_plan(lake, tv, previous)
+    out = [(lake.files_dataset("trajectories", plan.whole), None)] if plan.whole or not plan.pending else []
+    if plan.pending:
+        bound = pa.scalar(plan.bound, pa.timestamp("us", tz="UTC"))
+        out.append((lake.files_dataset("trajectories", plan.pending), ds.field("finished_at") >= bound))
     return out
 
 
 def _decisions_from_engine(lake: Lake, tv: int, cfg: AdmissionConfig, engine: str, decided: pa.Array,
                            current: int, now: datetime, dask_scheduler: str | None,
-                           timings: dict[str, float], sources: list[tuple[Any, Any]] | None
-                           ) -> tuple[pa.Table, pa.Table, dict[str, Any], int]:
+                           timings: dict[str, float], sources: list[tuple[Any, Any]] | None,
+                           plan: ReadPlan | None = None) -> tuple[pa.Table, pa.Table, dict[str, Any], int]:
     t0 = time.perf_counter()
     if engine == "duckdb":
         assert sources is not None  # the caller lists them for this engine
@@ -235,7 +252,7 @@ def _decisions_from_engine(lake: Lake, tv: int, cfg: AdmissionConfig, engine: st
 
         members, groups, qsummary, n = engine_dask.run_with_quality(
             lake, tv, cfg, decided=decided, quality_fn=lambda t: _quality(t, cfg),
-            current_policy_version=current, now=now, dask_scheduler=dask_scheduler)
+            current_policy_version=current, now=now, dask_scheduler=dask_scheduler, plan=plan)
         timings["dask_s"] = time.perf_counter() - t0
     else:
         raise PipelineError(f"unknown engine {engine!r}", hint="--engine duckdb or --engine dask")
@@ -288,9 +305,11 @@ def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_ver
         assert tv is not None  # the table exists: checked above
         decided = (lake.read("receipts", columns=["group_id"], version=rv).column("group_id").combine_chunks()
                    if rv >= 0 else pa.array([], pa.string()))
-        sources = _trajectory_sources(lake, tv, _previous_state(lake, rv)) if engine == "duckdb" else None
+        previous = _previous_state(lake, rv)
+        sources = _trajectory_sources(lake, tv, previous)   # both engines read only what changed
+        plan = read_plan(lake, tv, previous) if engine == "dask" else None
         members, groups, qsummary, n_cands = _decisions_from_engine(
-            lake, tv, cfg, engine, decided, current, now, dask_scheduler, timings, sources)
+            lake, tv, cfg, engine, decided, current, now, dask_scheduler, timings, sources, plan)
         members, groups, _tok = scoping.apply(members, groups, scope, _policy_tokenizer(lake, current))
         dec = finalize(members, groups, cfg, config_hash=chash, current_policy_version=current,
                        previous_baseline=_previous_baseline(lake, cfg))
