@@ -1,7 +1,7 @@
 """Resident admission: ``pipeline admit --follow --interval S`` in one process.
 
     pipeline admit --follow --interval 10 --json       # one JSON line per pass that decided groups
-    pipeline admit --follow --interval 10 --max-seconds 1500   # the admission job: ends before its timeout
+    pipeline admit --follow --interval 5 --max-idle-seconds 30 --max-seconds 1500   # the admission job
 
 Each pass is one ordinary :func:`pipeline.admission.run.admit` (the same
 receipts guard, the same snapshot-per-id publication, so two admitters, resident
@@ -18,6 +18,10 @@ makes it ready for the next pass. Each pass reports, for the groups it decided
 whose last member landed since the previous pass, the latency from that
 member's commit (its trajectories commit timestamp) to the end of the pass (the
 snapshot and the receipts committed).
+
+The admission job (jobs/admission.yaml) runs it with ``--max-seconds`` under
+its timeout and ``--max-idle-seconds``: the next scheduled start, held off by
+the job's lease while one runs, takes over when it ends.
 
 SIGTERM or SIGINT ends the loop after the current pass (never inside one: a
 pass is either committed whole or, killed harder, left to the next run as every
@@ -140,11 +144,12 @@ def _latency(lake: Lake, since: int | None, result: AdmissionResult, done_at: fl
 
 
 def follow(lake: Lake, cfg: AdmissionConfig | None = None, *, interval_s: float, stop: StopFlag | None = None,
-           max_passes: int | None = None, max_seconds: float | None = None,
+           max_passes: int | None = None, max_seconds: float | None = None, max_idle_s: float | None = None,
            on_pass: Callable[[PassReport], None] | None = None, **admit_kwargs: Any) -> list[PassReport]:
     """Admit in a loop every ``interval_s`` seconds until ``stop`` is set (SIGTERM), ``max_passes``
-    passes ran or ``max_seconds`` elapsed; ``admit_kwargs`` go to every ``admit`` call. Returns the
-    reports of the passes that ran (``on_pass`` sees each as it ends)."""
+    passes ran, ``max_seconds`` elapsed or no pass decided anything for ``max_idle_s``;
+    ``admit_kwargs`` go to every ``admit`` call. Returns the reports of the passes that ran
+    (``on_pass`` sees each as it ends)."""
     from pipeline.admission.run import admit
 
     cfg = cfg or AdmissionConfig()
@@ -154,7 +159,7 @@ def follow(lake: Lake, cfg: AdmissionConfig | None = None, *, interval_s: float,
         from pipeline.quality.gx import prepare
 
         prepare(quality_suites())
-    started = time.monotonic()
+    started = busy = time.monotonic()
     reports: list[PassReport] = []
     seen: tuple[int | None, int | None] | None = None
     pending = 0
@@ -173,6 +178,8 @@ def follow(lake: Lake, cfg: AdmissionConfig | None = None, *, interval_s: float,
                 if res.receipts.num_rows else 0
             pending = max(0, int(res.quality.get("candidate_rows", 0)) - decided_rows)
             rep = PassReport(n, res, wall, pending, _latency(lake, since, res, done_at))
+            if res.receipts.num_rows:
+                busy = time.monotonic()
             reports.append(rep)
             if on_pass is not None:
                 on_pass(rep)
@@ -181,6 +188,8 @@ def follow(lake: Lake, cfg: AdmissionConfig | None = None, *, interval_s: float,
             if max_passes is not None and n >= max_passes:
                 break
         if max_seconds is not None and time.monotonic() - started >= max_seconds:
+            break
+        if max_idle_s is not None and time.monotonic() - busy >= max_idle_s:
             break
         stop.event.wait(max(0.0, interval_s - (time.monotonic() - tick)))
     return reports

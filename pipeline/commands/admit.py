@@ -53,6 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-seconds", type=float, default=None, metavar="SECONDS",
                    help="with --follow: stop (after the current pass) once this long has passed; the admission "
                         "job uses it to end before its timeout")
+    p.add_argument("--max-idle-seconds", type=float, default=None, metavar="SECONDS",
+                   help="with --follow: stop once no pass decided anything for this long")
     p.set_defaults(handler=_admit)
 
 
@@ -76,10 +78,11 @@ def _admit(args: argparse.Namespace) -> int | None:
 
     if args.follow:
         return _follow(args, cfg, engine, scheduler, Scope(args.run_id, args.env, args.task))
-    if args.max_passes is not None or args.max_seconds is not None:
+    if args.max_passes is not None or args.max_seconds is not None or args.max_idle_seconds is not None:
         from pipeline.errors import ConfigError
 
-        raise ConfigError("--max-passes / --max-seconds apply to --follow only", hint="add --follow")
+        raise ConfigError("--max-passes / --max-seconds / --max-idle-seconds apply to --follow only",
+                          hint="add --follow")
     res = admit(open_lake(args), cfg, current_policy_version=args.current_policy_version, dry_run=args.dry_run,
                 engine=engine, dask_scheduler=scheduler, target_groups=args.target_groups,
                 scope=Scope(args.run_id, args.env, args.task))
@@ -107,9 +110,11 @@ def _follow(args: argparse.Namespace, cfg, engine, scheduler, scope) -> int | No
 
     def report(rep) -> None:
         d = rep.as_dict()
+        if not (rep.result.receipts.num_rows or rep.n == 1):
+            return       # the passes that decided something (and the first): the last line is the last decision
         if getattr(args, "json", False):
-            out(json.dumps(d, default=str, sort_keys=True))   # JSON lines: one document per pass
-        elif rep.result.receipts.num_rows or rep.n == 1:
+            out(json.dumps(d, default=str, sort_keys=True))   # JSON lines: one document per such pass
+        else:
             lat = rep.latency_s
             tail = (f"; last member landed -> snapshot: p50 {lat['p50']:.2f}s, max {lat['max']:.2f}s "
                     f"({lat['groups']} groups)" if lat.get("groups") else "")
@@ -118,7 +123,7 @@ def _follow(args: argparse.Namespace, cfg, engine, scheduler, scope) -> int | No
                 + f", {rep.pending_rows} pending row(s){tail}")
 
     reports = follow(open_lake(args), cfg, interval_s=args.interval, stop=stop, max_passes=args.max_passes,
-                     max_seconds=args.max_seconds, on_pass=report, current_policy_version=args.current_policy_version,
+                     max_seconds=args.max_seconds, max_idle_s=args.max_idle_seconds, on_pass=report, current_policy_version=args.current_policy_version,
                      engine=engine, dask_scheduler=scheduler, target_groups=args.target_groups, scope=scope)
     why = f"{stop.signal}: " if stop.signal else ""
     print(f"follow: {why}stopped after {len(reports)} pass(es)", file=sys.stderr, flush=True)

@@ -45,6 +45,10 @@ def _cli(capsys, *argv) -> tuple[int, str, str]:
     return rc, out, err
 
 
+def test_the_tables_migrate_checks_are_those_with_derived_columns():
+    assert mig.tables() == mig.tables_from_specs()
+
+
 def test_the_fixture_is_the_previous_layout(old_lake):
     names = {f.name for f in old_lake.table("trajectories").schema().fields}
     assert not set(DERIVED) & names and "ingest_id" in names
