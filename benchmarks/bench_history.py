@@ -14,7 +14,7 @@
     serialised by the write protocol) vs one process landing the same rows in
     one append: rows/s ratio (reported; the moonshot is >= 0.8x).
 
-    .venv/bin/python benchmarks/run.py --only history            # N = 1M (env BENCH_HISTORY_N)
+    .venv/bin/python benchmarks/run.py --only history            # N = 1M (env BENCH_HISTORY_N; reps BENCH_HISTORY_REPS)
     .venv/bin/python benchmarks/bench_history.py --existing 200000
 """
 
@@ -138,7 +138,7 @@ def run(quick: bool = False, existing: int | None = None) -> list[Result]:
     from pipeline.lake.delta import Lake
 
     n = existing or (100_000 if quick else int(os.environ.get("BENCH_HISTORY_N", 1_000_000)))
-    reps = 2 if quick else 5
+    reps = 2 if quick else int(os.environ.get("BENCH_HISTORY_REPS", 5))
     root = Path(tempfile.mkdtemp(prefix="bench-history-"))
     try:
         big = Lake(root / "big")

@@ -219,13 +219,7 @@ def batch_config_outcomes(cfg: AdmissionConfig, configs: dict[str, Any], admit: 
         rows = t.take(pa.array(bad)).to_pylist()
         for k, row in zip(bad, rows):
             key = tuple(row[f] for f in fields)
-            j = next(n for n in range(len(fields)) if key[n] != ref[n])
+            j = next(m for m in range(len(fields)) if key[m] != ref[m])
             out[idx[k]] = f"fail:{fields[j]} {key[j]} != {ref[j]}"
     return out
-    for i, key in keys.items():
-        if key == ref:
-            out[i] = "pass"
-        else:
-            j = next(k for k in range(len(fields)) if key[k] != ref[k])
-            out[i] = f"fail:{fields[j]} {key[j]} != {ref[j]}"
     return out

@@ -44,6 +44,7 @@ SCHEDULER_ENV = "PIPELINE_DASK_SCHEDULER"
 WORKER_TIMEOUT_ENV = "PIPELINE_DASK_WORKER_TIMEOUT_S"
 HOLD_ENV = "PIPELINE_DASK_TEST_HOLD"  # test hook (workers): a directory; each read task marks itself, waits for `go`
 DEFAULT_WORKER_TIMEOUT_S = 120.0
+ROWS_PER_PARTITION = 100_000   # candidate rows per partition of the group shuffle
 
 # keep object columns object: the engines must compare like Python strings
 dask.config.set({"dataframe.convert-string": False})
@@ -87,13 +88,14 @@ def _read_file(item: tuple, cfg: AdmissionConfig, decided: pa.Array,
 
 def _row_groups_reaching(pf, column: str, bound: pa.Scalar) -> list[int]:
     """Row groups of ``pf`` that may hold ``column >= bound`` (no statistics: kept)."""
-    names = pf.schema_arrow.names
-    if column not in names:
-        return list(range(pf.metadata.num_row_groups))
-    i = pf.metadata.schema.to_arrow_schema().get_field_index(column)
+    md = pf.metadata
+    # the Parquet leaf column (list and map columns before it have more leaves than Arrow fields)
+    i = next((j for j in range(md.num_columns) if md.schema.column(j).path == column), None)
+    if i is None:
+        return list(range(md.num_row_groups))
     keep = []
-    for rg in range(pf.metadata.num_row_groups):
-        st = pf.metadata.row_group(rg).column(i).statistics
+    for rg in range(md.num_row_groups):
+        st = md.row_group(rg).column(i).statistics
         if st is None or not st.has_min_max or pa.scalar(st.max, bound.type).as_py() >= bound.as_py():
             keep.append(rg)
     return keep
@@ -357,7 +359,9 @@ def run_with_quality(lake: Lake, version: int, cfg: AdmissionConfig, *, decided:
             cands = pa.Table.from_pandas(cands_pdf, schema=cand.candidate_schema(cfg), preserve_index=False)
             rejects, qsummary = quality_fn(cands)
             quality = dict(zip(rejects.column("trajectory_id").to_pylist(), rejects.column("reason").to_pylist()))
-            nparts = max(1, min(len(files), 16))
+            # sized by the candidates, not the files: an incremental run over a big lake has many
+            # (mostly pruned) pending files and few candidate rows
+            nparts = max(1, min(len(files), 16, -(-cands.num_rows // ROWS_PER_PARTITION)))
             out = ddf.shuffle("group_id", npartitions=nparts).map_partitions(
                 decide_partition, cfg, int(current_policy_version), now, quality, meta=_meta(cfg),
                 enforce_metadata=False)

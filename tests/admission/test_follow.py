@@ -166,3 +166,25 @@ def test_a_resident_and_a_per_run_admitter_that_decided_the_same_groups_commit_o
     ids = [g for g, _, _ in _receipts(lake)]
     assert len(ids) == len(set(ids)) == 12
     assert len(lake.read("snapshots", columns=["snapshot_id"])) == 1
+
+
+def test_a_per_run_admission_imports_great_expectations_only_when_a_suite_runs(tmp_path, make_traj):
+    lake = Lake(tmp_path / "lake")
+    a, b = _halves(make_traj)
+    ingest_table(lake, a, source="first")        # half groups: nothing is ready, no candidates reach a suite
+    code = ("import sys, json; from pipeline.admission.config import AdmissionConfig; "
+            "from pipeline.admission.run import admit; from pipeline.lake.delta import Lake; "
+            "cfg = AdmissionConfig(group_timeout_s=3600, quality=sys.argv[2] == '1'); "
+            "r = admit(Lake(sys.argv[1]), cfg, current_policy_version=0, dry_run=True); "
+            "print(json.dumps([r.receipts.num_rows, 'great_expectations' in sys.modules]))")
+
+    def run(quality: str) -> list:
+        p = subprocess.run([sys.executable, "-c", code, lake.uri, quality], capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode in (0, -6), p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    assert run("0") == [0, False]      # suites off
+    ingest_table(lake, b, source="second")
+    assert run("0") == [12, False]     # suites off, groups decided: still no import
+    assert run("1") == [12, True]      # suites on and candidates to validate

@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
 
 from pipeline.cli import main
