@@ -95,7 +95,7 @@ def landing_times(lake: Lake, since: int | None, version: int) -> dict[int, floa
         entries = lake.log_entries("trajectories", v) or []
         if not any("add" in e and e["add"].get("dataChange", True) for e in entries):
             continue
-        info = next((e["commitInfo"] for e in entries if "commitInfo" in e), {})
+        info: dict[str, Any] = next((e["commitInfo"] for e in entries if "commitInfo" in e), {})
         if "timestamp" in info:
             out[v] = float(info["timestamp"]) / 1000.0
     return out

@@ -158,7 +158,7 @@ def _quality(cands: pa.Table, cfg: AdmissionConfig) -> tuple[pa.Table, dict[str,
 QUALITY_COLUMNS = tuple(c for c in cand.SCALARS if c != "reward")  # reward here is the capped reward
 
 
-def quality_suites() -> dict[str, list[str]]:
+def quality_suites() -> dict[str, list[str] | None]:
     """The suites admission validates and the columns each sees (what a resident
     process builds once: pipeline.quality.gx.prepare)."""
     from pipeline.admission.decide import admitted_schema
