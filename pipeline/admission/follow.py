@@ -177,6 +177,9 @@ def follow(lake: Lake, cfg: AdmissionConfig | None = None, *, interval_s: float,
             decided_rows = int(pc.sum(res.receipts.column("arrived_members")).as_py() or 0) \
                 if res.receipts.num_rows else 0
             pending = max(0, int(res.quality.get("candidate_rows", 0)) - decided_rows)
+            # what this pass has seen: the trajectories version it read (a landing during the pass, or
+            # before the report below is read, moves the table past it) and the receipts after its commit
+            seen = (res.source_versions.get("trajectories", state[0]), lake.version("receipts"))
             rep = PassReport(n, res, wall, pending, _latency(lake, since, res, done_at))
             if res.receipts.num_rows:
                 busy = time.monotonic()
@@ -184,7 +187,6 @@ def follow(lake: Lake, cfg: AdmissionConfig | None = None, *, interval_s: float,
             if on_pass is not None:
                 on_pass(rep)
             since = res.source_versions.get("trajectories", since)
-            seen = (lake.version("trajectories"), lake.version("receipts"))
             if max_passes is not None and n >= max_passes:
                 break
         if max_seconds is not None and time.monotonic() - started >= max_seconds:
