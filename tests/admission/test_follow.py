@@ -71,6 +71,28 @@ def test_follow_admits_groups_as_they_complete_and_decides_what_per_run_admissio
     assert _receipts(resident) == _receipts(per_run)
 
 
+def test_rows_landing_right_after_a_pass_with_nothing_pending_get_the_next_pass(tmp_path, make_traj):
+    """The rows land while the pass that decided everything before them is being
+    reported (nothing pending: only the table's new version can trigger the next pass)."""
+    lake = Lake(tmp_path / "lake")
+    a, b = _halves(make_traj)
+    ingest_table(lake, pa.concat_tables([a, b]), source="first")
+    later = make_traj(16, seed=2, group_size=4, id_prefix="later-",
+                      start=datetime.now(timezone.utc) - timedelta(minutes=5))
+    stop = StopFlag()
+
+    def on_pass(rep):
+        assert rep.result.receipts.num_rows and rep.pending_rows == 0
+        if rep.n == 1:
+            ingest_table(lake, later, source="later")
+        else:
+            stop.event.set()
+
+    reports = follow(lake, CFG, interval_s=0.05, stop=stop, max_seconds=60, on_pass=on_pass,
+                     current_policy_version=0)
+    assert [r.result.receipts.num_rows for r in reports] == [12, 4]
+
+
 def test_follow_skips_passes_when_nothing_moved(tmp_path, make_traj):
     lake = Lake(tmp_path / "lake")
     a, b = _halves(make_traj)
