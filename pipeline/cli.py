@@ -106,10 +106,21 @@ def with_lake(text: str, lake: str | None = None) -> str:
     return _SUGGESTED.sub(add, text)
 
 
-def open_lake(args_or_uri: argparse.Namespace | str | None, *, create: bool = False):
+def open_lake(args_or_uri: argparse.Namespace | str | None, *, create: bool = False, check_layout: bool = True):
     """The command's lake. ``create=False`` (read commands): a lake that does not
     exist is a NotFoundError and nothing is created. ``create=True`` (write
-    commands): a missing local lake is created, and the operator is told."""
+    commands): a missing local lake is created, and the operator is told.
+    ``check_layout``: a lake written by an earlier version is an error saying to
+    run ``pipeline lake migrate`` (pipeline.lake.migrate.require_current)."""
+    lake = _open_lake(args_or_uri, create=create)
+    if check_layout:
+        from pipeline.lake.migrate import require_current
+
+        require_current(lake)
+    return lake
+
+
+def _open_lake(args_or_uri: argparse.Namespace | str | None, *, create: bool):
     from pipeline.lake.delta import Lake, resolve_lake_uri
 
     raw = getattr(args_or_uri, "lake", args_or_uri) if not isinstance(args_or_uri, str) else args_or_uri

@@ -6,11 +6,12 @@
 -- functions return 1e-9..1e-8 for equal rewards; docs/dependency-notes.md).
 -- The decision itself (first failing blocking check) is made from these
 -- columns by pipeline/admission/checks.py, identically for every engine.
+-- run_id / task_id are those of the group's smallest trajectory_id. Unordered: the caller sorts.
 -- @param min_valid_members = 2
 -- @param min_reward_std = 1e-6
 SELECT group_id,
-       any_value(run_id ORDER BY trajectory_id) AS run_id,
-       any_value(task_id ORDER BY trajectory_id) AS task_id,
+       arg_min(run_id, trajectory_id) AS run_id,
+       arg_min(task_id, trajectory_id) AS task_id,
        min(difficulty) AS difficulty,
        any_value(ref_policy_version) AS ref_policy_version,
        any_value(ref_tokenizer_rev) AS ref_tokenizer_rev,
@@ -36,4 +37,3 @@ SELECT group_id,
        /*GATES*/
 FROM members
 GROUP BY group_id
-ORDER BY group_id

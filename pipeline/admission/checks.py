@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipeline.admission import rules
 from pipeline.admission.config import AdmissionConfig
@@ -68,21 +70,36 @@ CHECK_NAMES = tuple(c.name for c in CHECKS)
 def reason_details(group_index: np.ndarray, reasons: np.ndarray, n_groups: int) -> dict[str, np.ndarray]:
     """Outcome of each member-level check per group: ``fail:<reason>=<n>,...``
     (reasons sorted) for groups with such exclusions, else ``pass``.
-    ``group_index``/``reasons`` cover the excluded members only."""
+    ``group_index``/``reasons`` cover the excluded members only.
+
+    Vectorised in Arrow (one hash aggregation, one sort, one list join): at
+    100k candidates the per-member Python loop it replaces was a third of
+    finalize."""
     out = {name: np.full(n_groups, "pass", dtype=object) for name in MEMBER_REASONS}
     if len(reasons) == 0:
         return out
-    pairs: dict[tuple[int, str], int] = {}
-    for g, r in zip(group_index.tolist(), reasons.tolist()):
-        pairs[(g, r)] = pairs.get((g, r), 0) + 1
-    parts: dict[tuple[str, int], list[str]] = {}
-    for (g, r), n in sorted(pairs.items()):
-        for name, pred in MEMBER_REASONS.items():
-            if pred(r):
-                parts.setdefault((name, g), []).append(f"{r}={n}")
-                break
-    for (name, g), items in parts.items():
-        out[name][g] = "fail:" + ",".join(items)
+    t = pa.table({"g": pa.array(np.asarray(group_index, np.int64)), "r": pa.array(reasons, pa.string())})
+    t = t.group_by(["g", "r"], use_threads=False).aggregate([([], "count_all")])
+    names = t.column("r").unique()
+    which = {}
+    for r in names.to_pylist():      # the few distinct reasons: the first check whose predicate holds
+        which[r] = next((name for name, pred in MEMBER_REASONS.items() if pred(r)), None)
+    check = pa.array([which[r] for r in t.column("r").to_pylist()], pa.string()) if len(names) > 1 else \
+        pa.array([which[names[0].as_py()]] * t.num_rows, pa.string())
+    t = t.append_column("check", check).filter(pc.is_valid(check))
+    # (g, r) in Python's tuple order: int, then the reason by code point (= UTF-8 byte order)
+    t = t.sort_by([("g", "ascending"), ("r", "ascending")])
+    t = t.append_column("item", pc.binary_join_element_wise(t.column("r"), pc.cast(t.column("count_all"), pa.string()),
+                                                            "="))
+    joined = t.group_by(["check", "g"], use_threads=False).aggregate([("item", "list")])
+    texts = pc.binary_join_element_wise("fail:", pc.binary_join(joined.column("item_list"), ","), "")
+    checks = joined.column("check").to_numpy(zero_copy_only=False)
+    gs = joined.column("g").to_numpy()
+    texts_np = np.asarray(texts.to_numpy(zero_copy_only=False), dtype=object)
+    for name in out:
+        sel = checks == name
+        if sel.any():
+            out[name][gs[sel]] = texts_np[sel]
     return out
 
 
@@ -146,9 +163,16 @@ def decide(cfg: AdmissionConfig, outcomes: dict[str, np.ndarray]) -> np.ndarray:
     decision = np.full(n, "admit", dtype=object)
     for spec in reversed(CHECKS):  # earlier checks overwrite later ones
         if spec.decision and spec.blocking(cfg) and spec.name in outcomes:
-            failed = np.array([o.startswith("fail") for o in outcomes[spec.name]], bool)
+            failed = failed_mask(outcomes[spec.name])
             decision[failed] = spec.decision
     return decision
+
+
+def failed_mask(outcome: np.ndarray) -> np.ndarray:
+    """Which outcomes are ``fail:...`` (one Arrow pass, not a Python loop per group)."""
+    if len(outcome) == 0:
+        return np.zeros(0, bool)
+    return np.asarray(pc.starts_with(pa.array(outcome, pa.string()), "fail").to_numpy(zero_copy_only=False), bool)
 
 
 def first_blocking(failed: Collection[str], cfg: AdmissionConfig | None = None) -> str:
@@ -161,7 +185,7 @@ def first_blocking(failed: Collection[str], cfg: AdmissionConfig | None = None) 
     return "admit"
 
 
-def batch_config_outcomes(cfg: AdmissionConfig, configs: dict[str, list], admit: np.ndarray) -> np.ndarray:
+def batch_config_outcomes(cfg: AdmissionConfig, configs: dict[str, Any], admit: np.ndarray) -> np.ndarray:
     """``batch_config`` outcome per group. ``configs[field]`` holds each group's
     reference value of every BATCH_FIELDS field; ``admit`` marks the groups every
     other check admits. Among those, the snapshot's configuration is the most
@@ -175,14 +199,27 @@ def batch_config_outcomes(cfg: AdmissionConfig, configs: dict[str, list], admit:
     idx = np.flatnonzero(admit)
     if not fields or len(idx) == 0:
         return out
-    keys = {int(i): tuple(configs[f][i] for f in fields) for i in idx}
-    ref = rules.snapshot_config(keys.values())
+    # counted in Arrow: one hash aggregation over the admitted groups, not a tuple per group in Python
+    t = pa.table({f: configs[f] if isinstance(configs[f], (pa.Array, pa.ChunkedArray)) else pa.array(configs[f])
+                  for f in fields}).take(pa.array(idx))
+    counts = t.group_by(fields, use_threads=False).aggregate([([], "count_all")]).to_pylist()
+    # rules.snapshot_config over the counts: the most common tuple, ties -> the smaller tuple
+    ranked = sorted(((-r["count_all"], tuple(r[f] for f in fields)) for r in counts))
+    ref = ranked[0][1] if ranked else None
     if ref is None:          # no admitted group: nothing to compare
         return out
-    for i, key in keys.items():
-        if key == ref:
-            out[i] = "pass"
-        else:
-            j = next(k for k in range(len(fields)) if key[k] != ref[k])
-            out[i] = f"fail:{fields[j]} {key[j]} != {ref[j]}"
+    same = np.ones(len(idx), bool)
+    for f, v in zip(fields, ref):
+        col = t.column(f)
+        eq = pc.is_null(col) if v is None else pc.fill_null(pc.equal(col, pa.scalar(v, col.type)), False)
+        same &= np.asarray(eq.to_numpy(zero_copy_only=False), bool)
+    out[idx[same]] = "pass"
+    bad = np.flatnonzero(~same)
+    if len(bad):
+        rows = t.take(pa.array(bad)).to_pylist()
+        for k, row in zip(bad, rows):
+            key = tuple(row[f] for f in fields)
+            j = next(m for m in range(len(fields)) if key[m] != ref[m])
+            out[idx[k]] = f"fail:{fields[j]} {key[j]} != {ref[j]}"
+    return out
     return out

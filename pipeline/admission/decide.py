@@ -79,8 +79,7 @@ def _np(col: pa.ChunkedArray | pa.Array, dtype, fill) -> np.ndarray:
 
 def finalize(members: pa.Table, groups: pa.Table, cfg: AdmissionConfig, *, config_hash: str,
              current_policy_version: int, previous_baseline: float | None = None) -> Decisions:
-    members = members.sort_by([("group_id", "ascending"), ("trajectory_id", "ascending")])
-    groups = groups.sort_by([("group_id", "ascending")])
+    members, groups = sort_members(members), sort_groups(groups)
     m = _member_arrays(members, groups)
     stats = _reward_stats(m, groups.num_rows)
     labels = _group_labels(groups, cfg, stats)
@@ -91,6 +90,35 @@ def finalize(members: pa.Table, groups: pa.Table, cfg: AdmissionConfig, *, confi
     values, counts_ = np.unique(decision.astype(str), return_counts=True) if groups.num_rows else (np.array([]), np.array([]))
     counts = {str(v): int(c) for v, c in zip(values, counts_)}
     return Decisions(receipts, admitted, counts, baseline)
+
+
+def _is_sorted(table: pa.Table, keys: list[str]) -> bool:
+    """Whether ``table`` is sorted ascending by ``keys`` (unique, non-null): a few vectorised
+    comparisons, much cheaper than sorting again what an engine already sorted."""
+    import pyarrow.compute as pc
+
+    n = table.num_rows
+    if n < 2:
+        return True
+    later = pa.array(np.zeros(n - 1, bool))   # row i+1 > row i, decided by the keys so far
+    tied = pa.array(np.ones(n - 1, bool))
+    for k in keys:
+        col = table.column(k)
+        a, b = col.slice(1), col.slice(0, n - 1)
+        later = pc.or_(later, pc.and_(tied, pc.greater(a, b)))
+        tied = pc.and_(tied, pc.equal(a, b))
+    return bool(pc.all(later.fill_null(False)).as_py())
+
+
+def sort_members(members: pa.Table) -> pa.Table:
+    """Engine member rows in the contract order (group_id, trajectory_id)."""
+    keys = ["group_id", "trajectory_id"]
+    return members if _is_sorted(members, keys) else members.sort_by([(k, "ascending") for k in keys])
+
+
+def sort_groups(groups: pa.Table) -> pa.Table:
+    """Engine group rows in the contract order (group_id)."""
+    return groups if _is_sorted(groups, ["group_id"]) else groups.sort_by([("group_id", "ascending")])
 
 
 @dataclass
@@ -166,7 +194,7 @@ def _decide_groups(cfg: AdmissionConfig, groups: pa.Table, m: _MemberArrays, lab
     decision = decide(cfg, outcomes)
     # one configuration per snapshot, among the groups every per-group check admits
     outcomes["batch_config"] = batch_config_outcomes(
-        cfg, {f: groups.column(f"ref_{f}").to_pylist() for f in BATCH_FIELDS}, decision == "admit")
+        cfg, {f: groups.column(f"ref_{f}") for f in BATCH_FIELDS}, decision == "admit")
     decision = decide(cfg, outcomes)
     if cfg.bucket_caps:
         outcomes["bucket_cap"] = _bucket_cap_outcomes(cfg, decision, labels)
@@ -213,15 +241,15 @@ def _receipts(groups: pa.Table, m: _MemberArrays, stats: _RewardStats, labels: d
         "valid_members": pa.ListArray.from_arrays(pa.array(valid_off), tids.filter(pa.array(valid))),
         "excluded_members": pa.MapArray.from_arrays(
             pa.array(excl_off), tids.filter(pa.array(excl)),
-            pa.array(m.reasons[excl].tolist(), pa.string())),
+            pa.array(m.reasons[excl], pa.string())),
         "reward_mean": pa.array(np.where(has, stats.mean, 0.0), pa.float64(), mask=~has),
         "reward_std": pa.array(np.where(has, stats.std, 0.0), pa.float64(), mask=~has),
         "policy_lag": groups.column("policy_lag"), "max_queue_wait_ms": groups.column("max_queue_wait_ms"),
-        **{name: pa.array(v.tolist(), pa.string()) for name, v in labels.items()},
+        **{name: pa.array(v, pa.string()) for name, v in labels.items()},
         "checks": pa.MapArray.from_arrays(pa.array(np.arange(0, n_groups * k + 1, k, dtype=np.int32)),
                                           pa.array(list(CHECK_NAMES) * n_groups, pa.string()),
-                                          pa.array(check_items.tolist(), pa.string())),
-        "decision": pa.array(decision.tolist(), pa.string()),
+                                          pa.array(check_items, pa.string())),
+        "decision": pa.array(decision, pa.string()),
     }
     return pa.table({f.name: cols[f.name] for f in schema}).cast(schema)
 

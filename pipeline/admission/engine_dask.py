@@ -44,17 +44,24 @@ SCHEDULER_ENV = "PIPELINE_DASK_SCHEDULER"
 WORKER_TIMEOUT_ENV = "PIPELINE_DASK_WORKER_TIMEOUT_S"
 HOLD_ENV = "PIPELINE_DASK_TEST_HOLD"  # test hook (workers): a directory; each read task marks itself, waits for `go`
 DEFAULT_WORKER_TIMEOUT_S = 120.0
+ROWS_PER_PARTITION = 100_000   # candidate rows per partition of the group shuffle
 
 # keep object columns object: the engines must compare like Python strings
 dask.config.set({"dataframe.convert-string": False})
 
 
-def _read_file(item: tuple[str, dict[str, str | None]], cfg: AdmissionConfig, decided: pa.Array,
+def _read_file(item: tuple, cfg: AdmissionConfig, decided: pa.Array,
                storage_options: dict | None) -> pd.DataFrame:
+    """One file's candidate rows. ``item`` = (uri, partition values[, bound]): with a
+    bound (an ISO time) only rows finished at or after it, reading only the row
+    groups whose finished_at statistics reach it (the DuckDB engine's pending
+    filter, run/read_plan)."""
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
     from pipeline.schema import table_spec
 
-    uri, partition_values = item
+    uri, partition_values = item[0], item[1]
+    bound = item[2] if len(item) > 2 else None
     if os.environ.get(HOLD_ENV):
         _hold(os.environ[HOLD_ENV])
     spec = table_spec("trajectories")
@@ -65,12 +72,33 @@ def _read_file(item: tuple[str, dict[str, str | None]], cfg: AdmissionConfig, de
     else:
         pf = pq.ParquetFile(uri.removeprefix("file://"))
     present = [c for c in cols if c in pf.schema_arrow.names]
-    t = pf.read(columns=present)
+    if bound is None:
+        t = pf.read(columns=present)
+    else:
+        b = pa.scalar(datetime.fromisoformat(bound), pa.timestamp("us", tz="UTC"))
+        keep = _row_groups_reaching(pf, "finished_at", b)
+        t = pf.read_row_groups(keep, columns=present) if keep else pf.schema_arrow.empty_table().select(present)
+        t = t.filter(pc.greater_equal(t.column("finished_at"), b))
     for c in cols:
         if c not in present:
             f = spec.column(c).arrow_field()
             t = t.append_column(f, pa.array([partition_values.get(c)] * t.num_rows, pa.string()).cast(f.type))
     return cand.extract(t.select(cols), cfg, decided).to_pandas()
+
+
+def _row_groups_reaching(pf, column: str, bound: pa.Scalar) -> list[int]:
+    """Row groups of ``pf`` that may hold ``column >= bound`` (no statistics: kept)."""
+    md = pf.metadata
+    # the Parquet leaf column (list and map columns before it have more leaves than Arrow fields)
+    i = next((j for j in range(md.num_columns) if md.schema.column(j).path == column), None)
+    if i is None:
+        return list(range(md.num_row_groups))
+    keep = []
+    for rg in range(md.num_row_groups):
+        st = md.row_group(rg).column(i).statistics
+        if st is None or not st.has_min_max or pa.scalar(st.max, bound.type).as_py() >= bound.as_py():
+            keep.append(rg)
+    return keep
 
 
 def _hold(d: str) -> None:
@@ -292,12 +320,22 @@ def _lost(address: str, exc: BaseException | None) -> PipelineError:
 
 def run_with_quality(lake: Lake, version: int, cfg: AdmissionConfig, *, decided: pa.Array, quality_fn,
                      current_policy_version: int, now: datetime, dask_scheduler: str | None = None,
-                     worker_timeout: float | None = None) -> tuple[pa.Table, pa.Table, dict[str, Any], int]:
+                     worker_timeout: float | None = None, plan=None
+                     ) -> tuple[pa.Table, pa.Table, dict[str, Any], int]:
     """-> (members, groups, quality summary, candidate rows). ``quality_fn(candidates)``
-    -> (rejects table, summary) runs on the driver over the candidate scalars."""
+    -> (rejects table, summary) runs on the driver over the candidate scalars.
+    ``plan`` (pipeline.admission.run.ReadPlan): read only its files, the pending
+    ones only from its bound on (incremental, as the DuckDB engine); None: every
+    live file of ``version``."""
     import dask.dataframe as dd
 
-    files = lake.live_file_uris(lake.table("trajectories", version))   # (uri, partition values as log strings)
+    files: list[tuple]
+    if plan is None:
+        files = lake.live_file_uris(lake.table("trajectories", version))   # (uri, partition values as log strings)
+    else:
+        base = lake.table_uri("trajectories")
+        bound = plan.bound.isoformat() if plan.bound is not None else None
+        files = [(f"{base}/{p}", pv) for p, pv in plan.whole] + [(f"{base}/{p}", pv, bound) for p, pv in plan.pending]
     m_schema, g_schema = member_schema(cfg), group_schema(cfg)
     if not files:
         return m_schema.empty_table(), g_schema.empty_table(), {}, 0
@@ -322,7 +360,9 @@ def run_with_quality(lake: Lake, version: int, cfg: AdmissionConfig, *, decided:
             cands = pa.Table.from_pandas(cands_pdf, schema=cand.candidate_schema(cfg), preserve_index=False)
             rejects, qsummary = quality_fn(cands)
             quality = dict(zip(rejects.column("trajectory_id").to_pylist(), rejects.column("reason").to_pylist()))
-            nparts = max(1, min(len(files), 16))
+            # sized by the candidates, not the files: an incremental run over a big lake has many
+            # (mostly pruned) pending files and few candidate rows
+            nparts = max(1, min(len(files), 16, -(-cands.num_rows // ROWS_PER_PARTITION)))
             out = ddf.shuffle("group_id", npartitions=nparts).map_partitions(
                 decide_partition, cfg, int(current_policy_version), now, quality, meta=_meta(cfg),
                 enforce_metadata=False)

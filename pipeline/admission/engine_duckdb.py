@@ -71,7 +71,9 @@ def run(candidates: pa.Table, quality_rejects: pa.Table, cfg: AdmissionConfig, *
         groups = _run(con, groups_sql(cfg), p)
     finally:
         con.close()
-    return members, groups
+    from pipeline.admission.decide import sort_groups, sort_members
+
+    return sort_members(members), sort_groups(groups)
 
 
 def decide_candidates(candidates: pa.Table, cfg: AdmissionConfig, *, current_policy_version: int, now: datetime,

@@ -41,6 +41,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -155,14 +156,24 @@ def _quality(cands: pa.Table, cfg: AdmissionConfig) -> tuple[pa.Table, dict[str,
     return rejects, summary
 
 
+QUALITY_COLUMNS = tuple(c for c in cand.SCALARS if c != "reward")  # reward here is the capped reward
+
+
+def quality_suites() -> dict[str, list[str] | None]:
+    """The suites admission validates and the columns each sees (what a resident
+    process builds once: pipeline.quality.gx.prepare)."""
+    from pipeline.admission.decide import admitted_schema
+
+    return {"trajectories": list(QUALITY_COLUMNS), "snapshot_members": admitted_schema().names}
+
+
 def _quality_suite(cands: pa.Table, cfg: AdmissionConfig) -> tuple[pa.Table, dict[str, Any]]:
     empty = pa.table({"trajectory_id": pa.array([], pa.string()), "reason": pa.array([], pa.string())})
     if not cfg.quality or cands.num_rows == 0:
         return empty, {"skipped": not cfg.quality}
-    from pipeline.quality.gx import validate
+    from pipeline.quality.gx import validate  # imported only when a suite runs
 
-    cols = [c for c in cand.SCALARS if c != "reward"]  # reward here is the capped reward
-    res = validate(cands.select(cols), "trajectories", key="trajectory_id")
+    res = validate(cands.select(list(QUALITY_COLUMNS)), "trajectories", key="trajectory_id")
     if not res.failing:
         return empty, res.summary
     ids = sorted(res.failing)
@@ -185,27 +196,44 @@ def _previous_state(lake: Lake, rv: int) -> tuple[int, datetime] | None:
     return int(meta[STATE_VERSION]), datetime.fromisoformat(meta[STATE_PENDING])
 
 
+@dataclass(frozen=True)
+class ReadPlan:
+    """Which trajectories files hold every candidate row of a version: ``whole``
+    files read entirely (added since the previous admission, or all of them
+    without one) and ``pending`` files read only for rows finished at or after
+    ``bound`` (pruned by Parquet statistics). Both engines read exactly this."""
+
+    whole: list[tuple[str, dict[str, str | None]]]
+    pending: list[tuple[str, dict[str, str | None]]]
+    bound: datetime | None
+
+
+def read_plan(lake: Lake, tv: int, previous: tuple[int, datetime] | None) -> ReadPlan:
+    dt = lake.table("trajectories", tv)
+    if previous is None or previous[0] > tv:
+        return ReadPlan(lake.live_files(dt), [], None)
+    new = lake.files_added("trajectories", dt, since=previous[0])
+    names = {p for p, _ in new}
+    old = [f for f in lake.live_files(dt) if f[0] not in names]
+    return ReadPlan(new, old, previous[1] - timedelta(seconds=1))
+
+
 def _trajectory_sources(lake: Lake, tv: int, previous: tuple[int, datetime] | None) -> list[tuple[Any, Any]]:
     """(dataset, filter) pairs holding every candidate row of trajectories version ``tv``."""
     import pyarrow.dataset as ds
 
-    dt = lake.table("trajectories", tv)
-    if previous is None or previous[0] > tv:
-        return [(lake.files_dataset("trajectories", lake.live_files(dt)), None)]
-    new = lake.files_added("trajectories", dt, since=previous[0])
-    names = {p for p, _ in new}
-    old = [f for f in lake.live_files(dt) if f[0] not in names]
-    bound = pa.scalar(previous[1] - timedelta(seconds=1), pa.timestamp("us", tz="UTC"))
-    out = [(lake.files_dataset("trajectories", new), None)] if new else []
-    if old:
-        out.append((lake.files_dataset("trajectories", old), ds.field("finished_at") >= bound))
+    plan = read_plan(lake, tv, previous)
+    out = [(lake.files_dataset("trajectories", plan.whole), None)] if plan.whole or not plan.pending else []
+    if plan.pending:
+        bound = pa.scalar(plan.bound, pa.timestamp("us", tz="UTC"))
+        out.append((lake.files_dataset("trajectories", plan.pending), ds.field("finished_at") >= bound))
     return out
 
 
 def _decisions_from_engine(lake: Lake, tv: int, cfg: AdmissionConfig, engine: str, decided: pa.Array,
                            current: int, now: datetime, dask_scheduler: str | None,
-                           timings: dict[str, float], sources: list[tuple[Any, Any]] | None
-                           ) -> tuple[pa.Table, pa.Table, dict[str, Any], int]:
+                           timings: dict[str, float], sources: list[tuple[Any, Any]] | None,
+                           plan: ReadPlan | None = None) -> tuple[pa.Table, pa.Table, dict[str, Any], int]:
     t0 = time.perf_counter()
     if engine == "duckdb":
         assert sources is not None  # the caller lists them for this engine
@@ -225,7 +253,7 @@ def _decisions_from_engine(lake: Lake, tv: int, cfg: AdmissionConfig, engine: st
 
         members, groups, qsummary, n = engine_dask.run_with_quality(
             lake, tv, cfg, decided=decided, quality_fn=lambda t: _quality(t, cfg),
-            current_policy_version=current, now=now, dask_scheduler=dask_scheduler)
+            current_policy_version=current, now=now, dask_scheduler=dask_scheduler, plan=plan)
         timings["dask_s"] = time.perf_counter() - t0
     else:
         raise PipelineError(f"unknown engine {engine!r}", hint="--engine duckdb or --engine dask")
@@ -280,18 +308,18 @@ def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_ver
         assert tv is not None  # the table exists: checked above
         decided = (lake.read("receipts", columns=["group_id"], version=rv).column("group_id").combine_chunks()
                    if rv >= 0 else pa.array([], pa.string()))
-        sources = _trajectory_sources(lake, tv, _previous_state(lake, rv)) if engine == "duckdb" else None
+        previous = _previous_state(lake, rv)
+        sources = _trajectory_sources(lake, tv, previous)   # both engines read only what changed
+        plan = read_plan(lake, tv, previous) if engine == "dask" else None
         members, groups, qsummary, n_cands = _decisions_from_engine(
-            lake, tv, cfg, engine, decided, current, now, dask_scheduler, timings, sources)
+            lake, tv, cfg, engine, decided, current, now, dask_scheduler, timings, sources, plan)
         members, groups, _tok = scoping.apply(members, groups, scope, _policy_tokenizer(lake, current))
         dec = finalize(members, groups, cfg, config_hash=chash, current_policy_version=current,
                        previous_baseline=_previous_baseline(lake, cfg))
         timings["decide_s"] = time.perf_counter() - t0
         admitted = dec.admitted
         n_admit_groups = dec.counts.get("admit", 0)
-        snapshot_id = (compute_snapshot_id(zip(admitted.column("trajectory_id").to_pylist(),
-                                               admitted.column("content_hash").to_pylist()), chash, cfg.advantage)
-                       if admitted.num_rows else None)
+        snapshot_id = snapshot_id_of(admitted, chash, cfg.advantage) if admitted.num_rows else None
         source_versions = {"trajectories": int(tv), "receipts": int(rv)}
         target = _target_report(target_groups, n_admit_groups, dec.receipts.num_rows)
         receipts = stamp_receipts(dec.receipts, run_id, snapshot_id, receipts_schema)
@@ -344,6 +372,30 @@ def resolve_vocab_size(lake: Lake, cfg: AdmissionConfig, current: int) -> int | 
         return None
     vocab = conf.get("vocab_size") or (conf.get("text_config") or {}).get("vocab_size")
     return int(vocab) if isinstance(vocab, int) and vocab > 0 else None
+
+
+def snapshot_id_of(admitted: pa.Table, config_hash: str, estimator: str) -> str:
+    """``compute_snapshot_id`` of the admitted members, hashed from one Arrow buffer:
+    the rows sorted in Arrow (UTF-8 byte order = Python's code-point order), each
+    ``tid\tchash\n`` joined by an Arrow kernel, the whole buffer hashed once (the
+    same bytes the per-row loop feeds sha256). Falls back to that loop on nulls."""
+    import hashlib
+
+    from pipeline.snapshots.format import FORMAT_VERSION
+
+    t = admitted.select(["trajectory_id", "content_hash"])
+    if t.num_rows == 0 or t.column(0).null_count or t.column(1).null_count:
+        return compute_snapshot_id(zip(t.column(0).to_pylist(), t.column(1).to_pylist()), config_hash, estimator)
+    t = t.sort_by([("trajectory_id", "ascending"), ("content_hash", "ascending")])
+    t = t.combine_chunks()
+    lines = pc.binary_join_element_wise(t.column(0).chunk(0), t.column(1).chunk(0), "\t")
+    lines = pc.binary_join_element_wise(lines, pa.scalar("", pa.string()), "\n")
+    offsets = np.frombuffer(lines.buffers()[1], np.int32, len(lines) + 1, lines.offset * 4)
+    body = lines.buffers()[2].to_pybytes()[offsets[0]:offsets[-1]]
+    h = hashlib.sha256(f"snapshot-v{FORMAT_VERSION}\n".encode())
+    h.update(body)
+    h.update(f"config\t{config_hash}\nestimator\t{estimator}\n".encode())
+    return h.hexdigest()
 
 
 def _policy_tokenizer(lake: Lake, version: int) -> str | None:

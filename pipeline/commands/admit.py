@@ -5,6 +5,7 @@
     pipeline admit --set max_policy_lag=2 --set "update_if=['max(task_success) >= 0.5']"
     pipeline admit --engine dask --dask-scheduler tcp://host:8786
     PIPELINE_DASK_SCHEDULER=tcp://host:8786 pipeline admit   # auto: dask on that cluster
+    pipeline admit --follow --interval 10              # resident: admit groups as they complete, until SIGTERM
 """
 
 from __future__ import annotations
@@ -43,6 +44,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-id", default=None, help="decide only groups of this rollout run")
     p.add_argument("--env", default=None, help="decide only groups of this environment (e.g. arithmetic-tool)")
     p.add_argument("--task", default=None, metavar="TASK_ID", help="decide only groups of this task")
+    p.add_argument("--follow", action="store_true",
+                   help="stay resident: admit every --interval seconds in one process (quality suites built "
+                        "once), one report per pass that ran; SIGTERM/SIGINT end it after the current pass")
+    p.add_argument("--interval", type=float, default=10.0, metavar="SECONDS",
+                   help="with --follow: seconds between passes (default 10)")
+    p.add_argument("--max-passes", type=int, default=None, metavar="N", help="with --follow: stop after N passes")
+    p.add_argument("--max-seconds", type=float, default=None, metavar="SECONDS",
+                   help="with --follow: stop (after the current pass) once this long has passed; the admission "
+                        "job uses it to end before its timeout")
+    p.add_argument("--max-idle-seconds", type=float, default=None, metavar="SECONDS",
+                   help="with --follow: stop once no pass decided anything for this long")
     p.set_defaults(handler=_admit)
 
 
@@ -64,11 +76,57 @@ def _admit(args: argparse.Namespace) -> int | None:
         os.environ["PIPELINE_DASK_WORKER_TIMEOUT_S"] = str(args.dask_worker_timeout)  # read by the Dask engine
     from pipeline.admission.scope import Scope
 
+    if args.follow:
+        return _follow(args, cfg, engine, scheduler, Scope(args.run_id, args.env, args.task))
+    if args.max_passes is not None or args.max_seconds is not None or args.max_idle_seconds is not None:
+        from pipeline.errors import ConfigError
+
+        raise ConfigError("--max-passes / --max-seconds / --max-idle-seconds apply to --follow only",
+                          hint="add --follow")
     res = admit(open_lake(args), cfg, current_policy_version=args.current_policy_version, dry_run=args.dry_run,
                 engine=engine, dask_scheduler=scheduler, target_groups=args.target_groups,
                 scope=Scope(args.run_id, args.env, args.task))
     out = res.as_dict(with_receipts=args.dry_run)
     emit(out, args, _admit_text)
+    return None
+
+
+def _follow(args: argparse.Namespace, cfg, engine, scheduler, scope) -> int | None:
+    import json
+    import sys
+
+    from pipeline.admission.follow import StopFlag, follow
+    from pipeline.cli import open_lake, out
+    from pipeline.errors import ConfigError
+
+    if args.dry_run:
+        raise ConfigError("--follow cannot be combined with --dry-run", hint="drop one of them")
+    if args.interval <= 0:
+        raise ConfigError(f"--interval {args.interval}: must be a positive number of seconds")
+    if args.max_passes is not None and args.max_passes < 1:
+        raise ConfigError(f"--max-passes {args.max_passes}: must be >= 1")
+    stop = StopFlag()
+    stop.install()
+
+    def report(rep) -> None:
+        d = rep.as_dict()
+        if not (rep.result.receipts.num_rows or rep.n == 1):
+            return       # the passes that decided something (and the first): the last line is the last decision
+        if getattr(args, "json", False):
+            out(json.dumps(d, default=str, sort_keys=True))   # JSON lines: one document per such pass
+        else:
+            lat = rep.latency_s
+            tail = (f"; last member landed -> snapshot: p50 {lat['p50']:.2f}s, max {lat['max']:.2f}s "
+                    f"({lat['groups']} groups)" if lat.get("groups") else "")
+            out(f"pass {rep.n} ({rep.wall_s:.2f}s): decided {d['decided_groups']} group(s): {_counts(d['counts'])}"
+                + (f", snapshot {d['snapshot_id']}" if d.get("snapshot_id") else "")
+                + f", {rep.pending_rows} pending row(s){tail}")
+
+    reports = follow(open_lake(args), cfg, interval_s=args.interval, stop=stop, max_passes=args.max_passes,
+                     max_seconds=args.max_seconds, max_idle_s=args.max_idle_seconds, on_pass=report, current_policy_version=args.current_policy_version,
+                     engine=engine, dask_scheduler=scheduler, target_groups=args.target_groups, scope=scope)
+    why = f"{stop.signal}: " if stop.signal else ""
+    print(f"follow: {why}stopped after {len(reports)} pass(es)", file=sys.stderr, flush=True)
     return None
 
 

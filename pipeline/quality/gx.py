@@ -46,6 +46,7 @@ class QualityResult:
 
 _lock = threading.RLock()
 _made: dict[str, Any] = {}  # "context" -> the ephemeral context; suite table -> its batch definition
+_suites: dict[tuple, Any] = {}  # (suite name, specs) -> the ExpectationSuite
 
 
 @functools.cache
@@ -86,9 +87,28 @@ def _batch_definition(suite_table: str):
 
 
 def _suite(name: str, specs: list[ExpectationSpec]):
-    gx = _gx()
-    return gx.ExpectationSuite(name=name, expectations=[
-        getattr(gx.expectations, _camel(s.type))(column=s.column, **dict(s.kwargs)) for s in specs])
+    """The GX suite of ``specs`` (built once per distinct list: a resident process pays
+    for building it once, then only for validating)."""
+    key = (name, tuple(specs))
+    with _lock:
+        if key not in _suites:
+            gx = _gx()
+            _suites[key] = gx.ExpectationSuite(name=name, expectations=[
+                getattr(gx.expectations, _camel(s.type))(column=s.column, **dict(s.kwargs)) for s in specs])
+        return _suites[key]
+
+
+def prepare(suites: dict[str, list[str] | None]) -> None:
+    """Import GX and build the context, batch definitions and suites now, for
+    each ``{suite table: the columns validate() will see}`` (``pipeline admit
+    --follow`` does it once at start), so later validations pay only for
+    validating."""
+    for t, cols in suites.items():
+        _batch_definition(t)
+        specs = suite_for(t, cols)
+        if specs:
+            _suite(t, specs)
+    from great_expectations.validator.v1_validator import Validator  # noqa: F401  (its import, once)
 
 
 def _frame(table: pa.Table, cols: list[str]):

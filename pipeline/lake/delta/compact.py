@@ -81,6 +81,55 @@ def compact(lake: Lake, name: str, *, target_bytes: int = 128 << 20) -> dict[str
 
 
 
+def rewrite(lake: Lake, name: str, files: list[tuple[str, dict[str, str | None], int]], transform, *,
+            command: str) -> int | None:
+    """Replace ``files`` ((path, partition values, size) of live files of ``name``)
+    by ``transform(their rows)`` in one commit: their removes plus the new files'
+    adds with ``dataChange=false``, carrying the next version of
+    ``pipeline.compact`` like a compaction (the rows must stay the same rows:
+    ``lake migrate`` backfills derived columns). The new files are checked to be
+    there as written right before the commit, like every commit path. Returns the
+    version committed, or None when a file is no longer live, another compaction
+    or rewrite committed first, or our files vanished (nothing of ours is left
+    behind: replan and call again)."""
+    from deltalake.transaction import RemoveAction
+
+    spec = table_spec(name)
+    dt = lake.table(name)
+    live = {p for p, _ in lake.live_files(dt)}
+    if not files or any(p not in live for p, _, _ in files):
+        return None
+    lock_v = (dt.transaction_version(COMPACT_APP) or 0) + 1
+    new_actions: list = []
+    try:
+        rows = lake.files_dataset(name, [(p, pv) for p, pv, _ in files]).to_table()
+        new_actions = writes.write_data_files(lake, spec, writes.prepare(lake, spec, transform(rows)),
+                                              data_change=False)
+        pause_point(f"rewrite:{name}:written")
+        writes.check_actions(lake, name, new_actions, what=f"rewrite of {name}")
+        now_ms = int(time.time() * 1000)
+        dt.create_write_transaction(
+            [RemoveAction(p, False, now_ms, size, pv) for p, pv, size in files] + new_actions, mode="append",
+            schema=spec.arrow_schema(), partition_by=list(spec.partition_by) or None,
+            commit_properties=CommitProperties(custom_metadata=_metadata(command, None),
+                                               max_commit_retries=MAX_COMMIT_RETRIES,
+                                               app_transactions=[Transaction(COMPACT_APP, lock_v, now_ms)]))
+        writes.release(lake, name, new_actions)
+        pause_point(f"rewrite:{name}:committed")
+        return lake.table(name).version()
+    except (CommitFailedError, FilesMissing):
+        lake.discard(name, new_actions)
+        return None
+    except BaseException:
+        try:  # an error after the commit landed (post-commit hooks): its files are live, keep them
+            landed = {p for p, _ in lake.live_files(lake.table(name))} & {a.path for a in new_actions}
+        except Exception:  # noqa: BLE001 - cannot tell: leave the files to the age-guarded orphan cleanup
+            landed = {a.path for a in new_actions}
+        if not landed:
+            lake.discard(name, new_actions)
+        raise
+
+
 def remove_orphans(lake: Lake, name: str, *, min_age_s: float = ORPHAN_MIN_AGE_S,
                    dry_run: bool = False) -> list[str]:
     """Delete data files under table ``name`` that no commit ever referenced

@@ -344,6 +344,14 @@ class Lake:
 
         return compact.compact(self, name, target_bytes=target_bytes)
 
+    def rewrite(self, name: str, files: list[tuple[str, dict[str, str | None], int]], transform: Any, *,
+                command: str) -> int | None:
+        """Replace live ``files`` by ``transform(their rows)`` in one ``dataChange=false`` commit (see
+        :func:`pipeline.lake.delta.compact.rewrite`); None when it must be replanned."""
+        from pipeline.lake.delta import compact
+
+        return compact.rewrite(self, name, files, transform, command=command)
+
     def remove_orphans(self, name: str, *, min_age_s: float = ORPHAN_MIN_AGE_S,
                        dry_run: bool = False) -> list[str]:
         """Delete data files of ``name`` no commit ever referenced, older than ``min_age_s``."""
