@@ -63,7 +63,7 @@ def _build_history(lake, n: int) -> None:
 def _dask_admit(lake, root: Path, rep: int, tag: str, address: str) -> float:
     from pipeline.admission.config import AdmissionConfig
     from pipeline.admission.run import admit
-    from pipeline.lake.ingest import ingest_files
+    from pipeline.ingest import ingest_files
 
     path = root / f"dask-{tag}-{rep}.parquet"
     pq.write_table(_batch(NEW, 70 + rep, f"d{tag}{rep}-", datetime.now(timezone.utc) - timedelta(hours=2)), path)

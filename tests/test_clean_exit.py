@@ -113,7 +113,7 @@ def test_fresh_cli_ingests_on_the_dedupe_path_exit_zero(tmp_path, make_traj):
     import pyarrow.parquet as pq
 
     from pipeline.lake.delta import Lake
-    from pipeline.lake.ingest import ingest_table
+    from pipeline.ingest import ingest_table
 
     base = tmp_path / "base"
     old = make_traj(16, seed=1, median_len=8, prompt_len=4, id_prefix="o-")

@@ -161,7 +161,7 @@ def test_token_ids_outside_the_policys_vocabulary_are_excluded_with_a_reason(tla
     import json as _json
 
     from pipeline.admission.run import admit
-    from pipeline.lake.ingest import ingest_table
+    from pipeline.ingest import ingest_table
     from pipeline.policy_store import HF_SUBDIR, local_checkpoint_dir, policy_info
 
     lake, _ = tlake

@@ -23,7 +23,7 @@ from pipeline.admission.config import AdmissionConfig
 from pipeline.admission.follow import StopFlag, follow
 from pipeline.admission.run import PAUSE_ENV, admit
 from pipeline.lake.delta import Lake
-from pipeline.lake.ingest import ingest_table
+from pipeline.ingest import ingest_table
 
 CFG = AdmissionConfig(quality=False, group_timeout_s=3600)
 

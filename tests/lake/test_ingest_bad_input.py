@@ -378,7 +378,7 @@ def test_odd_frames_land_or_get_one_clear_error(lake, make_traj):
     import numpy as np
     import polars as pl
 
-    from pipeline.lake.ingest import ingest_table
+    from pipeline.ingest import ingest_table
 
     t = make_traj(4, seed=1, median_len=4)
     c = t.column("response_ids").combine_chunks()

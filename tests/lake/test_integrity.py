@@ -68,7 +68,7 @@ def _seed(lake, make_traj, n: int = 12, prefix: str = "a-") -> pa.Table:
 
 @pytest.mark.parametrize("how", ["skewed-past", "orphan-age-0"])
 def test_library_staged_files_survive_maintenance(any_lake, make_traj, how):
-    from pipeline.lake.maintain import maintain
+    from pipeline.maintain import maintain
 
     lake = any_lake
     if how == "skewed-past" and not lake.is_local:
@@ -124,7 +124,7 @@ def _cli_env(lake, extra: dict[str, str]) -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("skew", [-SKEW_S, +SKEW_S, None])
 def test_ingest_staged_file_survives_maintain_whatever_the_clocks(any_lake, tmp_path, make_traj, skew):
-    from pipeline.lake.maintain import maintain
+    from pipeline.maintain import maintain
 
     lake = any_lake
     if skew is not None and not lake.is_local:
@@ -226,7 +226,7 @@ def _admit_in_thread(lake, barrier: Path, monkeypatch):
 
 def test_maintenance_with_orphan_age_0_during_publication_loses_no_group(any_lake, make_traj, tmp_path,
                                                                         monkeypatch):
-    from pipeline.lake.maintain import maintain
+    from pipeline.maintain import maintain
     from pipeline.snapshots.format import verify_snapshot
 
     lake = any_lake
@@ -333,7 +333,7 @@ def _damage(lake, how: str) -> None:
 
 def _ingest(lake, t):
     import pipeline.lake.delta as delta
-    from pipeline.lake.ingest import ingest_table
+    from pipeline.ingest import ingest_table
 
     delta._KEY_CACHE.clear()               # as a fresh process: the keys come from _index/ and the log
     return ingest_table(lake, t)
@@ -346,7 +346,7 @@ def _assert_unique(lake, n: int) -> None:
 
 @pytest.mark.parametrize("how", ["half", "unsorted", "zero-byte", "float64"])
 def test_a_damaged_key_index_never_lets_a_duplicate_in(any_lake, make_traj, how, caplog):
-    from pipeline.lake.maintain import maintain
+    from pipeline.maintain import maintain
 
     lake = any_lake
     a = make_traj(72, seed=1, median_len=6, sigma=0.2, id_prefix="a-")
@@ -373,7 +373,7 @@ def _copy_tree(fs, src: str, dst: str) -> None:
 def test_a_key_index_from_another_history_of_the_table_is_not_trusted(any_lake, make_traj):
     """The table restored from a backup, `_index/` left as it was: the index of
     the old history names a version the new history reaches with other rows."""
-    from pipeline.lake.maintain import maintain
+    from pipeline.maintain import maintain
 
     lake = any_lake
     fs, root = lake.filesystem()
