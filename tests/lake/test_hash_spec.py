@@ -194,7 +194,7 @@ def _make_vectors() -> list[dict]:
         "extremes": b() | {"trajectory_id": "vec-extremes", "policy_version": 2**63 - 1, "sampling_seed": -2**63,
                            "queue_wait_ms": 0, "group_size": 2**31 - 1,
                            "created_at": "1969-12-31T23:59:59.999999Z", "finished_at": "2262-04-11T23:47:16.854775Z",
-                           "prompt_ids": [-2**31, 0, 2**31 - 1], "token_policy_versions": [2**31 - 1, -1, 0],
+                           "prompt_ids": [0, 1, 2**31 - 1], "token_policy_versions": [2**31 - 1, -1, 0],   # ids >= 0
                            "temperature": 0.0, "top_p": 1.0},
         "float32_values": b() | {"trajectory_id": "vec-f32", "response_logprobs":
                                  [-0.10000000149011612, 0.0, -3.4028234663852886e38],
