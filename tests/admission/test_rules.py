@@ -321,7 +321,8 @@ def test_every_copy_of_the_rules_follows_rules_py():
     order = re.search(r"ORDER BY n DESC, policy_version DESC, ([\w,\s]+?)\) AS rk", body).group(1)
     assert [f.strip() for f in order.split(",")] == list(rules.REF_FIELDS[1:])
     steps = re.findall(r"THEN '(\w+)'", body)
-    assert steps == ([r for _, r in rules.STATUS_REASONS] + [rules.NO_REWARD] + list(rules.MISMATCH_REASONS)
+    assert steps == ([r for _, r in rules.STATUS_REASONS] + [rules.NO_REWARD, rules.OUT_OF_VOCABULARY]
+                     + list(rules.MISMATCH_REASONS)
                      + list(rules.FRESHNESS_REASONS))
     for status, reason in rules.STATUS_REASONS:
         assert f"c.status = '{status}' THEN '{reason}'" in body
