@@ -30,24 +30,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import ConfigError
+from pipeline.train.config import TRACKERS, parse_trackers  # noqa: F401 - TRACKERS: re-exported
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
-
     from pipeline.train.config import TrainConfig
 
-TRACKERS = ("tensorboard", "mlflow", "wandb")
 # Columns of a metrics row that are not numbers to plot.
 NOT_SCALARS = {"checkpoint_id", "snapshot_id", "run_id", "global_step", "created_at"}
 EXPERIMENT = "trajectory-lakehouse"
-
-
-def parse_trackers(text: str) -> list[str]:
-    names = [t.strip().lower() for t in (text or "").replace(";", ",").split(",") if t.strip()]
-    bad = [t for t in names if t not in TRACKERS]
-    if bad:
-        raise ConfigError(f"unknown tracker(s) {bad}", hint=f"trackers is a comma-separated subset of {list(TRACKERS)}")
-    return list(dict.fromkeys(names))
 
 
 def scalars(row: dict[str, Any]) -> dict[str, float]:
