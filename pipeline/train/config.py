@@ -93,7 +93,7 @@ class TrainConfig:
     save_every: int = field(default=0, metadata={"ge": 0,
         "help": "save a resumable state every N optimizer steps (0 = only the final checkpoint)"})
     # -- the resident trainer (pipeline train --follow; not part of the run's identity: see PUBLISHING) --
-    full_checkpoint_every: int = field(default=8, metadata={"ge": 1,
+    full_checkpoint_every: int = field(default=16, metadata={"ge": 1,
         "help": "--follow: write the full DeepSpeed state (fp32 weights + AdamW moments) with every Nth published "
                 "version and at shutdown; the versions between publish their weights only. A restart after a crash "
                 "re-trains at most N-1 snapshots (docs/resident-trainer.md)"})

@@ -85,6 +85,7 @@ class Plan:
     optimizer_from: str | None
     steps: list[Step]
     norm_len: float
+    prepass_seconds: float = 0.0    # old / reference log-probs under the frozen starting weights
 
 
 @dataclass

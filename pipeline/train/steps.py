@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -100,11 +101,13 @@ def plan_run(run: Run, strategy: DeepSpeedStrategy, members: Members, *, optimiz
     loss_kind = cfg.policy_loss
     if loss_kind == "auto":
         loss_kind = "reinforce" if int(members.group_size.max()) == 1 else "ppo"
+    t0 = time.perf_counter()
     prepass(strategy, members, cfg, run.lake, run.parent)
+    prepass_s = time.perf_counter() - t0
     steps = plan_steps(members.lengths, budget_tokens=cfg.micro_batch_tokens, grad_accum=cfg.grad_accum,
                        epochs=cfg.epochs, seed=cfg.seed, shuffle=cfg.shuffle, max_steps=cfg.max_steps)
     norm_len = float(cfg.norm_len or max(len(r) for r in members.response))
-    return Plan(loss_kind, optimizer_from, steps, norm_len)
+    return Plan(loss_kind, optimizer_from, steps, norm_len, prepass_s)
 
 
 def restore(run: Run, strategy: DeepSpeedStrategy, resume: bool) -> State:

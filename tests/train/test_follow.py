@@ -86,7 +86,7 @@ def test_follow_equals_the_chain_and_publishes_weights_only_between_full_states(
     assert _line(lake) == chain                                     # same ids, versions, bytes
 
     # cheap publishing: weights, cursor and config per version; the DeepSpeed state only with
-    # every full_checkpoint_every-th version (default 8) and the last one
+    # every full_checkpoint_every-th version (default 16) and the last one
     dirs = [Path(v["path"]) for v in res.versions]
     assert [(d / "ds").exists() for d in dirs] == [False, False, True]
     assert [v["full_state"] for v in res.versions] == [False, False, True]
@@ -143,21 +143,24 @@ def test_follow_refuses_what_it_cannot_do_exactly(tlake):
     ("follow:v2:checkpoint:final:hf-written", 8, 1),   # mid-publish: every file of v2 but `latest`, no row
     ("follow:v3:published", 8, 3),                     # after v3's row, before anything else
     ("follow:v3:published", 2, 1),                     # v2 had the full state: replay v3 only
-], ids=["mid-publish", "after-publish", "after-publish-full-v2"])
+    ("follow:shutdown-state", 8, 4),                   # idle shutdown: state written, its manifest not yet
+], ids=["mid-publish", "after-publish", "after-publish-full-v2", "mid-shutdown-state"])
 def test_follow_killed_and_restarted_equals_the_chain(tlake, tlake2, tmp_path, point, every, replayed):
     lake, s1 = tlake
     sids = [s1] + _more_snapshots(lake, 3)
     marker = tmp_path / "ready"
     sets = SETS + [f"full_checkpoint_every={every}"]
-    proc = subprocess.Popen(_follow_cli(lake, sets, "--stop-after", "4"), stdout=subprocess.PIPE,
+    first = ["--idle-timeout", "0.5"] if point == "follow:shutdown-state" else ["--stop-after", "4"]
+    proc = subprocess.Popen(_follow_cli(lake, sets, *first), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=_env(PIPELINE_TEST_PAUSE_AT=f"{point}={marker}"))
     assert _kill_marked(proc, marker) == proc.pid and proc.returncode == -signal.SIGKILL
     published = len(_line(lake))
-    out = subprocess.run(_follow_cli(lake, sets, "--stop-after", str(4 - published)), capture_output=True, text=True,
-                         env=_env())
+    again = ["--stop-after", str(4 - published)] if published < 4 else ["--idle-timeout", "0.5"]
+    out = subprocess.run(_follow_cli(lake, sets, *again), capture_output=True, text=True, env=_env())
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(res["replayed"]) == replayed and res["stopped_by"] == "stop_after"
+    assert len(res["replayed"]) == replayed
+    assert res["stopped_by"] == ("stop_after" if published < 4 else "idle_timeout")
 
     lake2, _ = tlake2
     assert _more_snapshots(lake2, 3) == sids[1:]
