@@ -280,6 +280,9 @@ def _one_model(kind: str, k_versions: int, order: str, tmp: Path) -> list[Result
             runs["old"] = (_old_loop(tmp / f"{kind}-old", spec, k_versions), {})
         else:
             runs["resident"] = _resident_loop(tmp / f"{kind}-resident", spec, k_versions)
+        # the raw figures so far, in case a later step fails (not a results file)
+        (Path(tempfile.gettempdir()) / f"bench-loop-{kind}-progress.json").write_text(
+            json.dumps({"spec": spec, "runs": runs}, default=str))
     old, res = _split(runs["old"][0]), runs["resident"][1]
     resident_versions = runs["resident"][0]
     steady = _split(resident_versions[1:]) if len(resident_versions) > 1 else _split(resident_versions)
@@ -329,12 +332,39 @@ def _one_model(kind: str, k_versions: int, order: str, tmp: Path) -> list[Result
     return results
 
 
+def _one_model_main(kind: str, k_versions: int, order: str, tmp: str, out: str) -> None:
+    """One policy's loops in their own process (``run`` starts one per policy)."""
+    import dataclasses
+
+    results = _one_model(kind, k_versions, order, Path(tmp))
+    Path(out).write_text(json.dumps([dataclasses.asdict(r) for r in results], default=str))
+
+
 def run(quick: bool) -> list[Result]:
+    """One process per policy, side by side (``BENCH_LOOP_SERIAL=1``: one after the
+    other); within a policy the two loops run one after the other, in the order
+    alternated across policies (the box's load drifts)."""
     k_versions = int(os.environ.get("BENCH_LOOP_K", "2" if quick else "4"))
-    models = os.environ.get("BENCH_LOOP_MODELS", "demo" if quick else "demo,smollm2").split(",")
+    models = [m.strip() for m in os.environ.get("BENCH_LOOP_MODELS", "demo" if quick else "demo,smollm2").split(",")]
+    serial = os.environ.get("BENCH_LOOP_SERIAL") == "1"
     out: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
+        procs = []
         for i, kind in enumerate(models):
-            # order alternated across policies: the box's load drifts
-            out += _one_model(kind.strip(), k_versions, "old-first" if i % 2 == 0 else "resident-first", Path(tmp))
+            order = "old-first" if i % 2 == 0 else "resident-first"
+            res_file = Path(tmp) / f"{kind}.json"
+            code = (f"import bench_loop; bench_loop._one_model_main({kind!r}, {k_versions}, {order!r}, "
+                    f"{str(Path(tmp) / kind)!r}, {str(res_file)!r})")
+            (Path(tmp) / kind).mkdir()
+            env = _env() | {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent)]
+                                                         + [p for p in os.environ.get("PYTHONPATH", "").split(
+                                                             os.pathsep) if p])}
+            p = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=str(Path(__file__).resolve().parent))
+            procs.append((kind, p, res_file))
+            if serial:
+                p.wait()
+        for kind, p, res_file in procs:
+            if p.wait() != 0 or not res_file.is_file():
+                raise RuntimeError(f"bench_loop {kind} failed (exit code {p.returncode})")
+            out += [Result(**r) for r in json.loads(res_file.read_text())]
     return out

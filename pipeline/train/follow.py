@@ -29,7 +29,6 @@ staleness, what makes replay bitwise) are in docs/resident-trainer.md.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import sys
@@ -41,13 +40,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from pipeline.errors import ConfigError, IntegrityError, PipelineError, StaleSnapshotError
 from pipeline.train.config import TrainConfig
+from pipeline.train.line import Recovery, pending_snapshots, recorded_skips, recovery_plan, superseded
 
 if TYPE_CHECKING:
     from pipeline.lake.delta import Lake
     from pipeline.policy_store import PolicyRef
     from pipeline.train.records import Run
 
-__all__ = ["FollowResult", "follow", "pending_snapshots", "recovery_plan"]
+__all__ = ["FollowResult", "Recovery", "follow", "pending_snapshots", "recovery_plan", "superseded"]
 
 
 @dataclass
@@ -66,82 +66,6 @@ class FollowResult:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-# -- which snapshot is next ---------------------------------------------------------
-
-
-def _checkpoint_rows(lake: Lake) -> dict[str, dict[str, Any]]:
-    if not lake.exists("checkpoints"):
-        return {}
-    cols = ["checkpoint_id", "parent_checkpoint_id", "snapshot_ids", "policy_version", "train_config_json",
-            "world_size"]
-    return {r["checkpoint_id"]: r for r in lake.read("checkpoints", columns=cols).to_pylist()}
-
-
-def pending_snapshots(lake: Lake, skipped: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
-    """Snapshot ids no published version consumed, oldest admission first
-    (``created_at``, then id), without those in ``skipped``."""
-    if not lake.exists("snapshots"):
-        return []
-    consumed = {s for r in _checkpoint_rows(lake).values() for s in (r["snapshot_ids"] or [])}
-    rows = lake.read("snapshots", columns=["snapshot_id", "created_at"]).to_pylist()
-    rows.sort(key=lambda r: (r["created_at"], r["snapshot_id"]))
-    return [r["snapshot_id"] for r in rows if r["snapshot_id"] not in consumed and r["snapshot_id"] not in skipped]
-
-
-def _recorded_skips(lake: Lake, head_id: str) -> set[str]:
-    """Snapshots the versions of this line recorded as skipped (``skipped_snapshots``)."""
-    rows = _checkpoint_rows(lake)
-    out: set[str] = set()
-    cid: str | None = head_id
-    while cid in rows:
-        tc = json.loads(rows[cid]["train_config_json"] or "{}")
-        out |= {s["snapshot_id"] for s in tc.get("skipped_snapshots", [])}
-        cid = rows[cid]["parent_checkpoint_id"]
-    return out
-
-
-# -- recovery -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Recovery:
-    start: str                    # the checkpoint whose weights the engine starts from
-    load_state: bool              # and whose DeepSpeed state (optimizer moments) it loads
-    replay: list[dict[str, Any]]  # checkpoints rows to re-train and verify, oldest first
-
-
-def recovery_plan(lake: Lake, head_id: str) -> Recovery:
-    """How to rebuild the in-memory state after ``head_id``: walk the line back
-    to the newest version with a full state (load it), or to a version whose
-    optimizer started fresh (start from its parent's weights), or to a version
-    no trainer produced (the initial policy: fresh); every version passed on
-    the way is replayed."""
-    from pipeline.policy_store import resolve_policy
-    from pipeline.train.checkpoint import has_full_state
-
-    rows = _checkpoint_rows(lake)
-    replay: list[dict[str, Any]] = []
-    cid = head_id
-    while True:
-        row = rows.get(cid)
-        if row is None:
-            raise IntegrityError(f"checkpoint {cid} of the line is not published", hint="pass --from-checkpoint")
-        ref = resolve_policy(lake, cid, verify=False)          # files as recorded, less what retention removed
-        if has_full_state(ref.path, ref.file_sha256):
-            return Recovery(cid, True, replay[::-1])
-        if not row["snapshot_ids"]:
-            return Recovery(cid, False, replay[::-1])
-        replay.append(row)
-        tc = json.loads(row["train_config_json"] or "{}")
-        parent = row["parent_checkpoint_id"]
-        if parent is None:
-            raise IntegrityError(f"checkpoint {cid} has no recorded parent: its state cannot be replayed",
-                                 hint="start a new line: pass --from-checkpoint with a version that has a full state")
-        if "optimizer_from" in tc and tc["optimizer_from"] is None:
-            return Recovery(parent, False, replay[::-1])      # it started with a fresh optimizer from its parent
-        cid = parent
 
 
 # -- the loop ---------------------------------------------------------------------------
@@ -247,7 +171,7 @@ class _Follower:
             self.strategy.load(start.path / "ds", ck.FINAL_TAG, scheduler=False)
             self.optimizer_from = start.checkpoint_id
         self.head = start
-        self.skipped = _recorded_skips(self.lake, head.checkpoint_id) if self.rank == 0 else set()
+        self.skipped = recorded_skips(self.lake, head.checkpoint_id) if self.rank == 0 else set()
         for row in plan.replay:
             self._replay(row)
         self.since_full = len(plan.replay)
@@ -396,8 +320,8 @@ class _Follower:
     def _stop_requested(self) -> bool:
         return self.signalled or (self.stop_file is not None and Path(self.stop_file).exists())
 
-    def _decide(self, idle_since: float) -> tuple[str, str | None]:
-        """Rank 0: ("stop", why), ("train", snapshot id) or ("wait", None)."""
+    def _decide(self, idle_since: float) -> tuple[str, Any]:
+        """Rank 0: ("stop", why), ("train", snapshot id), ("skip", (snapshot id, why)) or ("wait", None)."""
         if self.stop_after is not None and len(self.out.versions) >= self.stop_after:
             return "stop", "stop_after"
         if self.signalled:
@@ -406,7 +330,8 @@ class _Follower:
             return "stop", "stop_file"
         pending = pending_snapshots(self.lake, self.skipped)
         if pending:
-            return "train", pending[0]
+            why = superseded(self.lake, pending[0])
+            return ("skip", (pending[0], why)) if why else ("train", pending[0])
         if self.idle_timeout_s is not None and time.monotonic() - idle_since > self.idle_timeout_s:
             return "stop", "idle_timeout"
         return "wait", None
@@ -422,6 +347,9 @@ class _Follower:
                 # every rank waits here, between two broadcasts: a collective never waits
                 # longer than a poll (process-group timeouts stay out of reach)
                 time.sleep(self.cfg.follow_poll_s)
+                continue
+            if action == "skip":
+                self._skip(arg[0], "superseded", arg[1])
                 continue
             assert arg is not None
             self._version(arg)
@@ -469,38 +397,14 @@ def _launch(lake: Lake, cfg: TrainConfig, *, from_checkpoint: str | int | None, 
     """N processes via torchrun running pipeline.train.worker in follow mode. SIGTERM to
     this process becomes a stop file the workers' rank 0 polls (torchrun would kill
     the workers 30 s after forwarding a SIGTERM, mid-version)."""
-    import socket
-    import subprocess
-
     from pipeline.config import config_dict
+    from pipeline.train.worker import launch
 
     with tempfile.TemporaryDirectory(prefix="pipeline-follow-") as tmp:
-        spec = Path(tmp) / "job.json"
-        out = Path(tmp) / "result.json"
         stop = stop_file or str(Path(tmp) / "stop")
-        spec.write_text(json.dumps({"mode": "follow", "lake": lake.uri, "config": config_dict(cfg),
-                                    "from_checkpoint": from_checkpoint, "stop_after": stop_after,
-                                    "idle_timeout_s": idle_timeout_s, "stop_file": stop, "progress": progress,
-                                    "result": str(out)}))
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
-               "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "pipeline.train.worker", str(spec)]
-        previous = signal.signal(signal.SIGTERM, lambda signum, frame: Path(stop).touch())
-        try:
-            proc = subprocess.Popen(cmd, env=env)
-            code = proc.wait()
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-        if out.is_file():
-            data = json.loads(out.read_text())
-            if "error" in data:
-                raise PipelineError(data["error"], hint=data.get("hint"))
-            if code != 0:
-                data["worker_exit_codes"] = [code]
-            return FollowResult(**data)
-        raise PipelineError(f"{nproc}-process resident trainer failed (exit code {code})",
-                            hint="see the worker output above; restarting it replays from the last full state")
+        data = launch({"mode": "follow", "lake": lake.uri, "config": config_dict(cfg), "from_checkpoint": from_checkpoint,
+                       "stop_after": stop_after, "idle_timeout_s": idle_timeout_s, "stop_file": stop,
+                       "progress": progress}, nproc, stop_file=stop,
+                      failed=f"{nproc}-process resident trainer failed",
+                      hint="see the worker output above; restarting it replays from the last full state")
+    return FollowResult(**data)

@@ -28,17 +28,11 @@ steps 1, 2, 4, 6 and 7 once per version around one engine built once.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.config import config_dict
-from pipeline.errors import PipelineError
 from pipeline.train.config import TrainConfig
 from pipeline.train.freshness import check_freshness
 from pipeline.train.identity import identify, run_identity
@@ -80,33 +74,13 @@ def train_snapshot(lake: Lake, snapshot_id: str, cfg: TrainConfig | None = None,
 def _launch(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint: str | int | None, resume: bool, nproc: int, force: bool,
             progress: bool | None, crash_at: str | None = None) -> TrainResult:
     """N processes via torchrun running pipeline.train.worker; rank 0 writes the result."""
-    import socket
+    from pipeline.train.worker import launch
 
-    with tempfile.TemporaryDirectory(prefix="pipeline-train-") as tmp:
-        spec = Path(tmp) / "job.json"
-        out = Path(tmp) / "result.json"
-        spec.write_text(json.dumps({"lake": lake.uri, "snapshot_id": snapshot_id, "config": config_dict(cfg),
-                                    "from_checkpoint": from_checkpoint, "resume": resume, "force": force,
-                                    "progress": progress, "result": str(out), "crash_at": crash_at}))
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
-               "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "pipeline.train.worker", str(spec)]
-        proc = subprocess.run(cmd, env=env)
-        if out.is_file():
-            data = json.loads(out.read_text())
-            if "error" in data:
-                raise PipelineError(data["error"], hint=data.get("hint"))
-            if proc.returncode != 0:
-                # published and verified by rank 0, yet a process died afterwards (e.g. SIGABRT while native
-                # runtimes shut down): the caller must hear about it, not get a silent success
-                data["worker_exit_codes"] = [proc.returncode]
-            return TrainResult(**data)
-        raise PipelineError(f"{nproc}-process training failed (exit code {proc.returncode})",
-                            hint="see the worker output above; rerun with --resume to continue from the last saved step")
+    data = launch({"lake": lake.uri, "snapshot_id": snapshot_id, "config": config_dict(cfg),
+                   "from_checkpoint": from_checkpoint, "resume": resume, "force": force, "progress": progress,
+                   "crash_at": crash_at}, nproc, failed=f"{nproc}-process training failed",
+                  hint="see the worker output above; rerun with --resume to continue from the last saved step")
+    return TrainResult(**data)
 
 
 # -- the driver ----------------------------------------------------------------------
