@@ -230,3 +230,34 @@ def test_two_processes_follow_equals_chain_and_killed_follow(tlake, tlake2, temp
     straight = follow(lake3, CFG2, nproc=2, stop_after=3, progress=False)
     assert straight.world_size == 2
     assert _line(lake) == chain == _line(lake3)
+
+
+def test_a_snapshot_whose_admission_lost_the_receipts_commit_is_not_trained(tlake):
+    """Admission writes its snapshot before its receipts; the loser of a receipts race
+    leaves a snapshot row whose groups the winner decided into another snapshot."""
+    from datetime import datetime, timezone
+
+    import pyarrow as pa
+
+    from pipeline.schema import arrow_schema
+    from pipeline.snapshots.format import read_snapshot_table
+
+    lake, s1 = tlake
+    winner = publish_synthetic_snapshot(lake, 16, seed=41, median_len=18, prompt_len=6)
+    members = {sid: read_snapshot_table(lake, sid, columns=["trajectory_id", "group_id"]).to_pylist()
+               for sid in (s1, winner)}
+    rows = [{"snapshot_id": sid, "trajectory_id": m["trajectory_id"], "group_id": m["group_id"], "content_hash": "x",
+             "advantage": 0.0, "reward": 0.0, "policy_lag": 0} for sid, ms in members.items() for m in ms]
+    lake.append("snapshot_members", pa.Table.from_pylist(rows, schema=arrow_schema("snapshot_members")),
+                command="test")
+    now = datetime.now(timezone.utc)
+    groups = sorted({m["group_id"] for m in members[s1]})        # s1's groups, decided into the winner
+    rec = [{"group_id": g, "admission_run_id": "winner", "config_hash": "c", "current_policy_version": 0,
+            "run_id": "r", "group_size": 4, "arrived_members": 4, "valid_members": [], "excluded_members": [],
+            "checks": [], "decision": "admit", "decided_at": now, "snapshot_id": winner} for g in groups]
+    lake.append("receipts", pa.Table.from_pylist(rec, schema=arrow_schema("receipts")), command="test")
+    cfg = TrainConfig(lr=1e-3, micro_batch_tokens=512, max_steps=1, max_train_lag=None)
+    res = follow(lake, cfg, stop_after=1, progress=False)
+    assert [(s["snapshot_id"], s["reason"]) for s in res.skipped] == [(s1, "superseded")]
+    assert [v["snapshot_id"] for v in res.versions] == [winner]
+    assert pending_snapshots(lake) == [s1]
