@@ -37,6 +37,7 @@ amortized at the default ``full_checkpoint_every``.
 
     .venv/bin/python benchmarks/run.py --only loop [--quick]
     BENCH_LOOP_K=4 BENCH_LOOP_MODELS=demo,smollm2 ...        # versions per loop, which policies
+    BENCH_LOOP_SIDE_BY_SIDE=1 ...   # a policy's two loops at the same time (a box too loaded for one after the other)
 """
 
 from __future__ import annotations
@@ -274,7 +275,19 @@ def _one_model(kind: str, k_versions: int, order: str, tmp: Path) -> list[Result
           f"{spec['weights_bytes'] / 1e6:.0f} MB weights)", flush=True)
     shutil.copytree(base, tmp / f"{kind}-old")
     shutil.copytree(base, tmp / f"{kind}-resident")
-    runs = {}
+    runs: dict = {}
+    if os.environ.get("BENCH_LOOP_SIDE_BY_SIDE") == "1":
+        # both loops at once (the old one in a thread: it only waits on its subprocesses), for a box
+        # too loaded to run them one after the other in the time there is; each loop's split stays exact
+        import threading
+
+        th = threading.Thread(target=lambda: runs.__setitem__(
+            "old", (_old_loop(tmp / f"{kind}-old", spec, k_versions), {})))
+        th.start()
+        runs["resident"] = _resident_loop(tmp / f"{kind}-resident", spec, k_versions)
+        th.join()
+        return _results(kind, spec, runs["old"][0], runs["resident"][0], runs["resident"][1], k_versions,
+                        "side-by-side", note="both loops ran at the same time (BENCH_LOOP_SIDE_BY_SIDE=1)")
     for which in (("old", "resident") if order == "old-first" else ("resident", "old")):
         if which == "old":
             runs["old"] = (_old_loop(tmp / f"{kind}-old", spec, k_versions), {})
@@ -283,8 +296,13 @@ def _one_model(kind: str, k_versions: int, order: str, tmp: Path) -> list[Result
         # the raw figures so far, in case a later step fails (not a results file)
         (Path(tempfile.gettempdir()) / f"bench-loop-{kind}-progress.json").write_text(
             json.dumps({"spec": spec, "runs": runs}, default=str))
-    old, res = _split(runs["old"][0]), runs["resident"][1]
-    resident_versions = runs["resident"][0]
+    return _results(kind, spec, runs["old"][0], runs["resident"][0], runs["resident"][1], k_versions, order)
+
+
+def _results(kind: str, spec: dict, old_versions: list[dict], resident_versions: list[dict], res: dict,
+             k_versions: int, order: str, note: str = "") -> list[Result]:
+    """The figures of one policy from its two loops' raw measurements."""
+    old = _split(old_versions)
     steady = _split(resident_versions[1:]) if len(resident_versions) > 1 else _split(resident_versions)
     allv = _split(resident_versions)
     amortized_wall = allv["wall_s"] + res["startup_s"] / k_versions
@@ -302,7 +320,8 @@ def _one_model(kind: str, k_versions: int, order: str, tmp: Path) -> list[Result
     extra = b_full - b_weights
     room = 1.2 * weights - b_weights
     implied = int(-(-extra // room)) if room > 0 else None
-    raw = {"spec": spec, "k": k_versions, "order": order, "old": runs["old"][0], "resident": resident_versions,
+    raw = {"spec": spec, "k": k_versions, "order": order, "note": note, "old": old_versions,
+           "resident": resident_versions,
            "resident_info": res, "old_split": old, "resident_split_steady": steady, "resident_split_all": allv,
            "resident_amortized_wall_s": amortized_wall, "resident_amortized_overhead_share": amortized_share,
            "bytes": {"weights": weights, "weights_only_version": b_weights, "full_state_version": b_full,

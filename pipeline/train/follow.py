@@ -147,7 +147,10 @@ class _Follower:
         def handler(signum: int, frame: Any) -> None:
             self.signalled = True
 
-        return signal.signal(signal.SIGTERM, handler)
+        try:
+            return signal.signal(signal.SIGTERM, handler)
+        except ValueError:   # not the main thread: only stop_file / stop_after / idle_timeout stop it
+            return None
 
     def _start(self) -> None:
         """Resolve the head, load the start of the recovery plan, build the engine once, replay."""
@@ -240,7 +243,6 @@ class _Follower:
         from pipeline import lineage
         from pipeline.errors import ConflictError
         from pipeline.lake.delta import pause_point
-        from pipeline.policy_store import resolve_policy
         from pipeline.train.identity import identify
         from pipeline.train.publish import JOB_NAME, checkpoint_and_publish, close_trackers
         from pipeline.train.records import TrainResult
@@ -253,10 +255,10 @@ class _Follower:
         except ConflictError as exc:      # consumed meanwhile by another trainer: not ours to train
             self._skip(sid, "consumed", exc.message, record=False)
             return
-        if isinstance(run, TrainResult):  # this very version is already published (a race): adopt it
-            self.head = resolve_policy(self.lake, run.checkpoint_id)
-            self.optimizer_from = None
-            return
+        if isinstance(run, TrainResult):  # another trainer of this very line published it: two followers
+            raise ConflictError(f"checkpoint {run.checkpoint_id} (snapshot {sid} from {self.head.checkpoint_id}) was "
+                                "published by another trainer while this one held the line",
+                                hint="run one resident trainer per line; restart this one to replay and continue")
         try:
             data = prepare_data(run, lm=self.lm)
         except StaleSnapshotError as exc:
