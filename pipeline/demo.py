@@ -360,7 +360,9 @@ def _run_async(lake: Lake, cfg: DemoConfig, lines: list[IterationLine], out) -> 
             out(line.text())
     finally:
         stop.touch()
-        if trainer.poll() is None:
+        try:   # with a version per iteration it stops by itself (--stop-after); else it is waiting: SIGTERM
+            trainer.wait(timeout=120 if sum(1 for ln in lines[1:] if ln.checkpoint_id) == cfg.iterations else 1)
+        except subprocess.TimeoutExpired:
             trainer.send_signal(signal.SIGTERM)   # finish the version in progress, write the full state, exit 0
         try:
             trainer.wait(timeout=600)
@@ -372,12 +374,11 @@ def _run_async(lake: Lake, cfg: DemoConfig, lines: list[IterationLine], out) -> 
         except subprocess.TimeoutExpired:
             worker.send_signal(signal.SIGKILL)
         stop.unlink(missing_ok=True)
-    resident = {}
-    if trainer.returncode == 0 and trainer.stdout is not None:
-        text = trainer.stdout.read().strip()
-        if text:
-            r = json.loads(text.splitlines()[-1])
-            resident = {k: r[k] for k in ("stopped_by", "startup_seconds", "seconds", "full_state", "skipped")}
+    resident: dict[str, Any] = {"returncode": trainer.returncode}
+    text = trainer.stdout.read().strip() if trainer.stdout is not None else ""
+    if text:
+        r = json.loads(text.splitlines()[-1])
+        resident |= {k: r[k] for k in ("stopped_by", "startup_seconds", "seconds", "full_state", "skipped")}
     return {"trainer_idle_fraction": idle / max(idle + busy, 1e-9), "lag_distribution": dict(sorted(lags.items())),
             "resident_trainer": resident}
 

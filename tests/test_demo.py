@@ -75,6 +75,7 @@ def test_async_demo_respects_max_lag_and_follows_new_versions(lake):
 
     trained = [json.loads(r["train_config_json"]) for r in lake.read("checkpoints").to_pylist() if r["snapshot_ids"]]
     assert trained and all(tc["trainer"] == "follow" for tc in trained)
+    assert summary["resident_trainer"]["returncode"] == 0
     assert summary["resident_trainer"]["stopped_by"] in ("stop_after", "signal")
 
 

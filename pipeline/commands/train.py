@@ -63,7 +63,9 @@ def _train(args: argparse.Namespace) -> int | None:
         fres = follow(open_lake(args), cfg, from_checkpoint=args.from_checkpoint, nproc=args.nproc,
                       stop_after=args.stop_after, idle_timeout_s=args.idle_timeout,
                       progress=False if args.no_progress else None,
-                      on_version=None if args.json else lambda d: note(_text(d)))
+                      on_version=None if args.json else lambda d: note(
+                          _text(d) + f"\n  {d['bytes_written'] / 1e6:.1f} MB written"
+                          + (" (with the full DeepSpeed state)" if d["full_state"] else " (weights only)")))
         emit(fres.to_dict(), args, _follow_text)
         return EXIT_WORKER_EXIT if fres.worker_exit_codes and any(fres.worker_exit_codes) else None
     if args.stop_after is not None or args.idle_timeout is not None:

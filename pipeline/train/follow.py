@@ -297,7 +297,9 @@ class _Follower:
         self.trained = True
         if full:
             self.out.full_state.append(result.checkpoint_id)
-        d = result.to_dict() | {"full_state": full}
+        root = Path(result.path)
+        d = result.to_dict() | {"full_state": full,
+                                "bytes_written": sum(p.stat().st_size for p in root.rglob("*") if p.is_file())}
         self.out.versions.append(d)
         if self.rank == 0:
             pause_point(f"follow:v{n}:published")

@@ -90,6 +90,9 @@ def test_follow_equals_the_chain_and_publishes_weights_only_between_full_states(
     dirs = [Path(v["path"]) for v in res.versions]
     assert [(d / "ds").exists() for d in dirs] == [False, False, True]
     assert [v["full_state"] for v in res.versions] == [False, False, True]
+    weights = (dirs[0] / "hf" / "model.safetensors").stat().st_size
+    assert all(weights < v["bytes_written"] < 1.5 * weights for v in res.versions[:2])   # weights (+ small files)
+    assert res.versions[2]["bytes_written"] > 3 * weights                                  # + fp32 copy, AdamW
     assert res.full_state == [res.versions[-1]["checkpoint_id"]]
     for d in dirs:
         assert (d / "hf" / "model.safetensors").is_file() and (d / "latest").read_text() == "final"
