@@ -143,11 +143,12 @@ def check_resident_loop(model_dir: Path, *, versions: int = 4, rows: int = 64, z
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     cfg = TrainConfig(precision="bf16", zero_stage=zero_stage, lr=1e-5, max_train_lag=None, micro_batch_tokens=8192)
     with tempfile.TemporaryDirectory(prefix="gpu-loop-") as tmp:
-        a, b = Lake(Path(tmp) / "follow"), Lake(Path(tmp) / "chain")
+        a = Lake(Path(tmp) / "follow")
         import_policy(a, model_dir)
         sids = [publish_payload_snapshot(a, synthetic_payload(rows, seed=100 + k, vocab_size=vocab, median_len=256,
                                                               prompt_len=64, max_len=1024)) for k in range(versions)]
         shutil.copytree(Path(tmp) / "follow", Path(tmp) / "chain")
+        b = Lake(Path(tmp) / "chain")
         t0 = time.perf_counter()
         res = follow(a, cfg, stop_after=versions, progress=False)
         follow_s = time.perf_counter() - t0
