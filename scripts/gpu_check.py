@@ -7,10 +7,19 @@ shape), then
 1. generates with this project's vLLM engine (``pipeline.rollout.vllm_engine``,
    bf16, on the GPU): prints generated tokens/s;
 2. trains with this project's DeepSpeed strategy (``pipeline.train.ds_adapter``,
-   bf16, ZeRO-2): prints the optimizer step time and trained tokens/s.
+   bf16, ZeRO-2): prints the optimizer step time and trained tokens/s;
+3. runs the resident trainer (``pipeline.train.follow``, bf16) over K
+   synthetic snapshots on a temporary lake, the model imported as policy
+   version 0: per-version wall time, its training steps, bytes written, the
+   start-up paid once; then the chain of ``train_snapshot`` calls over the same
+   snapshots on a second lake, and whether both published the same weight
+   bytes (on a GPU that needs deterministic kernels: reported, not asserted).
+   Rollout engines still rebuild per version here (the in-place switch of the
+   streaming-rollout issue is not part of this check yet).
 
     python scripts/gpu_check.py                    # both, default sizes
     python scripts/gpu_check.py --arch llama --json out.json
+    python scripts/gpu_check.py --skip-vllm --skip-deepspeed --loop-versions 4   # the resident loop only
 
 The tokenizer is the project's char tokenizer (saved next to the weights so
 vLLM can load the directory); the model's vocabulary is larger, as real
@@ -119,6 +128,48 @@ def check_deepspeed(model_dir: Path, *, batch: int = 8, seq_len: int = 1024, ste
             "max_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
 
 
+def check_resident_loop(model_dir: Path, *, versions: int = 4, rows: int = 64, zero_stage: int = 0) -> dict[str, Any]:
+    """The resident trainer on the GPU (bf16): K versions, per-version split, bytes, follow == chain."""
+    import shutil
+    import tempfile
+
+    from pipeline.lake.delta import Lake
+    from pipeline.policy_store import import_policy, local_checkpoint_dir
+    from pipeline.testing.train_fixtures import publish_payload_snapshot, synthetic_payload
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.follow import follow
+    from pipeline.train.run import train_snapshot
+
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    cfg = TrainConfig(precision="bf16", zero_stage=zero_stage, lr=1e-5, max_train_lag=None, micro_batch_tokens=8192)
+    with tempfile.TemporaryDirectory(prefix="gpu-loop-") as tmp:
+        a = Lake(Path(tmp) / "follow")
+        import_policy(a, model_dir)
+        sids = [publish_payload_snapshot(a, synthetic_payload(rows, seed=100 + k, vocab_size=vocab, median_len=256,
+                                                              prompt_len=64, max_len=1024)) for k in range(versions)]
+        shutil.copytree(Path(tmp) / "follow", Path(tmp) / "chain")
+        b = Lake(Path(tmp) / "chain")
+        t0 = time.perf_counter()
+        res = follow(a, cfg, stop_after=versions, progress=False)
+        follow_s = time.perf_counter() - t0
+        per = []
+        for v in res.versions:
+            m = [r for r in a.read("metrics").to_pylist() if r["checkpoint_id"] == v["checkpoint_id"]]
+            root = local_checkpoint_dir(a, v["checkpoint_id"])
+            per.append({"policy_version": v["policy_version"], "wall_s": round(v["seconds"], 3),
+                        "steps_s": round(sum(r["step_seconds"] for r in m), 3),
+                        "bytes": sum(p.stat().st_size for p in root.rglob("*") if p.is_file()),
+                        "full_state": v["full_state"]})
+        t1 = time.perf_counter()
+        chain = [train_snapshot(b, sid, cfg, progress=False) for sid in sids]
+        chain_s = time.perf_counter() - t1
+        same = [v["weight_sha256"] == c.weight_sha256 for v, c in zip(res.versions, chain)]
+    weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    return {"versions": per, "startup_s": round(res.startup_seconds, 2), "follow_s": round(follow_s, 2),
+            "chain_s": round(chain_s, 2), "weights_bytes_bf16_source": weights,
+            "follow_equals_chain": all(same), "equal_per_version": same, "zero_stage": zero_stage}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="qwen2", choices=sorted(ARCHS))
@@ -126,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="", help="also write the results here")
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-deepspeed", action="store_true")
+    ap.add_argument("--loop-versions", type=int, default=4, help="resident-loop versions (0 = skip that check)")
     args = ap.parse_args(argv)
     import tempfile
 
@@ -151,6 +203,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"DeepSpeed {args.arch} bf16 ZeRO-2: step {ds['median_step_s'] * 1000:.0f} ms, "
                   f"{ds['tokens_per_s']:.0f} trained tokens/s, loss {ds['loss_first']:.3f} -> {ds['loss_last']:.3f}, "
                   f"peak {ds['max_memory_gib']} GiB", flush=True)
+        if args.loop_versions > 0:
+            info["resident_loop"] = loop = check_resident_loop(d, versions=args.loop_versions)
+            steady = loop["versions"][1:] or loop["versions"]
+            wall = sum(v["wall_s"] for v in steady) / len(steady)
+            steps = sum(v["steps_s"] for v in steady) / len(steady)
+            print(f"resident trainer {args.arch} bf16, {args.loop_versions} versions: {wall:.2f} s/version, "
+                  f"{steps:.2f} s in steps ({1 - steps / wall:.0%} overhead), start-up {loop['startup_s']:.1f} s once; "
+                  f"chain of train_snapshot {loop['chain_s']:.1f} s vs follow {loop['follow_s']:.1f} s; "
+                  f"follow == chain bytes: {loop['follow_equals_chain']}", flush=True)
     print(json.dumps(info))
     if args.json:
         Path(args.json).write_text(json.dumps(info, indent=1))

@@ -70,6 +70,13 @@ def test_async_demo_respects_max_lag_and_follows_new_versions(lake):
     seen = query(lake, "SELECT DISTINCT policy_version FROM trajectories WHERE run_id LIKE 'demo-async-%'")
     assert len(seen) >= 2, "the worker picked up a newly published policy version"
     assert 0.0 <= summary["trainer_idle_fraction"] <= 1.0
+    # one resident trainer published every version (pipeline train --follow), and stopped cleanly
+    import json
+
+    trained = [json.loads(r["train_config_json"]) for r in lake.read("checkpoints").to_pylist() if r["snapshot_ids"]]
+    assert trained and all(tc["trainer"] == "follow" for tc in trained)
+    assert summary["resident_trainer"]["returncode"] == 0
+    assert summary["resident_trainer"]["stopped_by"] in ("stop_after", "signal")
 
 
 @pytest.mark.slow

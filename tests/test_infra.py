@@ -166,12 +166,23 @@ def test_compose_and_kubernetes_images_are_pinned():
 
 
 def test_multi_gpu_training_gets_a_memory_backed_dev_shm():
-    docs = list(yaml.safe_load_all((ROOT / "infra" / "k8s" / "train-distributed-job.yaml").read_text()))
-    pod = next(d for d in docs if d["kind"] == "Job")["spec"]["template"]["spec"]
+    docs = list(yaml.safe_load_all((ROOT / "infra" / "k8s" / "train-distributed.yaml").read_text()))
+    pod = next(d for d in docs if d["kind"] == "StatefulSet")["spec"]["template"]["spec"]
     vols = {v["name"]: v for v in pod.get("volumes", [])}
     mounts = [m for c in pod["containers"] for m in c.get("volumeMounts", []) if m["mountPath"] == "/dev/shm"]
     assert mounts, "no /dev/shm mount: NCCL gets the container's 64 MiB default"
     assert vols[mounts[0]["name"]]["emptyDir"]["medium"] == "Memory"
+
+
+def test_distributed_training_is_the_resident_trainer_not_a_job_per_version():
+    docs = list(yaml.safe_load_all((ROOT / "infra" / "k8s" / "train-distributed.yaml").read_text()))
+    assert not [d for d in docs if d["kind"] in ("Job", "CronJob")]
+    sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[-3:] == ["pipeline", "train", "--follow"] and "--batch-snapshot" not in " ".join(args)
+    service = next(d for d in docs if d["kind"] == "Service")
+    assert sts["spec"]["serviceName"] == service["metadata"]["name"]
+    assert service["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
 
 
 def test_rollout_job_bootstraps_the_policy_and_k8s_runs_it():
@@ -193,6 +204,9 @@ def test_render_k8s_writes_to_the_given_directory(tmp_path, monkeypatch, capsys)
     assert "--out" in capsys.readouterr().err
     assert render_main(["--render-k8s", "--out", str(tmp_path / "k8s")]) == 0
     assert (tmp_path / "k8s" / "cronjobs.yaml").read_text() == render_cronjobs(load_jobs())
+    from pipeline.jobs import render_services
+
+    assert (tmp_path / "k8s" / "services.yaml").read_text() == render_services(load_jobs())
 
 
 def _hadolint() -> str | None:

@@ -24,24 +24,62 @@ def _job(tmp_path, name, args, schedule="* * * * *", **extra):
     return d
 
 
-def test_every_job_has_its_cronjob():
+def test_every_job_has_its_cronjob_and_the_trainer_is_a_long_lived_deployment():
+    from pipeline.jobs import render_services
+
     jobs = load_jobs()
     assert {"rollout", "admission", "train", "maintenance"} <= set(jobs)
     committed = (ROOT / "infra" / "k8s" / "cronjobs.yaml").read_text()
     assert committed == render_cronjobs(jobs), "infra/k8s/cronjobs.yaml is stale: python -m pipeline.jobs --render-k8s"
+    services = (ROOT / "infra" / "k8s" / "services.yaml").read_text()
+    assert services == render_services(jobs), "infra/k8s/services.yaml is stale: python -m pipeline.jobs --render-k8s"
     docs = list(yaml.safe_load_all(committed))
     by_job = {d["metadata"]["labels"]["job"]: d for d in docs}
+    # the trainer: one resident process for every version, not a Job per version
+    assert jobs["train"].service and jobs["train"].args == ("train", "--follow") and "train" not in by_job
+    deploy = {d["metadata"]["labels"]["service"]: d for d in yaml.safe_load_all(services)}["train"]
+    assert deploy["kind"] == "Deployment" and deploy["spec"]["replicas"] == 1
+    assert deploy["spec"]["strategy"]["type"] == "Recreate"          # never two trainers of one line at once
+    pod = deploy["spec"]["template"]["spec"]
+    assert pod["containers"][0]["args"] == ["train", "--follow"]
+    assert pod["terminationGracePeriodSeconds"] == jobs["train"].grace_s >= 600   # SIGTERM finishes a version
+    assert pod["initContainers"][0]["args"] == ["policy", "init", "--if-missing"]
     for name, spec in jobs.items():
+        if spec.service:
+            continue
         assert by_job[name]["spec"]["schedule"] == spec.schedule
         args = by_job[name]["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["args"]
         assert args == ["jobs", "run", name]
 
 
-def test_compose_has_object_storage_dask_and_the_scheduler():
+def test_compose_has_object_storage_dask_the_scheduler_and_the_resident_trainer():
     compose = yaml.safe_load((ROOT / "infra" / "compose.yaml").read_text())
     services = compose["services"]
-    assert {"minio", "dask-scheduler", "dask-worker", "scheduler"} <= set(services)
+    assert {"minio", "dask-scheduler", "dask-worker", "scheduler", "trainer"} <= set(services)
     assert services["scheduler"]["command"] == ["jobs", "schedule"]
+    trainer = services["trainer"]
+    assert trainer["entrypoint"][-1].endswith("exec pipeline train --follow")
+    assert trainer["restart"] == "unless-stopped" and trainer["stop_grace_period"] == "1h"
+    assert trainer["environment"]["PIPELINE_LAKE"] == services["scheduler"]["environment"]["PIPELINE_LAKE"]
+
+
+def test_a_service_is_not_scheduled_nor_run_as_a_job(lake, tmp_path):
+    from pipeline.errors import ConfigError
+
+    d = tmp_path / "jobs"
+    d.mkdir()
+    (d / "svc.yaml").write_text(yaml.safe_dump({"name": "svc", "args": ["train", "--follow"], "service": True}))
+    spec = load_jobs(d)["svc"]
+    assert spec.service and spec.schedule == ""
+    res = run_job(lake, spec)
+    assert res["status"] == "skipped" and "is a service" in res["reason"]
+    from pipeline.errors import NotFoundError
+
+    with pytest.raises(NotFoundError, match="no jobs to schedule"):
+        schedule(lake, {"svc": spec}, for_seconds=0.1)
+    (d / "svc.yaml").write_text(yaml.safe_dump({"name": "svc", "args": ["x"], "service": True, "schedule": "* * * * *"}))
+    with pytest.raises(ConfigError, match="has no schedule"):
+        load_jobs(d)
 
 
 def test_bad_job_spec_is_a_clear_error(tmp_path):

@@ -1,4 +1,5 @@
-"""CLI: ``pipeline train --batch-snapshot ID [--config FILE] [--set k=v] [--from-checkpoint ID] [--resume] [--nproc N]``."""
+"""CLI: ``pipeline train --batch-snapshot ID [--config FILE] [--set k=v] [--from-checkpoint ID] [--resume] [--nproc N]``
+and the resident trainer ``pipeline train --follow [--stop-after N] [--idle-timeout S] [--nproc N]``."""
 
 from __future__ import annotations
 
@@ -15,10 +16,23 @@ def register(sub: argparse._SubParsersAction) -> None:
         "train", help="train the policy on one snapshot with DeepSpeed; publish the next policy version",
         description="Trains on exactly the snapshot's own files (verified first), writes\n"
                     "<lake>/_checkpoints/<id>/ (DeepSpeed state, RNG, data cursor, config, hf/ export, 'latest' last)\n"
-                    "and publishes it as the next policy version, with a metrics row per step and lineage.",
+                    "and publishes it as the next policy version, with a metrics row per step and lineage.\n\n"
+                    "--follow: the resident trainer. One long-lived process keeps model, optimizer and engine in\n"
+                    "memory and trains, in admission order, every snapshot no published version consumed (those\n"
+                    "waiting, then each new one), publishing weights per version and the full DeepSpeed state every\n"
+                    "full_checkpoint_every versions and at shutdown. SIGTERM finishes the current version, writes the\n"
+                    "full state and exits 0; after a crash it replays from the last full state, verifying every\n"
+                    "replayed version's weight hash (docs/resident-trainer.md).",
         epilog=keys,
         formatter_class=argparse.RawDescriptionHelpFormatter))
-    p.add_argument("--batch-snapshot", required=True, metavar="ID", help="snapshot id (pipeline admit prints it), or a unique prefix of it (>= 6 characters)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--batch-snapshot", metavar="ID", help="snapshot id (pipeline admit prints it), or a unique prefix of it (>= 6 characters)")
+    what.add_argument("--follow", action="store_true",
+                      help="resident trainer: train every unconsumed snapshot as it is admitted, until stopped")
+    p.add_argument("--stop-after", type=int, default=None, metavar="N",
+                   help="--follow: exit 0 after publishing N versions (replayed ones do not count)")
+    p.add_argument("--idle-timeout", type=float, default=None, metavar="S",
+                   help="--follow: exit 0 after S seconds without a snapshot to train (default: wait forever)")
     add_config_options(p)
     p.add_argument("--from-checkpoint", default=None, metavar="ID",
                    help="start from this checkpoint id, policy version or HF directory (default: newest published)")
@@ -40,6 +54,22 @@ def _train(args: argparse.Namespace) -> int | None:
     cfg = load_config(TrainConfig, args.config, parse_set(args.set))
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: must be >= 1")
+    if args.follow:
+        if args.resume or args.force:
+            raise ConfigError("--resume and --force are --batch-snapshot options",
+                              hint="--follow resumes by itself: it replays from the last full state")
+        from pipeline.train.follow import follow
+
+        fres = follow(open_lake(args), cfg, from_checkpoint=args.from_checkpoint, nproc=args.nproc,
+                      stop_after=args.stop_after, idle_timeout_s=args.idle_timeout,
+                      progress=False if args.no_progress else None,
+                      on_version=None if args.json else lambda d: note(
+                          _text(d) + f"\n  {d['bytes_written'] / 1e6:.1f} MB written"
+                          + (" (with the full DeepSpeed state)" if d["full_state"] else " (weights only)")))
+        emit(fres.to_dict(), args, _follow_text)
+        return EXIT_WORKER_EXIT if fres.worker_exit_codes and any(fres.worker_exit_codes) else None
+    if args.stop_after is not None or args.idle_timeout is not None:
+        raise ConfigError("--stop-after and --idle-timeout are --follow options")
     src = args.from_checkpoint
     from pipeline.snapshots.format import resolve_snapshot_id
 
@@ -72,3 +102,11 @@ def _text(r: dict) -> str:
     tail = (f"\n  loss {m.get('loss_first', float('nan')):.4f} -> {m.get('loss_last', float('nan')):.4f}, "
             f"reward {m.get('reward_mean') or 0:.3f}, padding {m.get('padding_ratio_mean') or 0:.1%}") if m.get("steps") else ""
     return head + tail + f"\n  {r['path']}"
+
+
+def _follow_text(r: dict) -> str:
+    full = len(r["full_state"])
+    return (f"resident trainer stopped ({r['stopped_by']}) at policy version {r['head_policy_version']} "
+            f"({r['head_checkpoint_id']}): {len(r['versions'])} version(s) published, {len(r['replayed'])} replayed, "
+            f"{len(r['skipped'])} snapshot(s) skipped, {full} full state(s) written, {r['seconds']:.1f} s "
+            f"(start-up {r['startup_seconds']:.1f} s)")

@@ -167,22 +167,24 @@ def export_hf(lm: PreTrainedModel, parent_hf: Path, out: Path, state: dict[str, 
 
 
 def write_final(strategy: DeepSpeedStrategy, root: Path, *, client_state: dict[str, Any], train_config: dict[str, Any],
-                lm: PreTrainedModel, parent_hf: Path) -> None:
-    """Every rank: DeepSpeed state + RNG and its share of the consolidated
-    weights; rank 0: cursor, config, hf/, then ``latest`` last."""
+                lm: PreTrainedModel, parent_hf: Path, full: bool = True, pause_prefix: str = "") -> None:
+    """Every rank: DeepSpeed state + RNG (``full``; the resident trainer skips
+    them between full checkpoints) and its share of the consolidated weights;
+    rank 0: cursor, config, hf/, then ``latest`` last."""
     from pipeline.lake.delta import pause_point
 
     if strategy.is_rank_0() and root.exists():
         shutil.rmtree(root)           # an unpublished leftover of a crashed publish
     strategy.barrier()
-    _save_engine_and_rng(strategy, root, FINAL_TAG, client_state)
+    if full:
+        _save_engine_and_rng(strategy, root, FINAL_TAG, client_state)
     state = strategy.consolidated_state_dict(lm)      # collective under ZeRO-3; None off rank 0
     if strategy.is_rank_0():
         cursor = {k: v for k, v in client_state.items() if k != "metrics"}
         atomic_write(root / "cursor.json", json.dumps(cursor, sort_keys=True, indent=1, default=str))
         atomic_write(root / "train_config.json", json.dumps(train_config, sort_keys=True, indent=1, default=str))
         export_hf(lm, parent_hf, root / HF_SUBDIR, state)
-        pause_point("checkpoint:final:hf-written")   # kill tests: every file but `latest`, no checkpoints row
+        pause_point(f"{pause_prefix}checkpoint:final:hf-written")   # kill tests: every file but `latest`, no row
         atomic_write(root / LATEST, FINAL_TAG)
     strategy.barrier()
 
@@ -190,3 +192,41 @@ def write_final(strategy: DeepSpeedStrategy, root: Path, *, client_state: dict[s
 def weight_hashes(files: dict[str, str]) -> dict[str, str]:
     """The hf/ weight files among a checkpoint's file hashes."""
     return {k: v for k, v in files.items() if k.startswith(f"{HF_SUBDIR}/") and k.endswith(WEIGHT_SUFFIXES)}
+
+
+# -- the resident trainer's full state ------------------------------------------
+# A version the resident trainer published weights-only gets its DeepSpeed state
+# (ds/final, rng/final) later only at shutdown; those files are not in its
+# checkpoints row, so a manifest of their sha256, written atomically and last,
+# is what makes them loadable (the same rule as a run's resumable state).
+STATE_MANIFEST = "state-manifest.json"
+
+
+def write_full_state(strategy: DeepSpeedStrategy, root: Path, client_state: dict[str, Any]) -> None:
+    """Every rank: the DeepSpeed state + RNG of a published weights-only version
+    into its directory; rank 0 writes ``state-manifest.json`` last."""
+    from pipeline.lake.delta import pause_point
+
+    if strategy.is_rank_0():
+        (root / STATE_MANIFEST).unlink(missing_ok=True)
+        for sub in ("ds", "rng"):
+            shutil.rmtree(root / sub, ignore_errors=True)   # a leftover of a shutdown killed while writing
+    strategy.barrier()
+    _save_engine_and_rng(strategy, root, FINAL_TAG, client_state)
+    if strategy.is_rank_0():
+        pause_point("follow:shutdown-state")                # kill tests: state written, manifest not yet
+        atomic_write(root / STATE_MANIFEST, json.dumps(_tag_files(root, FINAL_TAG), sort_keys=True, indent=1))
+    strategy.barrier()
+
+
+def has_full_state(root: Path, files: dict[str, str]) -> bool:
+    """Whether the checkpoint at ``root`` holds a loadable DeepSpeed state: listed
+    in its checkpoints row (``files``, verified by resolve_policy), or written at a
+    resident trainer's shutdown and matching its state manifest (verified here)."""
+    if (root / LATEST).is_file() and any(k.startswith(f"ds/{FINAL_TAG}/") for k in files):
+        return (root / "ds" / FINAL_TAG).is_dir()
+    manifest = root / STATE_MANIFEST
+    if not manifest.is_file():
+        return False
+    expected = json.loads(manifest.read_text())
+    return bool(expected) and _tag_files(root, FINAL_TAG) == expected

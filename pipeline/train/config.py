@@ -14,7 +14,6 @@ from typing import ClassVar, Literal
 
 from pipeline.errors import ConfigError
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 # Metric trackers the live metrics may mirror to (pipeline/train/live.py opens them).
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 
@@ -27,6 +26,7 @@ def parse_trackers(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 @dataclass(frozen=True)
 class TrainConfig:
     config_section: ClassVar[str] = "train"   # its section in an experiment file (pipeline.config.SECTIONS)
@@ -93,6 +93,13 @@ class TrainConfig:
                 "trainer with the same zero_stage, precision, offload and world size; else a fresh optimizer"})
     save_every: int = field(default=0, metadata={"ge": 0,
         "help": "save a resumable state every N optimizer steps (0 = only the final checkpoint)"})
+    # -- the resident trainer (pipeline train --follow; not part of the run's identity: see PUBLISHING) --
+    full_checkpoint_every: int = field(default=16, metadata={"ge": 1,
+        "help": "--follow: write the full DeepSpeed state (fp32 weights + AdamW moments) with every Nth published "
+                "version and at shutdown; the versions between publish their weights only. A restart after a crash "
+                "re-trains at most N-1 snapshots (docs/resident-trainer.md)"})
+    follow_poll_s: float = field(default=2.0, metadata={"gt": 0,
+        "help": "--follow: seconds between looks for a newly admitted snapshot"})
     # -- observability (not part of the run's identity: see OBSERVABILITY) ----
     metrics_every_steps: int = field(default=10, metadata={
         "help": "append the per-step metrics to the metrics table every N steps during the run (0: by time only)"})
@@ -110,7 +117,7 @@ class TrainConfig:
             raise ConfigError(f"zero_stage={self.zero_stage}: DeepSpeed ZeRO stages are 0, 1, 2 and 3")
         if self.offload and self.zero_stage == 0:
             raise ConfigError("offload needs zero_stage >= 1", hint="--set zero_stage=1 --set offload=true")
-        for name in ("epochs", "micro_batch_tokens", "grad_accum", "logprob_chunk", "threads"):
+        for name in ("epochs", "micro_batch_tokens", "grad_accum", "logprob_chunk", "threads", "full_checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_steps", "warmup_steps", "norm_len", "vocab_chunk", "save_every"):
@@ -118,6 +125,8 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not (0 <= self.clip_low < 1) or self.clip_high < 0:
             raise ConfigError(f"clip_low={self.clip_low}, clip_high={self.clip_high}: need 0 <= clip_low < 1, clip_high >= 0")
+        if self.follow_poll_s <= 0:
+            raise ConfigError(f"follow_poll_s must be > 0, got {self.follow_poll_s}")
         if self.lr <= 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
         if self.max_train_lag is not None and self.max_train_lag < 0:
@@ -132,14 +141,17 @@ OBSERVABILITY = ("metrics_every_steps", "metrics_every_s", "trackers", "tracker_
 # Whether a run may start, not what it computes: a run that passes the gate trains
 # the same weights under any bound, so the bound is not part of its identity either.
 ADMISSION_GATES = ("max_train_lag",)
+# How the resident trainer publishes and polls, not what it computes: a version
+# has the same weights (and checkpoint id) whether or not its full state was written.
+PUBLISHING = ("full_checkpoint_every", "follow_poll_s")
 
 
 def identity_hash(cfg: TrainConfig) -> str:
-    """sha256 of the config without the OBSERVABILITY and ADMISSION_GATES fields (the run identity's part)."""
+    """sha256 of the config without the OBSERVABILITY, ADMISSION_GATES and PUBLISHING fields (the run identity's part)."""
     import hashlib
     import json
 
     from pipeline.config import config_dict
 
-    d = {k: v for k, v in config_dict(cfg).items() if k not in OBSERVABILITY + ADMISSION_GATES}
+    d = {k: v for k, v in config_dict(cfg).items() if k not in OBSERVABILITY + ADMISSION_GATES + PUBLISHING}
     return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()

@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import ConfigError
-from pipeline.train.config import TrainConfig, parse_trackers
+from pipeline.train.config import TRACKERS, parse_trackers  # noqa: F401 - TRACKERS: re-exported
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
+    from pipeline.train.config import TrainConfig
 
 # Columns of a metrics row that are not numbers to plot.
 NOT_SCALARS = {"checkpoint_id", "snapshot_id", "run_id", "global_step", "created_at"}

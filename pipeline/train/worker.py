@@ -2,9 +2,10 @@
 
     python -m torch.distributed.run --nproc_per_node 2 -m pipeline.train.worker JOB.json
 
-JOB.json (written by ``train_snapshot(..., nproc=N)``) names the lake, snapshot,
-config and options; rank 0 writes the TrainResult (or the error) to its
-``result`` path.
+JOB.json (written by ``train_snapshot(..., nproc=N)``, or with ``"mode": "follow"``
+by ``pipeline.train.follow.follow(..., nproc=N)``) names the lake, snapshot,
+config and options; rank 0 writes the TrainResult / FollowResult (or the error)
+to its ``result`` path.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def main(argv: list[str]) -> int:
@@ -22,14 +24,21 @@ def main(argv: list[str]) -> int:
     from pipeline.train.run import train_snapshot
 
     job = json.loads(Path(argv[0]).read_text())
+    res: Any
     cfg = load_config(TrainConfig, None, {k: (list(v) if isinstance(v, tuple) else v) for k, v in job["config"].items()})
     import os
 
     rank = int(os.environ.get("RANK", "0"))
     try:
-        res = train_snapshot(Lake(job["lake"]), job["snapshot_id"], cfg, from_checkpoint=job["from_checkpoint"],
-                             resume=job["resume"], force=job["force"], progress=job["progress"],
-                             crash_at=job.get("crash_at"))
+        if job.get("mode") == "follow":
+            from pipeline.train.follow import follow
+
+            res = follow(Lake(job["lake"]), cfg, from_checkpoint=job["from_checkpoint"], stop_after=job["stop_after"],
+                         idle_timeout_s=job["idle_timeout_s"], stop_file=job["stop_file"], progress=job["progress"])
+        else:
+            res = train_snapshot(Lake(job["lake"]), job["snapshot_id"], cfg, from_checkpoint=job["from_checkpoint"],
+                                 resume=job["resume"], force=job["force"], progress=job["progress"],
+                                 crash_at=job.get("crash_at"))
     except PipelineError as exc:
         if rank == 0:   # the launching process prints it as one error line: no traceback here
             Path(job["result"]).write_text(json.dumps({"error": exc.message, "hint": exc.hint}))

