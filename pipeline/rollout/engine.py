@@ -59,6 +59,16 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+class ContinuousEngine(Engine, Protocol):
+    """An engine with continuous batching (vLLM): requests join the running batch
+    as they arrive and each ``step`` advances every running request by one
+    token, returning the ones that finished. The harness uses it when present."""
+
+    def add_request(self, request_id: str, request: Request, sampling: Sampling) -> None: ...
+
+    def step(self) -> list[tuple[str, Completion]]: ...
+
+
 _MASK = (1 << 63) - 1
 
 
@@ -91,3 +101,21 @@ def make_engine(name: str, hf_dir: str | Path, *, threads: int | None = None, **
     from pipeline.errors import ConfigError
 
     raise ConfigError(f"unknown engine {name!r}", hint="use --engine hf or --engine vllm")
+
+
+def switch_weights(engine: Engine, hf_dir: str | Path, *, mode: Literal["in_place", "rebuild"] = "in_place",
+                   threads: int | None = None) -> tuple[Engine, dict]:
+    """Serve the policy in ``hf_dir`` from now on: load its weights into the
+    running engine (``engine.load_weights``, which returns False when the
+    architecture differs) or, failing that or with ``mode="rebuild"``, close the
+    engine and build a new one. Returns the engine and ``{mode, seconds}``."""
+    import time
+
+    t0 = time.perf_counter()
+    load = getattr(engine, "load_weights", None)
+    if mode == "in_place" and load is not None and load(Path(hf_dir)):
+        return engine, {"mode": "in_place", "seconds": time.perf_counter() - t0}
+    name = engine.name
+    engine.close()
+    new = make_engine(name, hf_dir, threads=threads)
+    return new, {"mode": "rebuild", "seconds": time.perf_counter() - t0}
