@@ -774,7 +774,8 @@ class _Scheduler:
     def _step(self) -> None:
         """One engine step on the ready episodes (a micro-batch, or new requests of a continuous engine)."""
         h = self.h
-        if (h.follow_every_turn and self._steps) or h.engine_changed:
+        # a continuous engine switches only between requests (none of its running ones may see two policies)
+        if ((h.follow_every_turn and self._steps) or h.engine_changed) and not self.generating:
             h.engine_changed = False
             self._engine()                      # a newer policy samples the next turns
         self._steps += 1

@@ -427,6 +427,8 @@ def run_worker(lake: Lake, cfg: RolloutConfig, worker: int, *, guard=None) -> Ro
     def harness_active() -> int:
         return sum(1 for e in started if not e.done)
 
+    holder()                       # the engine starts before the clock of rolling out does
+    harness.codec = holder.codec
     t_run = time.perf_counter()
     harness.run([], feed=feed, on_finish=on_finish, tick=tick)
     summary.rollout_seconds = time.perf_counter() - t_run
