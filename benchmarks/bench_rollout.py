@@ -56,7 +56,8 @@ def _rollout(hf_dir: Path, tmp: Path, name: str, groups: int, **over) -> dict:
             "traj_per_s": s.trajectories / s.rollout_seconds, "engine_busy_s": s.engine_busy_s,
             "busy_share": s.engine_busy_share, "engine_steps": s.engine_steps, "tool_calls": s.tool_executions,
             "waits_ms": s.waits_ms, "statuses": s.statuses,
-            "outcome": sorted((r["trajectory_id"], tuple(r["response_ids"]), r["reward"]) for r in rows)}
+            "outcome": sorted((r["trajectory_id"].rsplit("-g", 1)[1], tuple(r["response_ids"]), r["reward"])
+                              for r in rows)}
 
 
 def _rollouts(hf_dir: Path, tmp: Path, groups: int) -> list[Result]:

@@ -711,6 +711,13 @@ class _Scheduler:
             except queue.Empty:
                 item = None
         now = time.monotonic()
+        for kind, q in self.queues.items():             # a call still queued when its episode's wall clock ran out
+            for c in [c for c in q if now >= c.ep.started + h.limits.wall_clock_s]:
+                q.remove(c)
+                h._terminal(c.ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None,
+                            {"error": f"the wall clock ran out while the {kind} call was queued "
+                                      f"(wall_clock_s={h.limits.wall_clock_s:g})",
+                             "waited_ms": round((now - c.queued) * 1000, 3)})
         for token, c in list(self.running.items()):
             wall = c.ep.started + h.limits.wall_clock_s
             if now < min(c.deadline, wall):
@@ -884,6 +891,9 @@ class _Scheduler:
                 wait = min(wait, max(0.0, min(t for _, _, t in self.ready) + h.schedule.max_wait_ms / 1000 - now))
             for c in self.running.values():
                 wait = min(wait, max(0.0, min(c.deadline, c.ep.started + h.limits.wall_clock_s) - now))
+            for q in self.queues.values():
+                for c in q:
+                    wait = min(wait, max(0.0, c.ep.started + h.limits.wall_clock_s - now))
             if not self.running and not self.ready and not self.queues["tool"] and not self.queues["verify"] \
                     and self.active and self.exhausted:
                 raise RuntimeError(f"harness: {self.active} episodes are active but none can advance")

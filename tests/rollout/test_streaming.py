@@ -107,7 +107,8 @@ def test_a_verifier_past_its_deadline_is_infra_failed_never_accepted(lake, polic
 
 def test_a_call_that_outlives_the_wall_clock_ends_expired_at_the_deadline(lake, policy_dir):
     HangingVerifier.hung.clear()
-    s = _run_live(lake, _cfg(policy_dir, "vwall", wall_clock_s=8.0, verify_timeout_s=600.0))
+    # (8 verifier slots: the 4 hung calls hold theirs until the wall clock, the others never queue behind them)
+    s = _run_live(lake, _cfg(policy_dir, "vwall", wall_clock_s=8.0, verify_timeout_s=600.0, verifier_concurrency=8))
     rows, ev, term = _rows_and_terminals(lake, "vwall")
     slow = [r for r in rows if r["task_id"] == slow_task_id() and r["trajectory_id"] in _verified(ev)]
     assert slow
