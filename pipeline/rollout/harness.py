@@ -558,6 +558,7 @@ class _Call:
     deadline: float = math.inf      # the call's own deadline (tool_timeout_s / verify_timeout_s)
     pause_s: float = 0.0            # injected latency (Latency)
     token: int = 0
+    finished: bool = False          # answered (its slot is free; the loop has yet to record it)
 
 
 class _Scheduler:
@@ -590,12 +591,17 @@ class _Scheduler:
         self.ready: list[tuple[int, Episode, float]] = []      # (order, episode, ready since)
         self.queues: dict[str, deque[_Call]] = {"tool": deque(), "verify": deque()}
         self.running: dict[int, _Call] = {}
+        self.staged: list[_Call] = []                          # queued, waiting for the spool sync
+        self.lock = threading.Lock()                           # queues + running, shared with the call threads
         self.done: queue.SimpleQueue = queue.SimpleQueue()     # (token, outcome, finished at)
         self.feed, self.on_finish, self.tick = feed, on_finish, tick
         self.exhausted = feed is None
         crash = bool(h.faults.kill_after_executed or h.faults.hold_after_executed)
         self.barrier = h.schedule.order == "waves"
         self.tool_barrier = crash
+        # call threads start the next queued call themselves, except where the loop must order
+        # things: the crash-test faults (an exact crash point) and shipping before tools run
+        self.chain = not crash and h.before_tools is None
         self.bounds = {"tool": 1 if crash else max(1, int(h.limits.tool_concurrency)),
                        "verify": max(1, int(h.limits.verifier_concurrency))}
         self.inflight_bound = max(1, int(h.schedule.max_inflight)) if h.schedule.max_inflight else 0
@@ -639,6 +645,7 @@ class _Scheduler:
         self._finished()
 
     def _queue(self, kind: str, ep: Episode, now: float) -> None:
+        """Stage a call; it becomes runnable once the spool is synced (``_publish``)."""
         h = self.h
         if kind == "tool":
             fault = h._tool_fault(ep)
@@ -648,7 +655,18 @@ class _Scheduler:
             fault = h._verify_fault(ep)
             key = f"{ep.episode_id}/verify{ep.turns}"
         pause = 0.0 if fault is not None else h.latency.draw(kind, key)
-        self.queues[kind].append(_Call(kind, ep, fault, now, pause_s=pause))
+        self.staged.append(_Call(kind, ep, fault, now, pause_s=pause))
+
+    def _publish(self) -> None:
+        """Make the staged calls runnable: the spool first (every ACTION_COMMITTED and
+        TOOL_WAITING is durable before its tool can run), then the queues."""
+        if not self.staged:
+            return
+        self.h.spool.sync()
+        with self.lock:
+            for c in self.staged:
+                self.queues[c.kind].append(c)
+        self.staged.clear()
 
     def _finished(self) -> None:
         """Hand the episodes that just ended to ``on_finish`` (retries come back as new episodes)."""
@@ -660,39 +678,63 @@ class _Scheduler:
                 if more:
                     self._add(more)
 
+    def _calls(self) -> list[_Call]:
+        with self.lock:
+            return list(self.running.values())
+
     def _inflight(self) -> bool:
-        return bool(self.running or self.queues["tool"] or self.queues["verify"])
+        with self.lock:
+            return bool(self.running or self.queues["tool"] or self.queues["verify"] or self.staged)
 
     # -- calls -----------------------------------------------------------------------------
+    def _next(self, kind: str) -> _Call | None:
+        """Under ``lock``: the next queued call of ``kind`` if a slot is free, registered as running."""
+        q = self.queues[kind]
+        if not q or sum(1 for c in self.running.values() if c.kind == kind and not c.finished) >= self.bounds[kind]:
+            return None
+        c = q.popleft()
+        c.token = next(self._token)
+        c.started = time.monotonic()
+        timeout = self.h._tool_timeout() if kind == "tool" else float(self.h.limits.verify_timeout_s or math.inf)
+        c.deadline = c.started + timeout
+        self.running[c.token] = c
+        return c
+
     def _dispatch(self) -> None:
         h = self.h
+        self._publish()
         for kind in ("tool", "verify"):
-            q = self.queues[kind]
-            while q and sum(1 for c in self.running.values() if c.kind == kind) < self.bounds[kind]:
-                h.spool.sync()                  # the action (and its TOOL_WAITING) is durable before it runs
-                if kind == "tool" and self.ship_first:
+            while True:
+                if kind == "tool" and self.ship_first and self.queues["tool"]:
                     self.ship_first = False
                     if h.before_tools is not None:
-                        h.before_tools()
-                c = q.popleft()
-                c.token = next(self._token)
-                c.started = time.monotonic()
-                timeout = h._tool_timeout() if kind == "tool" else float(h.limits.verify_timeout_s or math.inf)
-                c.deadline = c.started + timeout
-                self.running[c.token] = c
-                if c.fault is not None:
-                    self.done.put((c.token, c.fault, c.started))
-                    continue
+                        h.before_tools()          # committed actions reach the lake before any of their tools run
+                with self.lock:
+                    c = self._next(kind)
+                if c is None:
+                    break
                 threading.Thread(target=self._work, args=(c,), name=f"{kind}-{c.ep.episode_id}",
                                  daemon=True).start()
 
-    def _work(self, c: _Call) -> None:
-        try:
-            out: Any = (self.h._tool_call(c.ep, c.pause_s) if c.kind == "tool"
-                        else self.h._verify_call(c.ep, c.pause_s))
-        except BaseException as exc:  # noqa: BLE001 - handed to the harness as the call's outcome
-            out = exc
-        self.done.put((c.token, out, time.monotonic()))
+    def _work(self, c: _Call | None) -> None:
+        """A call thread: run the call, hand its outcome to the loop; then (``chain``)
+        free its slot and run the next queued call of its kind, so a finished call
+        does not wait for the loop (busy with the engine) to start the next one."""
+        while c is not None:
+            if c.fault is not None:
+                out: Any = c.fault
+            else:
+                try:
+                    out = (self.h._tool_call(c.ep, c.pause_s) if c.kind == "tool"
+                           else self.h._verify_call(c.ep, c.pause_s))
+                except BaseException as exc:  # noqa: BLE001 - handed to the harness as the call's outcome
+                    out = exc
+            self.done.put((c.token, out, time.monotonic()))
+            if not self.chain:
+                return
+            with self.lock:
+                c.finished = True
+                c = self._next(c.kind)
 
     def _collect(self, timeout: float | None) -> None:
         """Record finished calls (waiting up to ``timeout`` for the first), then end overdue ones."""
@@ -703,7 +745,8 @@ class _Scheduler:
             item = None
         while item is not None:
             token, out, at = item
-            c = self.running.pop(token, None)
+            with self.lock:
+                c = self.running.pop(token, None)
             if c is not None and not c.ep.done:     # None: abandoned at its deadline, a late answer
                 self._resolved(c, out, at)
             try:
@@ -711,27 +754,32 @@ class _Scheduler:
             except queue.Empty:
                 item = None
         now = time.monotonic()
-        for kind, q in self.queues.items():             # a call still queued when its episode's wall clock ran out
-            for c in [c for c in q if now >= c.ep.started + h.limits.wall_clock_s]:
-                q.remove(c)
-                h._terminal(c.ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None,
-                            {"error": f"the wall clock ran out while the {kind} call was queued "
-                                      f"(wall_clock_s={h.limits.wall_clock_s:g})",
-                             "waited_ms": round((now - c.queued) * 1000, 3)})
-        for token, c in list(self.running.items()):
-            wall = c.ep.started + h.limits.wall_clock_s
-            if now < min(c.deadline, wall):
-                continue
-            del self.running[token]                  # abandoned: its thread is a daemon and its answer is ignored
+        wall_s = h.limits.wall_clock_s
+        expired: list[_Call] = []
+        overdue: list[_Call] = []
+        with self.lock:
+            for q in self.queues.values():              # a call still queued when its episode's wall clock ran out
+                for c in [c for c in q if now >= c.ep.started + wall_s]:
+                    q.remove(c)
+                    expired.append(c)
+            for token, c in list(self.running.items()):
+                if not c.finished and now >= min(c.deadline, c.ep.started + wall_s):
+                    del self.running[token]             # abandoned: its thread is a daemon, its answer ignored
+                    overdue.append(c)
+        for c in expired:
+            h._terminal(c.ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None,
+                        {"error": f"the wall clock ran out while the {c.kind} call was queued "
+                                  f"(wall_clock_s={wall_s:g})", "waited_ms": round((now - c.queued) * 1000, 3)})
+        for c in overdue:
             if c.kind == "tool":
                 h.tools_abandoned += 1
             else:
                 h.verifiers_abandoned += 1
             meta = {"waited_ms": round((now - c.queued) * 1000, 3)}
-            if wall <= c.deadline:                  # the episode's wall clock ran out during the call
+            if c.ep.started + wall_s <= c.deadline:     # the episode's wall clock ran out during the call
                 h._terminal(c.ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None,
                             {"error": f"{c.kind} call outlived the episode's wall clock "
-                                      f"(wall_clock_s={h.limits.wall_clock_s:g})"} | meta)
+                                      f"(wall_clock_s={wall_s:g})"} | meta)
             elif c.kind == "tool":
                 h._tool_result(c.ep, ToolTimeout(f"tool call exceeded its deadline of {c.deadline - c.started:g}s "
                                                  f"(harness tool_timeout_s)"), meta)
@@ -766,7 +814,7 @@ class _Scheduler:
         inflight = self._inflight()
         if self.barrier:
             return not inflight
-        if self.tool_barrier and (self.queues["tool"] or any(c.kind == "tool" for c in self.running.values())):
+        if self.tool_barrier and (self.queues["tool"] or self.staged or any(c.kind == "tool" for c in self._calls())):
             return False
         if not inflight or len(self.ready) >= self.h.schedule.max_batch:
             return True
@@ -889,15 +937,16 @@ class _Scheduler:
             wait = 0.5
             if self.ready and not self.barrier and not self.tool_barrier:
                 wait = min(wait, max(0.0, min(t for _, _, t in self.ready) + h.schedule.max_wait_ms / 1000 - now))
-            for c in self.running.values():
+            calls = self._calls()
+            with self.lock:
+                queued = [c for q in self.queues.values() for c in q]
+            for c in calls:
                 wait = min(wait, max(0.0, min(c.deadline, c.ep.started + h.limits.wall_clock_s) - now))
-            for q in self.queues.values():
-                for c in q:
-                    wait = min(wait, max(0.0, c.ep.started + h.limits.wall_clock_s - now))
-            if not self.running and not self.ready and not self.queues["tool"] and not self.queues["verify"] \
-                    and self.active and self.exhausted:
+            for c in queued:
+                wait = min(wait, max(0.0, c.ep.started + h.limits.wall_clock_s - now))
+            if not calls and not queued and not self.ready and not self.staged and self.active and self.exhausted:
                 raise RuntimeError(f"harness: {self.active} episodes are active but none can advance")
-            self._collect(wait if self.running else min(wait, 0.05))
+            self._collect(wait if calls else min(wait, 0.05))
         h.spool.sync()
         return self.eps
 
