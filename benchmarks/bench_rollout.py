@@ -16,7 +16,7 @@ process with the order alternated (A B C, then C B A; the better of two):
 Trajectories/s = trajectories / rollout_seconds (engine start-up excluded).
 Tool calls get 64 slots in both orders (they are waits on remote services),
 ``flush_seconds=2``. The same figures again with a 4x wider, 2x deeper
-warm-started policy (hidden 256, 4 layers), where generation rather than the
+policy (hidden 256, 4 layers; 100 warm-start steps), where generation rather than the
 tools' latency is the work, as it is with a real model.
 Sampling is seeded per sample, so every run produces the same trajectories:
 only timing differs (checked).
@@ -168,8 +168,8 @@ def run(quick: bool = False) -> list[Result]:
         if not quick and os.environ.get("BENCH_ROLLOUT_BIG", "1") != "0":
             # the same task where generation, not the tools, is the work (as with a real model on
             # any hardware): a 4x wider, 2x deeper policy, warm-started the same way
-            big_ref = init_policy(Lake(tmp / "policy-big"), warm_start_steps=300, hidden_size=256,
-                                  intermediate_size=1024, num_layers=4, num_heads=8)
+            big_ref = init_policy(Lake(tmp / "policy-big"), warm_start_steps=100, batch_size=32, tool_fraction=0.5,
+                                  hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=8)
             results += _rollouts(Path(big_ref.hf_dir), tmp, groups, "policy hidden 256, 4 layers")
         demo_b = _perturbed_copy(Path(ref.hf_dir), tmp / "demo-b", 1)
         results.append(_switch("hf", "demo policy (hidden 64, 2 layers)", Path(ref.hf_dir), demo_b, 3, 3))
