@@ -412,10 +412,19 @@ class Harness:
         environment's declared ``tool_timeout_s``, else none."""
         return float(self.limits.tool_timeout_s or getattr(self.env, "tool_timeout_s", 0) or DEFAULT_TOOL_TIMEOUT_S)
 
+    def draw_key(self, ep: Episode, call: str) -> str:
+        """The key the injected faults and latencies of one call are drawn from: the
+        episode id without its run id (``g<k>-<j>``, ``g<k>-r<n>``) and the call, so two
+        runs of the same plan (another run id, schedule or --workers) draw the same."""
+        eid = ep.episode_id
+        if eid.startswith(self.run_id + "-"):
+            eid = eid[len(self.run_id) + 1:]
+        return f"{eid}/{call}"
+
     def _draw(self, kind: str, ep: Episode, step: int) -> random.Random:
-        """The fault draws of one call: a function of (seed, episode, step), so the
-        same faults land whatever the order calls run in and whatever the workers."""
-        return random.Random(derive_seed(self.faults.seed, "fault", kind, ep.episode_id, step))
+        """The fault draws of one call: a function of (seed, call key), so the same
+        faults land whatever the order calls run in and whatever the workers."""
+        return random.Random(derive_seed(self.faults.seed, "fault", kind, self.draw_key(ep, str(step))))
 
     def _tool_fault(self, ep: Episode) -> Exception | None:
         rng = self._draw("tool", ep, ep.call["step"])
@@ -649,11 +658,11 @@ class _Scheduler:
         h = self.h
         if kind == "tool":
             fault = h._tool_fault(ep)
-            key = f"{ep.episode_id}/{ep.call['action_id']}"
+            key = h.draw_key(ep, ep.call["action_id"])
             self.ship_first = self.ship_first or h.before_tools is not None
         else:
             fault = h._verify_fault(ep)
-            key = f"{ep.episode_id}/verify{ep.turns}"
+            key = h.draw_key(ep, f"verify{ep.turns}")
         pause = 0.0 if fault is not None else h.latency.draw(kind, key)
         self.staged.append(_Call(kind, ep, fault, now, pause_s=pause))
 

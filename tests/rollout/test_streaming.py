@@ -183,7 +183,7 @@ def test_latency_model_is_seeded_recorded_and_changes_no_outcome(lake, policy_di
     assert executed
     lm = Latency(30.0, 1.0, 0.2, 10.0, 0.0, 0.0, seed=SEED)
     for e in executed:                                  # every call's injected latency is on record, reproducibly
-        key = f"{e['episode_id']}/{e['action_id']}"
+        key = f"{e['episode_id'].removeprefix('lat1-')}/{e['action_id']}"   # drawn without the run id
         assert json.loads(e["payload"])["injected_ms"] == round(lm.draw("tool", key) * 1000, 3)
     assert s.waits_ms["tool"]["n"] == len(executed) and s.engine_busy_s > 0 and s.engine_steps >= 2
     cols = ["task_id", "response_ids", "loss_mask", "reward", "status", "stop_reason"]
