@@ -55,6 +55,12 @@ def _rollout(args: argparse.Namespace) -> None:
         + f"\n  {r['generated_tokens']} generated tokens, {r['tokens_per_s']:.0f} tokens/s "
           f"({r['rollout_seconds']:.1f}s rolling out, {r['seconds']:.1f}s in total), {r['tool_executions']} tool calls"
         + (f", {r['tools_abandoned']} past their deadline" if r["tools_abandoned"] else "")
+        + f"\n  engine busy {r['engine_busy_s']:.1f}s ({r['engine_busy_share']:.0%} of rolling out, "
+          f"{r['engine_steps']} steps, schedule {r['schedule']})"
+        + "".join(f"\n  wait {k}: p50 {v['p50']:.0f} ms, p95 {v['p95']:.0f} ms" for k, v in r["waits_ms"].items())
+        + (f", {r['verifiers_abandoned']} verifier calls past their deadline" if r["verifiers_abandoned"] else "")
+        + "".join(f"\n  weight switch to v{w['version']}: {w['mode']} in {w['seconds']:.2f}s"
+                  for w in r["weight_switches"])
         + (f"\n  retries: {r['retries']} run, {r['retries_denied']} denied (budget spent or policy moved on)"
            if r["retries"] or r["retries_denied"] else "")))
 

@@ -449,7 +449,8 @@ def rollout(q: _Queries) -> Section:
     s = Section("rollout", "Rollout health",
                 "Response length and truncation (share stopped at the length limit) per policy version "
                 "(sql/rollout_lengths.sql), throughput over time (sql/rollout_throughput.sql), success per task "
-                "difficulty over versions (sql/success_by_difficulty.sql), and where the wall time goes "
+                "difficulty over versions (sql/success_by_difficulty.sql), the engine's busy share and the waits "
+                "per stage of the streaming harness (sql/rollout_engine.sql), and where the wall time goes "
                 "(rollout / admit / train, from the jobs' OpenLineage START and COMPLETE events).")
     ln = _rows(q.get("rollout_lengths", run_id=o.run_id), "trajectories")
     if isinstance(ln, Note):
@@ -475,6 +476,19 @@ def rollout(q: _Queries) -> Section:
             s.blocks.append(Plot("Success by difficulty", _lines(
                 series, title="Success per difficulty over policy versions", xlabel="policy version",
                 ylabel="success rate", integer_x=True, ylim=(0, 1.02))))
+    eng = _rows(q.get("rollout_engine", run_id=o.run_id), "engine (events)")
+    if isinstance(eng, Note):
+        if eng.kind == "error":
+            s.blocks.append(eng)
+    elif eng.engine_calls.notna().any():       # events of the streaming harness (harness/2) only
+        eng = eng[eng.engine_calls.notna()]
+        s.blocks.append(Plot("Engine busy share", _bars(
+            [str(r) for r in eng.run_id], {"busy share": [float(x) for x in eng.busy_share.fillna(0.0)]},
+            title="Engine busy share of the workers' wall time, per run", ylabel="share")))
+        s.blocks.append(_table(eng, ["run_id", "workers", "episodes", "engine_calls", "engine_busy_s", "wall_s",
+                                     "busy_share", "queue_p50_ms", "queue_p95_ms", "tool_p50_ms", "tool_p95_ms",
+                                     "verify_p50_ms", "verify_p95_ms", "injected_tool_ms"],
+                               caption="engine time and waits per stage (ms), per run (sql/rollout_engine.sql)"))
     tb = time_breakdown(q.lake)
     if tb:
         s.blocks.append(Plot("Time breakdown", _bars(

@@ -9,6 +9,7 @@ backends, so no module imports one that imports it back.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pipeline.rollout.engine import Engine
 
@@ -26,3 +27,21 @@ def make_engine(name: str, hf_dir: str | Path, *, threads: int | None = None, **
     from pipeline.errors import ConfigError
 
     raise ConfigError(f"unknown engine {name!r}", hint="use --engine hf or --engine vllm")
+
+
+def switch_weights(engine: Engine, hf_dir: str | Path, *, mode: Literal["in_place", "rebuild"] = "in_place",
+                   threads: int | None = None) -> tuple[Engine, dict]:
+    """Serve the policy in ``hf_dir`` from now on: load its weights into the
+    running engine (``engine.load_weights``, which returns False when the
+    architecture differs) or, failing that or with ``mode="rebuild"``, close the
+    engine and build a new one. Returns the engine and ``{mode, seconds}``."""
+    import time
+
+    t0 = time.perf_counter()
+    load = getattr(engine, "load_weights", None)
+    if mode == "in_place" and load is not None and load(Path(hf_dir)):
+        return engine, {"mode": "in_place", "seconds": time.perf_counter() - t0}
+    name = engine.name
+    engine.close()
+    new = make_engine(name, hf_dir, threads=threads)
+    return new, {"mode": "rebuild", "seconds": time.perf_counter() - t0}

@@ -60,6 +60,16 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+class ContinuousEngine(Engine, Protocol):
+    """An engine with continuous batching (vLLM): requests join the running batch
+    as they arrive and each ``step`` advances every running request by one
+    token, returning the ones that finished. The harness uses it when present."""
+
+    def add_request(self, request_id: str, request: Request, sampling: Sampling) -> None: ...
+
+    def step(self) -> list[tuple[str, Completion]]: ...
+
+
 _MASK = (1 << 63) - 1
 
 

@@ -146,6 +146,42 @@ class HFEngine:
     def close(self) -> None:
         self.model = None
 
+    def load_weights(self, hf_dir: Path) -> bool:
+        """Switch to the policy in ``hf_dir`` in place (``load_state_dict(assign=True)``
+        into the running model, no new engine). False, changing nothing, when its
+        architecture (config.json, version stamps aside) differs from the served one."""
+        import json
+
+        from safetensors.torch import load_file
+
+        def arch(d: Path) -> dict:
+            cfg = json.loads((Path(d) / "config.json").read_text())
+            return {k: v for k, v in cfg.items() if k not in ("transformers_version", "_name_or_path")}
+
+        hf_dir = Path(hf_dir)
+        if arch(hf_dir) != arch(self.hf_dir):
+            return False
+        state: dict[str, torch.Tensor] = {}
+        for f in sorted(hf_dir.glob("*.safetensors")):
+            state.update(load_file(str(f), device=str(self.device)))
+        if not state:
+            return False
+        # assign: the parameters take the loaded (memory-mapped) tensors instead of copying into the
+        # old ones: copying 450 MB of a 113M model took 4.3 s here, assigning 0.7 s (from_pretrained
+        # maps the file the same way)
+        missing, unexpected = self.model.load_state_dict(state, strict=False, assign=True)
+        tied = set(getattr(self.model, "_tied_weights_keys", None) or ())
+        if unexpected or any(k not in tied and "lm_head" not in k for k in missing):
+            from pipeline.errors import PipelineError
+
+            raise PipelineError(f"weights in {hf_dir} do not match the served model: missing {missing[:5]}, "
+                                f"unexpected {unexpected[:5]}", hint="publish a checkpoint of the same architecture")
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            self.model.tie_weights()         # assign replaced the tied tensors: tie them again
+        self.model.eval()
+        self.hf_dir = hf_dir
+        return True
+
     @torch.no_grad()
     def generate(self, requests: list[Request], sampling: Sampling) -> list[list[Completion]]:
         rows = [(r, i) for r in requests for i in range(r.n)]

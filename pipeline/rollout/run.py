@@ -38,7 +38,7 @@ import os
 import socket
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -89,9 +89,33 @@ class RolloutConfig:
         "group, only while the group's policy version is still the one served); 0 = no retries"})
     retry_run_budget: int = field(default=64, metadata={"ge": 0, "help":
         "retries in the whole run (split across workers); once spent, failed members stay failed"})
-    groups_per_wave: int = field(default=32, metadata={"ge": 1, "help": "groups advanced together (one engine batch)"})
+    groups_per_wave: int = field(default=32, metadata={"ge": 1, "help":
+        "groups in flight at once: with schedule=stream a new group starts as soon as there is room; with "
+        "schedule=waves the next wave starts when the last one ended"})
     flush_rows: int = field(default=256, metadata={"ge": 1, "help": "ship the spool after this many finished trajectories"})
-    flush_seconds: float = field(default=10.0, metadata={"ge": 0, "help": "... or after this many seconds"})
+    flush_seconds: float = field(default=10.0, metadata={"ge": 0, "help":
+        "... or once the oldest unshipped finished trajectory is this many seconds old (shipped while other "
+        "episodes still run)"})
+    schedule: Literal["stream", "waves"] = field(default="stream", metadata={"help":
+        "stream: every episode advances on its own and the engine serves whatever is ready; waves: the lockstep "
+        "baseline (a turn for every episode, then every tool, then the next turn)"})
+    max_batch: int = field(default=256, metadata={"ge": 1, "help":
+        "rows of one engine call (transformers micro-batch; vLLM batches continuously)"})
+    max_wait_ms: float = field(default=20.0, metadata={"ge": 0, "help":
+        "a partial micro-batch waits this long for more ready episodes (transformers)"})
+    verify_timeout_s: float = field(default=30.0, metadata={"gt": 0, "help":
+        "deadline per verifier call (INFRA_FAILED / verifier_timeout, null reward, past it)"})
+    verifier_concurrency: int = field(default=8, metadata={"ge": 1, "help": "verifier calls running at once"})
+    tool_latency_ms: float = field(default=0.0, metadata={"ge": 0, "help":
+        "injected tool latency: mean of a lognormal, ms (0 = none); seeded by `seed`, recorded in the events"})
+    tool_latency_sigma: float = field(default=0.0, metadata={"ge": 0, "help": "log-sd of the tool latency lognormal"})
+    slow_tool_p: float = field(default=0.0, metadata={"ge": 0, "le": 1, "help": "share of tool calls that take 10x"})
+    verifier_latency_ms: float = field(default=0.0, metadata={"ge": 0, "help":
+        "injected verifier latency: mean of a lognormal, ms (0 = none)"})
+    verifier_latency_sigma: float = field(default=0.0, metadata={"ge": 0, "help": "log-sd of the verifier latency"})
+    slow_verifier_p: float = field(default=0.0, metadata={"ge": 0, "le": 1, "help": "share of verifier calls that take 10x"})
+    weight_switch: Literal["in_place", "rebuild"] = field(default="in_place", metadata={"help":
+        "following a newer policy: load its weights into the running engine (in_place) or build a new engine"})
     spool_dir: str = field(default="", metadata={"help": "worker spools (default: <lake>/_spool/<run_id>)"})
     spool_fsync: bool = field(default=True, metadata={"help": "fsync the spool at every commit point"})
     tool_timeout_p: float = field(default=0.0, metadata={"ge": 0, "le": 1, "help": "fault injection: tool timeout probability"})
@@ -138,9 +162,35 @@ class RolloutSummary:
     retries_denied: int = 0                     # failed members not retried: a budget was spent or the policy moved on
     resumed: int = 0
     workers: int = 1
+    schedule: str = "stream"
+    engine_busy_s: float = 0.0                  # time the engine was generating (all workers)
+    engine_busy_share: float = 0.0              # engine_busy_s / (rollout_seconds of the engines)
+    engine_steps: int = 0
+    verifiers_abandoned: int = 0                # verifier calls past their deadline
+    waits_ms: dict[str, dict[str, float]] = field(default_factory=dict)   # stage -> {p50, p95, n}
+    weight_switches: list[dict[str, Any]] = field(default_factory=list)   # {version, mode, seconds}
+    samples: dict[str, list[float]] = field(default_factory=dict, repr=False)   # raw waits, merged across workers
 
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def as_dict(self, samples: bool = False) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if not samples:
+            d.pop("samples")
+        return d
+
+
+def _percentiles(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """stage -> {p50, p95, n} (nearest-rank) of the wait samples."""
+    out = {}
+    for stage, xs in samples.items():
+        if not xs:
+            continue
+        ys = sorted(xs)
+
+        def rank(q: float, ys=ys) -> float:
+            return round(ys[min(len(ys) - 1, max(0, int(q * len(ys) + 0.999999) - 1))], 3)
+
+        out[stage] = {"p50": rank(0.5), "p95": rank(0.95), "n": len(ys)}
+    return out
 
 
 def _spool_dir(lake: Lake, cfg: RolloutConfig) -> Path:
@@ -152,7 +202,13 @@ def _spool_dir(lake: Lake, cfg: RolloutConfig) -> Path:
 
 
 class _PolicyHolder:
-    """The engine for the current policy; swaps to a newer one when following."""
+    """The engine for the current policy; switches to a newer one when following.
+
+    A switch loads the new weights into the running engine (``Engine.load_weights``:
+    transformers ``load_state_dict``, vLLM's in-place weight reload) when the
+    engine can and the architecture is unchanged; otherwise (or with
+    ``weight_switch=rebuild``) it closes the engine and builds a new one. Each
+    switch is timed (``switches``)."""
 
     def __init__(self, lake: Lake, cfg: RolloutConfig) -> None:
         self.lake, self.cfg = lake, cfg
@@ -161,27 +217,36 @@ class _PolicyHolder:
         self.version = 0
         self.versions: set[int] = set()
         self.codec = None       # the policy's tokenizer (pipeline/rollout/codec.py)
+        self.switches: list[dict[str, Any]] = []
+
+    def _resolve(self) -> tuple[Path, str | None, int]:
+        from pipeline.policy_store import resolve_policy
+
+        local = Path(self.cfg.policy)
+        if not self.cfg.follow_latest and local.is_dir():
+            # a user's HF directory (not published; counts as version 0)
+            return (local if (local / "config.json").exists() else local / "hf"), str(local), 0
+        ref = resolve_policy(self.lake, None if self.cfg.follow_latest or self.cfg.policy == "latest"
+                             else self.cfg.policy)
+        return Path(ref.hf_dir), ref.checkpoint_id, max(0, ref.policy_version)
+
+    def newer(self) -> bool:
+        """A newer policy is published than the one served (following only; reads the lake, switches nothing)."""
+        return self.cfg.follow_latest and self.engine is not None and self._resolve()[1] != self.checkpoint_id
 
     def __call__(self):
-        from pipeline.policy_store import resolve_policy
-        from pipeline.rollout.backends import make_engine
+        from pipeline.rollout import codec
+        from pipeline.rollout.backends import make_engine, switch_weights
 
         if self.engine is None or self.cfg.follow_latest:
-            local = Path(self.cfg.policy)
-            if not self.cfg.follow_latest and local.is_dir():
-                # a user's HF directory (not published; counts as version 0)
-                hf_dir = local if (local / "config.json").exists() else local / "hf"
-                ckpt, version = str(hf_dir), 0
-            else:
-                ref = resolve_policy(self.lake, None if self.cfg.follow_latest or self.cfg.policy == "latest"
-                                     else self.cfg.policy)
-                hf_dir, ckpt, version = ref.hf_dir, ref.checkpoint_id, max(0, ref.policy_version)
+            hf_dir, ckpt, version = self._resolve()
             if ckpt != self.checkpoint_id:
-                if self.engine is not None:
-                    self.engine.close()
-                from pipeline.rollout import codec
-
-                self.engine = make_engine(self.cfg.engine, hf_dir, threads=self.cfg.threads)
+                if self.engine is None:
+                    self.engine = make_engine(self.cfg.engine, hf_dir, threads=self.cfg.threads)
+                else:
+                    self.engine, rec = switch_weights(self.engine, hf_dir, mode=self.cfg.weight_switch,
+                                                      threads=self.cfg.threads)
+                    self.switches.append(rec | {"version": version})
                 self.codec = codec.load(hf_dir)
                 self.checkpoint_id = ckpt
                 self.version = version
@@ -230,11 +295,19 @@ def reconcile(lake: Lake, cfg: RolloutConfig, tasks: dict[str, Any], spool_recor
 
 
 def run_worker(lake: Lake, cfg: RolloutConfig, worker: int, *, guard=None) -> RolloutSummary:
-    """Run worker ``worker``'s share of the run. ``guard()`` is called before every
-    wave and every shipment and raises when this worker may no longer write (its
-    run's owner is gone or lost the lease)."""
+    """Run worker ``worker``'s share of the run. ``guard()`` is called before new
+    groups start and before every shipment and raises when this worker may no
+    longer write (its run's owner is gone or lost the lease).
+
+    The harness streams: up to ``groups_per_wave`` groups are in flight, a new
+    one starts as soon as there is room, failed members are retried as soon as
+    they fail, and finished trajectories ship once ``flush_rows`` are waiting or
+    the oldest has waited ``flush_seconds`` (``tick``), while the rest still run.
+    With ``follow_latest`` a newer policy is taken between turns
+    (``follow_every_turn``) or, otherwise, once the episodes in flight have
+    finished (no new group starts meanwhile), so a trajectory keeps one version."""
     from pipeline.rollout.envs import get_env
-    from pipeline.rollout.harness import Faults, Harness, Limits
+    from pipeline.rollout.harness import Faults, Harness, Latency, Limits, Schedule
     from pipeline.rollout.spool import Spool, ship
 
     guard = guard or (lambda: None)
@@ -243,81 +316,129 @@ def run_worker(lake: Lake, cfg: RolloutConfig, worker: int, *, guard=None) -> Ro
     env = get_env(cfg.env, **({"tool_log": cfg.tool_log} if cfg.tool_log else {}))
     spool = Spool(_spool_dir(lake, cfg), worker_id, fsync=cfg.spool_fsync)
     holder = _PolicyHolder(lake, cfg)
-    summary = RolloutSummary(cfg.run_id, cfg.env, cfg.engine, workers=cfg.workers)
+    summary = RolloutSummary(cfg.run_id, cfg.env, cfg.engine, workers=cfg.workers, schedule=cfg.schedule)
+    unshipped: list = []          # finished, not shipped yet (oldest first)
+    ship_lag: list[float] = []
 
     def _ship() -> None:
         guard()
         _add_ship(summary, ship(lake, spool))
+        now = time.monotonic()
+        ship_lag.extend((now - e.finished_mono) * 1000 for e in unshipped)
+        unshipped.clear()
 
     durable = cfg.ship_before_tools == "always" or (cfg.ship_before_tools == "auto" and not env.idempotent)
     harness = Harness(env, holder, spool, run_id=cfg.run_id, worker_id=worker_id,
                       sampling=Sampling(cfg.temperature, cfg.top_p, cfg.max_tokens_per_turn),
-                      limits=Limits(cfg.max_turns, cfg.max_tokens_per_turn, cfg.max_total_tokens, cfg.wall_clock_s,
-                                    cfg.tool_timeout_s, cfg.tool_concurrency),
+                      limits=Limits(max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
+                                    max_total_tokens=cfg.max_total_tokens, wall_clock_s=cfg.wall_clock_s,
+                                    tool_timeout_s=cfg.tool_timeout_s, tool_concurrency=cfg.tool_concurrency,
+                                    verify_timeout_s=cfg.verify_timeout_s,
+                                    verifier_concurrency=cfg.verifier_concurrency),
                       faults=Faults(cfg.tool_timeout_p, cfg.env_crash_p, cfg.verifier_error_p,
                                     cfg.kill_after_executed, cfg.seed, cfg.hold_after_executed, cfg.hold_file),
                       follow_every_turn=cfg.follow_latest and cfg.follow_every_turn,
-                      before_tools=_ship if durable else None)
+                      before_tools=_ship if durable else None,
+                      schedule=Schedule(cfg.schedule, cfg.max_batch, cfg.max_wait_ms,
+                                        cfg.groups_per_wave * cfg.group_size),
+                      latency=Latency(cfg.tool_latency_ms, cfg.tool_latency_sigma, cfg.slow_tool_p,
+                                      cfg.verifier_latency_ms, cfg.verifier_latency_sigma, cfg.slow_verifier_p,
+                                      seed=cfg.seed))
     groups = plan(cfg, env, worker)
     tasks = {eid: (task, gid, cfg.group_size) for _, gid, task, members in groups for eid, _ in members}
     for _, gid, task, _ in groups:         # possible retries: known ids, so a restart resumes them too
         tasks.update({retry_id(gid, n): (task, gid, cfg.group_size) for n in range(cfg.retry_group_budget)})
     state = reconcile(lake, cfg, tasks, spool.records())
-    run_budget = _worker_share(cfg.retry_run_budget, cfg.workers, worker)
-    run_budget -= sum(1 for _, gid, _, _ in groups for n in range(cfg.retry_group_budget)
-                      if retry_id(gid, n) in state)
-    finished: list = []
-    last_ship = time.monotonic()
-    unshipped = 0
-    for w0 in range(0, len(groups), cfg.groups_per_wave):
-        guard()
-        wave = []
-        for _, gid, task, members in groups[w0:w0 + cfg.groups_per_wave]:
-            for n in range(cfg.retry_group_budget):     # retries started before a restart
-                rid = retry_id(gid, n)
-                if rid in state and state[rid] is not None:
-                    wave.append(state[rid])
-                    summary.resumed += 1
-            for eid, seed in members:
-                if eid in state and state[eid] is None:
-                    continue                       # finished before a restart
-                if eid in state:
-                    wave.append(state[eid])
-                    summary.resumed += 1
-                else:
-                    wave.append((eid, gid, task, seed))
-        if not wave:
-            continue
-        _, version = holder()
-        harness.codec = holder.codec      # prompts and observations in the policy's tokenizer
-        eps = [w if not isinstance(w, tuple) else harness.new_episode(
-            episode_id=w[0], group_id=w[1], group_size=cfg.group_size, task=w[2], seed=w[3], policy_version=version)
-            for w in wave]
-        t_run = time.perf_counter()
-        harness.run(eps)
-        # retries: resample failed members of this wave's groups, within the budgets, until none is left
-        index = {gid: (k, task) for k, gid, task, _ in groups[w0:w0 + cfg.groups_per_wave]}
-        last = eps
-        while True:
-            extra, run_budget = _retries(cfg, harness, holder, index, state, last, eps, run_budget, summary)
-            if not extra:
-                break
+    budget = [_worker_share(cfg.retry_run_budget, cfg.workers, worker)
+              - sum(1 for _, gid, _, _ in groups for n in range(cfg.retry_group_budget) if retry_id(gid, n) in state)]
+    index = {gid: (k, task) for k, gid, task, _ in groups}
+    todo = deque(groups)
+    started: list = []             # every episode this invocation runs (retries look up their group's)
+    last_poll = [0.0]
+    draining = [False]
+    last_progress = [time.monotonic()]
+
+    def group_items(group) -> list:
+        """A group's episodes still owed: resumed ones (rebuilt) and (id, seed) of those never started."""
+        _, gid, task, members = group
+        items: list = []
+        for n in range(cfg.retry_group_budget):     # retries started before a restart
+            rid = retry_id(gid, n)
+            if rid in state and state[rid] is not None:
+                items.append(state[rid])
+        for eid, seed in members:
+            if eid in state and state[eid] is None:
+                continue                            # finished before a restart
+            items.append(state[eid] if eid in state else (eid, seed))
+        return items
+
+    def feed(free: int, active: int) -> list | None:
+        out: list = []
+        while todo:
+            items = group_items(todo[0])
+            if not items:
+                todo.popleft()
+                continue
+            if (active or out) and len(items) > free:
+                break                               # no room for the whole group yet
+            if holder.engine is None:
+                holder()
+            elif cfg.follow_latest and not cfg.follow_every_turn:
+                if not (active or out):             # nothing in flight: switch now if there is a newer policy
+                    draining[0] = False
+                    if holder.newer():
+                        holder()
+                        harness.engine_changed = True
+                elif draining[0]:
+                    break
+                elif time.monotonic() - last_poll[0] >= 1.0:
+                    last_poll[0] = time.monotonic()
+                    if holder.newer():              # let the episodes in flight finish on their version first
+                        draining[0] = True
+                        break
             guard()
-            harness.run(extra)
-            eps, last = eps + extra, extra
-        summary.rollout_seconds += time.perf_counter() - t_run
-        finished += eps
-        unshipped += len(eps)
-        if unshipped >= cfg.flush_rows or time.monotonic() - last_ship >= cfg.flush_seconds:
+            _, gid, task, _ = todo.popleft()
+            version = holder.version
+            harness.codec = holder.codec            # prompts and observations in the policy's tokenizer
+            for w in items:
+                if isinstance(w, tuple):
+                    w = harness.new_episode(episode_id=w[0], group_id=gid, group_size=cfg.group_size, task=task,
+                                            seed=w[1], policy_version=version)
+                else:
+                    summary.resumed += 1
+                out.append(w)
+            free -= len(items)
+        started.extend(out)
+        return out if out or todo else None
+
+    def on_finish(ep) -> list:
+        unshipped.append(ep)
+        extra, budget[0] = _retries(cfg, harness, lambda: (None, holder.version), {ep.group_id: index[ep.group_id]},
+                                    state, [ep], started, budget[0], summary)
+        started.extend(extra)
+        return extra
+
+    def tick() -> None:
+        now = time.monotonic()
+        if unshipped and (len(unshipped) >= cfg.flush_rows or now - unshipped[0].finished_mono >= cfg.flush_seconds):
             _ship()
-            unshipped, last_ship = 0, time.monotonic()
-        if cfg.progress:
-            done = sum(1 for e in finished)
-            print(f"[{worker_id}] {done} trajectories, policy v{version}, "
-                  f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+        if cfg.progress and now - last_progress[0] >= 5.0:
+            last_progress[0] = now
+            print(f"[{worker_id}] {len(started) - harness_active()} of {len(started)} trajectories finished, "
+                  f"policy v{holder.version}, {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+
+    def harness_active() -> int:
+        return sum(1 for e in started if not e.done)
+
+    holder()                       # the engine starts before the clock of rolling out does
+    harness.codec = holder.codec
+    t_run = time.perf_counter()
+    harness.run([], feed=feed, on_finish=on_finish, tick=tick)
+    summary.rollout_seconds = time.perf_counter() - t_run
     _ship()
     spool.close()
     holder.close()
+    finished = started
     summary.trajectories = len(finished)
     summary.statuses = dict(Counter(e.status for e in finished))
     summary.verdicts = dict(Counter(e.verdict for e in finished))
@@ -329,6 +450,13 @@ def run_worker(lake: Lake, cfg: RolloutConfig, worker: int, *, guard=None) -> Ro
     summary.policy_versions = sorted(holder.versions)
     summary.tool_executions = harness.tool_executions
     summary.tools_abandoned = harness.tools_abandoned
+    summary.verifiers_abandoned = harness.verifiers_abandoned
+    summary.engine_busy_s = harness.stats.busy_s
+    summary.engine_steps = harness.stats.steps
+    summary.engine_busy_share = harness.stats.busy_s / summary.rollout_seconds if summary.rollout_seconds else 0.0
+    summary.samples = {k: list(v) for k, v in harness.stats.samples.items()} | {"ship": ship_lag}
+    summary.waits_ms = _percentiles(summary.samples)
+    summary.weight_switches = list(holder.switches)
     summary.seconds = time.perf_counter() - t0
     summary.tokens_per_s = summary.generated_tokens / summary.rollout_seconds if summary.rollout_seconds else 0.0
     return summary
@@ -447,7 +575,7 @@ def _worker_main(lake_uri: str, cfg_dict: dict[str, Any], worker: int) -> dict[s
     from pipeline.lake.delta import Lake
 
     cfg = RolloutConfig(**cfg_dict)
-    return run_worker(Lake(lake_uri), cfg, worker, guard=_parent_alive).as_dict()
+    return run_worker(Lake(lake_uri), cfg, worker, guard=_parent_alive).as_dict(samples=True)
 
 
 def _lock_name(run_id: str) -> str:
@@ -536,14 +664,17 @@ class RunOwner:
 
 
 def _merge(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: float) -> RolloutSummary:
-    s = RolloutSummary(cfg.run_id, cfg.env, cfg.engine, workers=cfg.workers)
+    s = RolloutSummary(cfg.run_id, cfg.env, cfg.engine, workers=cfg.workers, schedule=cfg.schedule)
     n_reward = 0
     reward_sum = 0.0
     pass_n = judged = 0
     for p in parts:
         for k in ("trajectories", "landed", "events", "quarantined", "generated_tokens", "tool_executions", "resumed",
-                  "rollout_seconds", "tools_abandoned", "retries", "retries_denied"):
+                  "rollout_seconds", "tools_abandoned", "retries", "retries_denied", "engine_busy_s", "engine_steps",
+                  "verifiers_abandoned", "weight_switches"):
             setattr(s, k, getattr(s, k) + p[k])
+        for stage, xs in p.get("samples", {}).items():
+            s.samples.setdefault(stage, []).extend(xs)
         for k in ("statuses", "verdicts"):
             for name, v in p[k].items():
                 getattr(s, k)[name] = getattr(s, k).get(name, 0) + v
@@ -560,6 +691,8 @@ def _merge(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: float) -> R
     # workers run in parallel: aggregate throughput = tokens / the slowest worker's harness time
     slowest = max((p["rollout_seconds"] for p in parts), default=0.0)
     s.tokens_per_s = s.generated_tokens / slowest if slowest else 0.0
+    s.engine_busy_share = s.engine_busy_s / s.rollout_seconds if s.rollout_seconds else 0.0   # per engine
+    s.waits_ms = _percentiles(s.samples)
     return s
 
 

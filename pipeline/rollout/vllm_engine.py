@@ -13,6 +13,15 @@ offline ``LLM`` engine loads the same HF directory the trainer writes.
 - ``logprobs=0`` returns the sampled token's log-prob from the raw logits
   (vLLM's default ``raw_logprobs`` mode): the behaviour log-prob the trainer
   recomputes with a teacher-forced pass.
+- Continuous batching for the streaming harness: ``add_request`` hands one
+  request to the running engine (``LLMEngine.add_request``) and ``step`` runs
+  one engine step (``LLMEngine.step``: every running request advances, new
+  ones join), returning the requests that finished.
+- ``load_weights`` switches the policy in place: every worker reloads the
+  weights from the new directory (``LLM.collective_rpc("reload_weights",
+  weights_path=...)``, vLLM's layerwise in-place reload; the CPU worker
+  inherits it) and the prefix cache is reset, so cached KV of the old weights
+  is never reused. No new engine is built.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ class VLLMEngine:
 
         cfg = json.loads((self.hf_dir / "config.json").read_text())
         self._vllm = vllm
+        self._running: dict[str, tuple[int, Sampling]] = {}     # continuous batching: request id -> (seed, sampling)
         self.llm = vllm.LLM(model=str(self.hf_dir), tokenizer=str(self.hf_dir), dtype=dtype, seed=0,
                             max_model_len=max_model_len or int(cfg.get("max_position_embeddings", 128)),
                             enforce_eager=True, gpu_memory_utilization=gpu_memory_utilization)
@@ -75,8 +85,62 @@ class VLLMEngine:
 
             gc.collect()
 
-    def generate(self, requests: list[Request], sampling: Sampling) -> list[list[Completion]]:
+    @staticmethod
+    def _params(seed: int, sampling: Sampling, **kw):
         from vllm import SamplingParams
+
+        return SamplingParams(
+            n=1, temperature=sampling.temperature, top_p=sampling.top_p if sampling.temperature else 1.0,
+            max_tokens=sampling.max_new_tokens, stop_token_ids=list(sampling.stop_ids), ignore_eos=False,
+            seed=seed % (2**31 - 1), logprobs=0, detokenize=False, skip_special_tokens=False, **kw)
+
+    @staticmethod
+    def _completion(c, seed: int, sampling: Sampling) -> Completion:
+        ids = list(c.token_ids)
+        lps = [float(step[t].logprob) for step, t in zip(c.logprobs, ids)]
+        comp = truncate_at_stop(ids, lps, sampling.stop_ids, sampling.max_new_tokens)
+        comp.seed = seed
+        return comp
+
+    def add_request(self, request_id: str, request: Request, sampling: Sampling) -> None:
+        """Add one request (n=1) to the running batch; ``step`` returns it when finished."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if request.n != 1:
+            raise ValueError("add_request takes one sample per request (n=1)")
+        seed = derive_seed(request.seed, 0)
+        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(request.context)),
+                                        self._params(seed, sampling, output_kind=RequestOutputKind.FINAL_ONLY))
+        self._running[request_id] = (seed, sampling)
+
+    def step(self) -> list[tuple[str, Completion]]:
+        """One engine step; the requests that finished in it."""
+        out = []
+        for o in self.llm.llm_engine.step():
+            if o.finished and o.request_id in self._running:
+                seed, sampling = self._running.pop(o.request_id)
+                out.append((o.request_id, self._completion(o.outputs[0], seed, sampling)))
+        return out
+
+    def load_weights(self, hf_dir: Path) -> bool:
+        """Reload the weights of ``hf_dir`` into the running engine (same architecture
+        only: False, changing nothing, otherwise)."""
+        import json
+
+        def arch(d: Path) -> dict:
+            cfg = json.loads((Path(d) / "config.json").read_text())
+            return {k: v for k, v in cfg.items() if k not in ("transformers_version", "_name_or_path")}
+
+        hf_dir = Path(hf_dir)
+        if self._running or arch(hf_dir) != arch(self.hf_dir):
+            return False
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(hf_dir)})
+        self.llm.reset_prefix_cache()
+        self.hf_dir = hf_dir
+        return True
+
+    def generate(self, requests: list[Request], sampling: Sampling) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
 
         prompts, params, seeds = [], [], []
@@ -85,19 +149,9 @@ class VLLMEngine:
                 s = derive_seed(r.seed, i)
                 seeds.append(s)
                 prompts.append(TokensPrompt(prompt_token_ids=list(r.context)))
-                params.append(SamplingParams(
-                    n=1, temperature=sampling.temperature, top_p=sampling.top_p if sampling.temperature else 1.0,
-                    max_tokens=sampling.max_new_tokens, stop_token_ids=list(sampling.stop_ids), ignore_eos=False,
-                    seed=s % (2**31 - 1), logprobs=0, detokenize=False, skip_special_tokens=False))
+                params.append(self._params(s, sampling))
         outs = self.llm.generate(prompts, params, use_tqdm=False)
-        flat = []
-        for o, s in zip(outs, seeds):
-            c = o.outputs[0]
-            ids = list(c.token_ids)
-            lps = [float(step[t].logprob) for step, t in zip(c.logprobs, ids)]
-            comp = truncate_at_stop(ids, lps, sampling.stop_ids, sampling.max_new_tokens)
-            comp.seed = s
-            flat.append(comp)
+        flat = [self._completion(o.outputs[0], s, sampling) for o, s in zip(outs, seeds)]
         out, pos = [], 0
         for r in requests:
             out.append(flat[pos:pos + r.n])

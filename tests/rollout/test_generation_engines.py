@@ -98,8 +98,60 @@ def test_vllm_logprobs_match_forward_pass(policy_dir, lake):
         for r in rows:   # behaviour log-probs of every policy token (across turns) match the forward pass
             full = teacher_forced_logprobs_masked(model, r)
             assert max(abs(a - b) for a, b in full) < 1e-4
+        assert h.stats.steps > 2       # continuous batching: one engine step per token, requests joining
+        # in-place weight switch: the running engine now samples from the other policy (no new engine)
+        other = _perturbed(policy_dir, lake.uri + "/other")
+        llm = eng.llm
+        assert eng.load_weights(other) and eng.llm is llm
+        switched, _ = _check_agreement(eng, load_model(other), reqs, Sampling(temperature=1.0, max_new_tokens=12))
+        from pipeline.rollout.hf import teacher_forced_logprobs
+
+        c = switched[0][0]                     # and no longer the old policy's
+        ref_old = teacher_forced_logprobs(model, list(reqs[0].context), c.token_ids)
+        assert max(abs(a - b) for a, b in zip(ref_old, c.logprobs)) > 1e-3
     finally:
         eng.close()
+
+
+def _perturbed(src, dst):
+    """A copy of the policy with other weights (same architecture)."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dst = Path(dst)
+    shutil.copytree(src, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    g = torch.Generator().manual_seed(5)
+    save_file({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()},
+              str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_hf_switches_weights_in_place(policy_dir, tmp_path):
+    from pipeline.rollout.hf import HFEngine, load_model
+
+    eng = HFEngine(policy_dir, threads=1)
+    model = eng.model
+    other = _perturbed(policy_dir, tmp_path / "other")
+    assert eng.load_weights(other) and eng.model is model and eng.hf_dir == other
+    _check_agreement(eng, load_model(other), _requests(), Sampling(temperature=1.0, max_new_tokens=12))
+    fresh = HFEngine(other, threads=1)
+    s = Sampling(max_new_tokens=12)
+    assert [[c.logprobs for c in cs] for cs in eng.generate(_requests(), s)] == \
+        [[c.logprobs for c in cs] for cs in fresh.generate(_requests(), s)]
+    # another architecture cannot be loaded in place: refused, nothing changed
+    import json
+
+    wide = tmp_path / "wide"
+    import shutil
+
+    shutil.copytree(policy_dir, wide)
+    cfg = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps(cfg | {"num_hidden_layers": cfg["num_hidden_layers"] + 1}))
+    assert not eng.load_weights(wide) and eng.hf_dir == other
 
 
 def teacher_forced_logprobs_masked(model, row):

@@ -212,17 +212,52 @@ def test_shipping_is_exactly_once_and_quarantines_bad_rows(lake, tmp_path):
     assert lake.transaction_version("trajectories", "w-ship") == 0
 
 
-def test_follow_latest_switches_engine_to_newest_published_policy(lake, published):
+def test_follow_latest_switches_engine_to_newest_published_policy(lake, published, policy_dir):
+    """A newer published policy is loaded into the running engine (no new engine);
+    ``weight_switch=rebuild`` builds a new one instead. Either way the engine then
+    samples exactly what a fresh engine on the new weights samples."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.policy_store import resolve_policy
+    from pipeline.rollout.engine import Request, Sampling
+    from pipeline.rollout.hf import HFEngine
     from pipeline.rollout.run import _PolicyHolder
+
+    def publish_perturbed(version, cid):      # another policy of the same architecture
+        import shutil
+
+        from pipeline.policy_store import local_checkpoint_dir, publish_checkpoint
+
+        dst = local_checkpoint_dir(lake, cid) / "hf"
+        shutil.copytree(policy_dir, dst)
+        state = load_file(str(dst / "model.safetensors"))
+        g = torch.Generator().manual_seed(version)
+        save_file({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()},
+                  str(dst / "model.safetensors"), metadata={"format": "pt"})
+        publish_checkpoint(lake, checkpoint_id=cid, policy_version=version, parent_checkpoint_id=None,
+                           snapshot_ids=[], train_config={"kind": "test"}, train_config_hash="test", seed=0)
+        return resolve_policy(lake, str(version)).hf_dir
 
     published(0, "p0")
     holder = _PolicyHolder(lake, RolloutConfig(follow_latest=True))
     eng0, v0 = holder()
     assert v0 == 0 and holder() == (eng0, 0)                 # nothing new: same engine, no reload
-    published(1, "p1")
+    v1_dir = publish_perturbed(1, "p1")
     eng1, v1 = holder()
-    assert v1 == 1 and eng1 is not eng0 and holder.checkpoint_id == "p1"
+    assert v1 == 1 and eng1 is eng0 and holder.checkpoint_id == "p1"       # switched in place
+    assert [s["mode"] for s in holder.switches] == ["in_place"]
+    req, sampling = [Request((vocab.BOS_ID,) + tuple(vocab.encode("12+34=")), 1, 7)], Sampling(max_new_tokens=8)
+    fresh = HFEngine(v1_dir, threads=1)
+    assert [c.token_ids for c in eng1.generate(req, sampling)[0]] == [c.token_ids for c in fresh.generate(req, sampling)[0]]
+    assert eng1.generate(req, sampling)[0][0].logprobs == fresh.generate(req, sampling)[0][0].logprobs
+    rebuilt = _PolicyHolder(lake, RolloutConfig(follow_latest=True, weight_switch="rebuild"))
+    e0, _ = rebuilt()
+    publish_perturbed(2, "p2")
+    e2, v2 = rebuilt()
+    assert v2 == 2 and e2 is not e0 and [s["mode"] for s in rebuilt.switches] == ["rebuild"]
     pinned = _PolicyHolder(lake, RolloutConfig(policy="0"))
     assert pinned()[1] == 0
     holder.close()
+    rebuilt.close()
     pinned.close()
