@@ -205,7 +205,8 @@ class Harness:
     # -- the wave ------------------------------------------------------------------------
     def new_episode(self, *, episode_id: str, group_id: str, group_size: int, task: Task, seed: int,
                     policy_version: int, extra: dict[str, Any] | None = None) -> Episode:
-        ep = Episode(episode_id, group_id, group_size, task, seed, self.codec.prompt(task.prompt),
+        # [i28 rendering] the codec renders the prompt: text protocol, or the env's chat messages
+        ep = Episode(episode_id, group_id, group_size, task, seed, self.codec.prompt_ids(task),
                      policy_version=policy_version)
         self._event(ep, "CREATED", step=0, state="CREATED", payload={
             "task_id": task.task_id, "prompt_ids": ep.prompt_ids, "seed": seed, "group_size": group_size,
@@ -354,8 +355,8 @@ class Harness:
         self.spool.sync()
         for ep in executed:
             p = ep.call
-            obs = ([vocab.OBS_ID] + vocab.encode(p["output"]) + [vocab.END_OBS_ID] if self.codec.char
-                   else self.codec.encode(f"{vocab.OBS}{p['output']}{vocab.END_OBS}"))
+            # [i28 rendering] the codec's observation ids (<obs>..</obs>, or a chat tool message), appended as is
+            obs = self.codec.observation_ids(p["output"], ep.response_ids[-1] if ep.response_ids else None)
             ep.response_ids += obs
             ep.logprobs += [0.0] * len(obs)
             ep.mask += [0] * len(obs)
@@ -476,7 +477,8 @@ class Harness:
             "trajectory_id": ep.episode_id, "group_id": ep.group_id, "group_size": ep.group_size,
             "task_id": ep.task.task_id, "task_version": self.env.version, "run_id": self.run_id,
             "policy_version": ep.policy_version, "token_policy_versions": list(ep.token_versions),
-            "tokenizer_rev": self.codec.rev, "prompt_template_rev": self.env.prompt_template_rev,
+            # [i28 rendering] the rendering + chat template that made the prompt
+            "tokenizer_rev": self.codec.rev, "prompt_template_rev": self.codec.template_rev(self.env),
             "harness_version": HARNESS_VERSION, "env_version": self.env.env_version,
             "verifier_version": self.env.verifier_version, "temperature": float(s.temperature),
             "top_p": float(s.top_p), "sampling_seed": ep.seed, "status": ep.status, "verdict": ep.verdict,

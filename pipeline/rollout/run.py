@@ -108,6 +108,10 @@ class RolloutConfig:
                 "idempotent, so a lost spool never hides an execution)"})
     tool_log: str = field(default="", metadata={"help": "append one line per real tool execution to this file"})
     threads: int = field(default=1, metadata={"ge": 1, "help": "torch threads per worker"})
+    render: Literal["auto", "text", "chat"] = field(default="auto", metadata={
+        "help": "how tasks become tokens: chat (the environment's chat messages through the policy's chat "
+                "template), text (the <call>/<ans> protocol), auto (chat when the policy's tokenizer has a chat "
+                "template and the environment a chat rendering)"})
     progress: bool = field(default=False, metadata={"help": "print one line per wave to stderr"})
 
 
@@ -158,6 +162,7 @@ class _PolicyHolder:
         self.version = 0
         self.versions: set[int] = set()
         self.codec = None       # the policy's tokenizer (pipeline/rollout/codec.py)
+        self.env = None         # the environment the codec renders (set by run_worker)
 
     def __call__(self):
         from pipeline.policy_store import resolve_policy
@@ -179,7 +184,7 @@ class _PolicyHolder:
                 from pipeline.rollout import codec
 
                 self.engine = make_engine(self.cfg.engine, hf_dir, threads=self.cfg.threads)
-                self.codec = codec.load(hf_dir)
+                self.codec = codec.load(hf_dir, env=self.env, render=self.cfg.render)
                 self.checkpoint_id = ckpt
                 self.version = version
         self.versions.add(self.version)
@@ -240,6 +245,7 @@ def run_worker(lake: Lake, cfg: RolloutConfig, worker: int, *, guard=None) -> Ro
     env = get_env(cfg.env, **({"tool_log": cfg.tool_log} if cfg.tool_log else {}))
     spool = Spool(_spool_dir(lake, cfg), worker_id, fsync=cfg.spool_fsync)
     holder = _PolicyHolder(lake, cfg)
+    holder.env = env
     summary = RolloutSummary(cfg.run_id, cfg.env, cfg.engine, workers=cfg.workers)
 
     def _ship() -> None:
