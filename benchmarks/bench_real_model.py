@@ -14,7 +14,8 @@ on this model (same rollout, order alternated) and the train step time.
 
 Scale (chosen to fit the budget on a loaded 2-core CPU; env overrides):
 BENCH_REAL_GROUPS=6 groups x BENCH_REAL_GROUP_SIZE=4 samples per update at
-temperature BENCH_REAL_TEMPERATURE=0.7, lr BENCH_REAL_LR=2e-5, at most
+temperature BENCH_REAL_TEMPERATURE=0.7, lr BENCH_REAL_LR=3e-5 (micro-batches of
+BENCH_REAL_MICRO_TOKENS=2048 tokens: 3-4 optimizer steps per update), at most
 BENCH_REAL_UPDATES=8 updates, BENCH_REAL_EVAL_N=32 held-out tasks per version,
 turns of at most 40 tokens, 3 turns, 120 response tokens.
 """
@@ -57,7 +58,8 @@ def run(quick: bool = False) -> list[Result]:
     groups = int(_env("BENCH_REAL_GROUPS", 2 if quick else 6))
     size = int(_env("BENCH_REAL_GROUP_SIZE", 2 if quick else 4))
     temperature = _env("BENCH_REAL_TEMPERATURE", 0.7)
-    lr = _env("BENCH_REAL_LR", 2e-5)
+    lr = _env("BENCH_REAL_LR", 3e-5)
+    micro = int(_env("BENCH_REAL_MICRO_TOKENS", 2048))
     updates = int(_env("BENCH_REAL_UPDATES", 1 if quick else 8))
     eval_n = int(_env("BENCH_REAL_EVAL_N", 4 if quick else 32))
     budget_s = _env("BENCH_REAL_BUDGET_S", 300 if quick else 1800)
@@ -65,7 +67,7 @@ def run(quick: bool = False) -> list[Result]:
 
     root = Path(tempfile.mkdtemp(prefix="bench-real-"))
     lake = Lake(str(root / "lake"))
-    raw: dict = {"scale": {"groups": groups, "group_size": size, "temperature": temperature, "lr": lr,
+    raw: dict = {"scale": {"groups": groups, "group_size": size, "temperature": temperature, "lr": lr, "micro_batch_tokens": micro,
                            "max_updates": updates, "eval_n": eval_n, "budget_s": budget_s, "env": ENV, **LIMITS},
                  "versions": [], "rollouts": [], "train": [], "admission": []}
     try:
@@ -90,7 +92,7 @@ def run(quick: bool = False) -> list[Result]:
         loop_t0 = time.perf_counter()
         raw["loop_seconds"] = 0.0
         try:
-            _loop(lake, raw, heldout, groups, size, temperature, lr, updates, budget_s, loop_t0, log)
+            _loop(lake, raw, heldout, groups, size, temperature, lr, micro, updates, budget_s, loop_t0, log)
         except Exception as exc:  # noqa: BLE001 - a failure mid-loop is reported with what was measured
             raw["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
             log(f"[real] loop failed: {raw['error']}", flush=True)
@@ -104,7 +106,7 @@ def run(quick: bool = False) -> list[Result]:
     return _results(raw, first, last, best, tps, loop_s, groups, size, temperature, lr, eval_n)
 
 
-def _loop(lake, raw, heldout, groups, size, temperature, lr, updates, budget_s, loop_t0, log) -> None:
+def _loop(lake, raw, heldout, groups, size, temperature, lr, micro, updates, budget_s, loop_t0, log) -> None:
     """rollout -> admit (every gate on) -> train -> held-out eval, until ``updates`` or the budget."""
     from pipeline.admission.run import admit
     from pipeline.rollout.run import RolloutConfig, run_rollout
@@ -131,7 +133,7 @@ def _loop(lake, raw, heldout, groups, size, temperature, lr, updates, budget_s, 
             log(f"[real] iteration {k}: nothing admitted (every group zero-variance?)", flush=True)
             continue
         t = time.perf_counter()
-        res = train_snapshot(lake, adm.snapshot_id, TrainConfig(lr=lr, seed=k), progress=False)
+        res = train_snapshot(lake, adm.snapshot_id, TrainConfig(lr=lr, seed=k, micro_batch_tokens=micro), progress=False)
         raw["train"].append({"iteration": k, "policy_version": res.policy_version, "seconds": time.perf_counter() - t,
                              "train_seconds": res.seconds, "global_step": res.global_step,
                              "metrics": res.metrics})

@@ -538,7 +538,19 @@ def gguf_to_hf_dir(gguf_file: str | Path, out_dir: str | Path, *, dtype: str = "
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
+    # how this process loaded the tokenizer (offline or not) is not part of it: the same GGUF file must give
+    # the same files, hence the same import (transformers 5 writes these load kwargs into tokenizer_config.json)
+    tc = out / "tokenizer_config.json"
+    if tc.is_file():
+        cfg = json.loads(tc.read_text())
+        for k in _LOAD_KWARGS:
+            cfg.pop(k, None)
+        tc.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out
+
+
+_LOAD_KWARGS = ("local_files_only", "is_local", "cache_dir", "revision", "token", "trust_remote_code", "gguf_file",
+                "_commit_hash", "subfolder")
 
 
 @contextmanager

@@ -79,6 +79,12 @@ def require_gguf():
     return path
 
 
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf (skip locally / fail under CI=true without GGUF support)."""
+    return require_gguf()
+
+
 def chromium_binary() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
