@@ -16,7 +16,8 @@ Scale (chosen to fit the budget on a loaded 2-core CPU; env overrides):
 BENCH_REAL_GROUPS=6 groups x BENCH_REAL_GROUP_SIZE=4 samples per update at
 temperature BENCH_REAL_TEMPERATURE=0.7, lr BENCH_REAL_LR=3e-5 (micro-batches of
 BENCH_REAL_MICRO_TOKENS=2048 tokens: 3-4 optimizer steps per update), at most
-BENCH_REAL_UPDATES=8 updates, BENCH_REAL_EVAL_N=32 held-out tasks per version,
+BENCH_REAL_UPDATES=8 updates or BENCH_REAL_BUDGET_S=1500 s of loop (no update starts past it),
+BENCH_REAL_EVAL_N=24 held-out tasks per version,
 turns of at most 40 tokens, 3 turns, 120 response tokens.
 """
 
@@ -34,6 +35,9 @@ from run import Result
 TARGET_POINTS = 15.0
 MOONSHOT_POINTS = 30.0
 LIMITS = {"max_turns": 3, "max_tokens_per_turn": 40, "max_total_tokens": 120}
+# a wave of 24 episodes on a loaded 2-core box takes minutes: no per-trajectory wall-clock limit
+# (the default 120 s would end every episode EXPIRED, no reward, nothing admitted)
+WALL = {"wall_clock_s": 1e6}
 ENV = "arithmetic-plus"
 
 
@@ -61,8 +65,8 @@ def run(quick: bool = False) -> list[Result]:
     lr = _env("BENCH_REAL_LR", 3e-5)
     micro = int(_env("BENCH_REAL_MICRO_TOKENS", 2048))
     updates = int(_env("BENCH_REAL_UPDATES", 1 if quick else 8))
-    eval_n = int(_env("BENCH_REAL_EVAL_N", 4 if quick else 32))
-    budget_s = _env("BENCH_REAL_BUDGET_S", 300 if quick else 1800)
+    eval_n = int(_env("BENCH_REAL_EVAL_N", 4 if quick else 24))
+    budget_s = _env("BENCH_REAL_BUDGET_S", 300 if quick else 1500)
     log = print if os.environ.get("BENCH_REAL_VERBOSE", "1") == "1" else (lambda *a, **k: None)
 
     root = Path(tempfile.mkdtemp(prefix="bench-real-"))
@@ -118,7 +122,7 @@ def _loop(lake, raw, heldout, groups, size, temperature, lr, micro, updates, bud
             break
         s = run_rollout(lake, RolloutConfig(env=ENV, engine="hf", groups=groups, group_size=size, seed=k,
                                             group_offset=k * groups, run_id=f"real-{k}", temperature=temperature,
-                                            spool_fsync=False, threads=1, groups_per_wave=groups, **LIMITS))
+                                            spool_fsync=False, threads=1, groups_per_wave=groups, **LIMITS, **WALL))
         raw["rollouts"].append({"iteration": k, "policy_versions": s.policy_versions, "success": s.success_rate,
                                 "reward_mean": s.reward_mean, "tokens_per_s": s.tokens_per_s,
                                 "generated_tokens": s.generated_tokens, "rollout_seconds": s.rollout_seconds,
@@ -144,15 +148,18 @@ def _loop(lake, raw, heldout, groups, size, temperature, lr, micro, updates, bud
 
 
 def _engine_throughput(lake, raw, temperature, quick, log) -> dict[str, list[float]]:
-    """The same rollout (2 groups x 4, newest version) on hf and vLLM, order alternated."""
+    """The same rollout (1 group x 4, newest version) on vLLM then hf (both orders when not quick and
+    BENCH_REAL_TPS_BOTH_ORDERS=1)."""
     from pipeline.rollout.run import RolloutConfig, run_rollout
 
     tps: dict[str, list[float]] = {"hf": [], "vllm": []}
-    for i, eng in enumerate(("vllm", "hf", "hf", "vllm")[: 2 if quick else 4]):
+    both = os.environ.get("BENCH_REAL_TPS_BOTH_ORDERS", "0") == "1" and not quick
+    for i, eng in enumerate(("vllm", "hf", "hf", "vllm")[: 4 if both else 2]):
         try:
-            s = run_rollout(lake, RolloutConfig(env=ENV, engine=eng, groups=2, group_size=4, seed=100,
+            s = run_rollout(lake, RolloutConfig(env=ENV, engine=eng, groups=1, group_size=4, seed=100,
                                                 group_offset=10_000, run_id=f"tps-{i}-{eng}",
-                                                temperature=temperature, spool_fsync=False, threads=1, **LIMITS))
+                                                temperature=temperature, spool_fsync=False, threads=1, **LIMITS,
+                                                **WALL))
             tps[eng].append(s.tokens_per_s)
             log(f"[real] {eng}: {s.tokens_per_s:.1f} tok/s", flush=True)
         except Exception as exc:  # noqa: BLE001 - recorded, not hidden

@@ -124,12 +124,14 @@ def _eval(args: argparse.Namespace) -> None:
 
 
 def _import(args: argparse.Namespace) -> None:
-    from contextlib import nullcontext
+    from contextlib import AbstractContextManager, nullcontext
+    from typing import Any
 
     from pipeline.cli import emit, open_lake
     from pipeline.policy_store import check_model_dir, converted_gguf, import_policy
 
     # check (and convert) first, open (create) the lake after: a refused model leaves no empty lake behind
+    ctx: AbstractContextManager[tuple[Any, dict[str, Any], Any]]
     if args.gguf:
         ctx = converted_gguf(args.gguf, dtype=args.dtype)
     else:

@@ -73,7 +73,7 @@ class HFCodec:
     tokenizer has one; a final answer ends with the eos token."""
 
     char = False
-    stop_strings = (END_CALL,)
+    stop_strings: tuple[str, ...] = (END_CALL,)
 
     def __init__(self, hf_dir: str | Path, rev: str) -> None:
         from transformers import AutoTokenizer

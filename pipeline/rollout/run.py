@@ -162,7 +162,7 @@ class _PolicyHolder:
         self.version = 0
         self.versions: set[int] = set()
         self.codec = None       # the policy's tokenizer (pipeline/rollout/codec.py)
-        self.env = None         # the environment the codec renders (set by run_worker)
+        self.env: Any = None    # the environment the codec renders (set by run_worker)
 
     def __call__(self):
         from pipeline.policy_store import resolve_policy
