@@ -243,6 +243,7 @@ class Recording:
 
 @pytest.mark.slow
 @pytest.mark.gguf
+@pytest.mark.timeout(3600)      # a 135M model on a CPU: minutes when the box is busy
 def test_token_in_token_out_with_the_real_tokenizer(lake, smollm2_dir):
     """SmolLM2's own tokenizer and chat template: a multi-turn trajectory's prompt_ids + response_ids
     is exactly the concatenation of what the engine was given and returned, and the trainer's
@@ -284,6 +285,7 @@ def test_token_in_token_out_with_the_real_tokenizer(lake, smollm2_dir):
 @pytest.mark.slow
 @pytest.mark.gguf
 @pytest.mark.vllm
+@pytest.mark.timeout(3600)
 def test_real_model_import_rollout_hf_and_vllm_admit_train_reload(lake, smollm2_gguf, tmp_path):
     """The CI test on the real model: `policy import --gguf`, 2 groups of the chat environment on
     hf and on vLLM (same prompts; log-probs within tolerance of a transformers forward pass), admit,
