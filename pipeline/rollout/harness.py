@@ -303,7 +303,8 @@ class Harness:
     # -- episodes ------------------------------------------------------------------------
     def new_episode(self, *, episode_id: str, group_id: str, group_size: int, task: Task, seed: int,
                     policy_version: int, extra: dict[str, Any] | None = None) -> Episode:
-        ep = Episode(episode_id, group_id, group_size, task, seed, self.codec.prompt(task.prompt),
+        # [i28 rendering] the codec renders the prompt: text protocol, or the env's chat messages
+        ep = Episode(episode_id, group_id, group_size, task, seed, self.codec.prompt_ids(task),
                      policy_version=policy_version)
         payload = {"task_id": task.task_id, "prompt_ids": ep.prompt_ids, "seed": seed, "group_size": group_size,
                    "difficulty": task.difficulty, "schedule": self.schedule.order}
@@ -318,11 +319,10 @@ class Harness:
         input is built (a chat-rendering environment changes it here)."""
         return ep.prompt_ids + ep.response_ids
 
-    def observation_ids(self, output: str) -> list[int]:
-        """The observation tokens a tool's output adds to the context (loss_mask 0)."""
-        if self.codec.char:
-            return [vocab.OBS_ID] + vocab.encode(output) + [vocab.END_OBS_ID]
-        return self.codec.encode(f"{vocab.OBS}{output}{vocab.END_OBS}")
+    def observation_ids(self, output: str, last_id: int | None = None) -> list[int]:
+        """The observation tokens a tool's output adds to the context (loss_mask 0): the codec's (``<obs>..</obs>``
+        in the text protocol, a chat tool message through the template), appended as they are (token-in/out)."""
+        return self.codec.observation_ids(output, last_id)
 
     def run(self, episodes: list[Episode], *, feed: Callable[[int, int], list[Episode] | None] | None = None,
             on_finish: Callable[[Episode], list[Episode]] | None = None,
@@ -476,7 +476,7 @@ class Harness:
     def _observe(self, ep: Episode) -> None:
         """OBSERVATION_PERSISTED: the executed call's output joins the context."""
         p = ep.call
-        obs = self.observation_ids(p["output"])
+        obs = self.observation_ids(p["output"], ep.response_ids[-1] if ep.response_ids else None)
         ep.response_ids += obs
         ep.logprobs += [0.0] * len(obs)
         ep.mask += [0] * len(obs)
@@ -542,7 +542,8 @@ class Harness:
             "trajectory_id": ep.episode_id, "group_id": ep.group_id, "group_size": ep.group_size,
             "task_id": ep.task.task_id, "task_version": self.env.version, "run_id": self.run_id,
             "policy_version": ep.policy_version, "token_policy_versions": list(ep.token_versions),
-            "tokenizer_rev": self.codec.rev, "prompt_template_rev": self.env.prompt_template_rev,
+            # [i28 rendering] the rendering + chat template that made the prompt
+            "tokenizer_rev": self.codec.rev, "prompt_template_rev": self.codec.template_rev(self.env),
             "harness_version": HARNESS_VERSION, "env_version": self.env.env_version,
             "verifier_version": self.env.verifier_version, "temperature": float(s.temperature),
             "top_p": float(s.top_p), "sampling_seed": ep.seed, "status": ep.status, "verdict": ep.verdict,

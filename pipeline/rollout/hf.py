@@ -3,8 +3,10 @@ imports torch/transformers/tokenizers).
 
 - ``build_tokenizer``: the char vocabulary (``vocab.py``) as a
   ``PreTrainedTokenizerFast`` (tokenizer.json), loadable by vLLM and the trainer.
-- ``build_model`` / ``save_policy`` / ``load_model``: a tiny Llama causal LM in
-  the Hugging Face format (config.json + model.safetensors).
+- ``build_model`` / ``save_policy``: a tiny Llama causal LM in the Hugging Face
+  format (config.json + model.safetensors). ``load_model`` loads ANY causal LM
+  directory as what its config says it is (``AutoModelForCausalLM``: an
+  imported Qwen2 keeps its q/k/v biases, a Llama its tied embeddings).
 - ``HFEngine``: generation with ``model.generate``. Sampling is Gumbel-max with
   one ``torch.Generator`` per sample (a logits processor adds Gumbel noise to
   ``logits / T`` and generate picks the argmax), so every sample depends only
@@ -24,8 +26,8 @@ from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessor,
-                          LogitsProcessorList, PreTrainedTokenizerFast)
+from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessor,
+                          LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerFast)
 
 from pipeline import vocab
 from pipeline.rollout.engine import Completion, Request, Sampling, derive_seed, truncate_at_stop
@@ -74,8 +76,10 @@ def save_policy(model: LlamaForCausalLM, hf_dir: Path, extra: dict[str, Any] | N
     build_tokenizer().save_pretrained(hf_dir)
 
 
-def load_model(hf_dir: str | Path, device: str = "cpu") -> LlamaForCausalLM:
-    model = LlamaForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+def load_model(hf_dir: str | Path, device: str = "cpu") -> PreTrainedModel:
+    """The causal LM of a policy directory, fp32, as the architecture its config.json
+    names (never a fixed class: loading a Qwen2 as a Llama silently drops its biases)."""
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     return model.to(device).eval()
 
 
@@ -90,7 +94,7 @@ def set_threads(threads: int | None) -> None:
 
 # -- log-probs ------------------------------------------------------------------------------
 @torch.no_grad()
-def teacher_forced_logprobs(model: LlamaForCausalLM, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+def teacher_forced_logprobs(model: PreTrainedModel, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
     """log p(response_ids[t] | prompt + response[:t]) from one forward pass."""
     ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=model.device)
     logits = model(input_ids=ids).logits[0].float()                       # [L, V]
@@ -223,7 +227,7 @@ class HFEngine:
 
 
 # -- the supervised warm start ---------------------------------------------------------------
-def warm_start(model: LlamaForCausalLM, sequences: list[list[int]], masks: list[list[int]], *, steps: int,
+def warm_start(model: PreTrainedModel, sequences: list[list[int]], masks: list[list[int]], *, steps: int,
                batch_size: int = 64, lr: float = 3e-3, seed: int = 0, log_every: int = 0,
                progress=None) -> dict[str, float]:
     """Next-token cross-entropy on the tokens whose mask is 1 (the demonstration's

@@ -135,6 +135,10 @@ class RolloutConfig:
                 "idempotent, so a lost spool never hides an execution)"})
     tool_log: str = field(default="", metadata={"help": "append one line per real tool execution to this file"})
     threads: int = field(default=1, metadata={"ge": 1, "help": "torch threads per worker"})
+    render: Literal["auto", "text", "chat"] = field(default="auto", metadata={
+        "help": "how tasks become tokens: chat (the environment's chat messages through the policy's chat "
+                "template), text (the <call>/<ans> protocol), auto (chat when the policy's tokenizer has a chat "
+                "template and the environment a chat rendering)"})
     progress: bool = field(default=False, metadata={"help": "print one line per wave to stderr"})
 
 
@@ -233,6 +237,7 @@ class _PolicyHolder:
     def newer(self) -> bool:
         """A newer policy is published than the one served (following only; reads the lake, switches nothing)."""
         return self.cfg.follow_latest and self.engine is not None and self._resolve()[1] != self.checkpoint_id
+        self.env: Any = None    # the environment the codec renders (set by run_worker)
 
     def __call__(self):
         from pipeline.rollout import codec
@@ -247,7 +252,7 @@ class _PolicyHolder:
                     self.engine, rec = switch_weights(self.engine, hf_dir, mode=self.cfg.weight_switch,
                                                       threads=self.cfg.threads)
                     self.switches.append(rec | {"version": version})
-                self.codec = codec.load(hf_dir)
+                self.codec = codec.load(hf_dir, env=self.env, render=self.cfg.render)
                 self.checkpoint_id = ckpt
                 self.version = version
         self.versions.add(self.version)
@@ -316,6 +321,7 @@ def run_worker(lake: Lake, cfg: RolloutConfig, worker: int, *, guard=None) -> Ro
     env = get_env(cfg.env, **({"tool_log": cfg.tool_log} if cfg.tool_log else {}))
     spool = Spool(_spool_dir(lake, cfg), worker_id, fsync=cfg.spool_fsync)
     holder = _PolicyHolder(lake, cfg)
+    holder.env = env
     summary = RolloutSummary(cfg.run_id, cfg.env, cfg.engine, workers=cfg.workers, schedule=cfg.schedule)
     unshipped: list = []          # finished, not shipped yet (oldest first)
     ship_lag: list[float] = []

