@@ -108,7 +108,7 @@ def connect(lake: Lake | str | os.PathLike[str], *, as_of: dict[str, int | datet
     return con
 
 
-def _as_of_text(version: int | datetime) -> str:
+def _as_of_text(version: Any) -> str:
     return version.isoformat() if isinstance(version, datetime) else str(version)
 
 
