@@ -408,3 +408,20 @@ def test_counts_are_singular_when_one_and_local_policies_have_no_fake_version():
     assert "(2 steps," in _text({**r, "global_step": 2})
     assert _policy_label({"policy_version": -1}, "./dir") == "policy ./dir (a local directory, not a lake version)"
     assert _policy_label({"policy_version": 3}, "latest") == "policy v3"
+
+
+def test_ingest_reports_the_version_its_rows_landed_in(tmp_path, make_traj, capsys):
+    import pyarrow.parquet as pq
+
+    from pipeline.lake.delta import Lake
+
+    lake = tmp_path / "lake"
+    for i in range(2):
+        f = tmp_path / f"b{i}.parquet"
+        pq.write_table(make_traj(6, seed=i, id_prefix=f"v{i}-"), f)
+        assert main(["ingest", str(f), "--lake", str(lake), "--json"]) == 0
+        reported = json.loads(capsys.readouterr().out)["trajectories_version"]
+        dt = Lake(lake).table("trajectories", reported)
+        assert dt.to_pyarrow_table(columns=["trajectory_id"]).num_rows == 6 * (i + 1), \
+            "the reported version holds the rows this ingest landed"
+        assert reported == Lake(lake).version("trajectories")

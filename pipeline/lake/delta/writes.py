@@ -297,9 +297,9 @@ def append(lake: Lake, name: str, data: pa.Table | None, *, command: str, config
             )
             pause_point(f"append:{name}:committed")
             release(lake, name, actions)
-            # delta-rs moved `dt` to the version it committed (after any rebase onto newer commits)
-            return AppendResult(name, True, rows, dt.version(), app_id, txn_version,
-                                duplicates, conflicts)
+            # delta-rs does not move `dt` to the version it committed: find the commit by its transaction
+            return AppendResult(name, True, rows, committed_version(lake, name, app_id, txn_version, dt.version()),
+                                app_id, txn_version, duplicates, conflicts)
         except FilesMissing as exc:
             if staged is not None:
                 raise StagedFilesMissing(exc) from None
@@ -496,3 +496,18 @@ def _stats_json(t: pa.Table, columns: list[str]) -> str:
             mins[name], maxs[name] = lo, hi
     return json.dumps({"numRecords": t.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls})
 
+
+def committed_version(lake: Lake, name: str, app_id: str, txn_version: int, read_version: int) -> int | None:
+    """The version of the commit that carried the application transaction ``(app_id, txn_version)``, looked
+    for from the newest commit down to the one after ``read_version`` (the version the writer read: its commit
+    lands after it, after any rebase onto commits that landed meanwhile). Each (app_id, version) is committed
+    once, so the match is the commit."""
+    latest = lake.version(name)
+    if latest is None:
+        return None
+    for v in range(latest, read_version, -1):
+        for entry in lake.log_entries(name, v) or []:
+            t = entry.get("txn")
+            if t and t.get("appId") == app_id and int(t.get("version", -1)) == txn_version:
+                return v
+    return latest
