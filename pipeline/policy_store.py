@@ -451,7 +451,7 @@ def _check_weights_load(src: Path, config: Any, token_id: int) -> None:
                              f"(shape {tuple(logits.shape)})", hint=fix)
 
 
-def import_policy(lake: Lake, hf_dir: str | Path, *, checked: dict[str, Any] | None = None,
+def import_policy(lake: Lake | str | os.PathLike[str], hf_dir: str | Path, *, checked: dict[str, Any] | None = None,
                   source: dict[str, Any] | None = None) -> dict[str, Any]:
     """Register a Hugging Face causal LM directory as the next policy version.
 
@@ -463,6 +463,7 @@ def import_policy(lake: Lake, hf_dir: str | Path, *, checked: dict[str, Any] | N
     hashed). Idempotent: importing the same files again returns the version they
     already have. ``source`` is recorded in the version's train config (the GGUF
     import names its file there)."""
+    lake = as_lake(lake)
     import shutil
 
     src = Path(hf_dir)
@@ -577,7 +578,7 @@ def converted_gguf(gguf_file: str | Path, *, dtype: str = "float32") -> Iterator
         yield out, checked, {"source": str(src.resolve()), "gguf_sha256": h.hexdigest(), "dtype": dtype}
 
 
-def import_gguf(lake: Lake, gguf_file: str | Path, *, dtype: str = "float32") -> dict[str, Any]:
+def import_gguf(lake: Lake | str | os.PathLike[str], gguf_file: str | Path, *, dtype: str = "float32") -> dict[str, Any]:
     """``pipeline policy import --gguf FILE``: convert (``gguf_to_hf_dir``) into a
     scratch directory, then import that as ``--hf-dir`` does (same checks, same
     idempotence: the same GGUF file gives the same files, so the same version)."""

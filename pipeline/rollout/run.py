@@ -222,6 +222,7 @@ class _PolicyHolder:
         self.versions: set[int] = set()
         self.codec = None       # the policy's tokenizer (pipeline/rollout/codec.py)
         self.switches: list[dict[str, Any]] = []
+        self.env: Any = None    # the environment the codec renders (set by run_worker)
 
     def _resolve(self) -> tuple[Path, str | None, int]:
         from pipeline.policy_store import resolve_policy
@@ -237,7 +238,6 @@ class _PolicyHolder:
     def newer(self) -> bool:
         """A newer policy is published than the one served (following only; reads the lake, switches nothing)."""
         return self.cfg.follow_latest and self.engine is not None and self._resolve()[1] != self.checkpoint_id
-        self.env: Any = None    # the environment the codec renders (set by run_worker)
 
     def __call__(self):
         from pipeline.rollout import codec
