@@ -79,7 +79,7 @@ def out(text: str = "", *, flush: bool = True) -> None:
 
 def note(text: str) -> None:
     """A message for the operator that is not the result (stderr)."""
-    print(with_lake(text), file=sys.stderr, flush=True)
+    print(text, file=sys.stderr, flush=True)
 
 
 # The --lake the operator gave to the running command (None: the default), for the commands hints suggest.
@@ -315,7 +315,7 @@ def clean_message(text: str | None) -> str | None:
 def _error(exc: PipelineError, args: argparse.Namespace, code: int) -> None:
     message, hint = clean_message(exc.message), clean_message(exc.hint)
     lake = getattr(args, "lake", None)
-    message, hint = with_lake(message or "", lake) or message, with_lake(hint, lake) if hint else hint
+    hint = with_lake(hint, lake) if hint else hint   # a hint suggests commands; the message may name a process
     if getattr(args, "json", False):
         try:
             out(json.dumps({"error": message, "hint": hint, "kind": type(exc).__name__, "exit_code": code}))
