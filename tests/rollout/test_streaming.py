@@ -150,8 +150,9 @@ class WaitsForTheLake(ArithmeticTool):
 def test_finished_trajectories_ship_while_other_episodes_still_run(lake, policy_dir):
     WaitsForTheLake.lake_uri = lake.uri
     WaitsForTheLake.seen = []
+    # (8 verifier slots: group 0's 4 waiting calls hold theirs, the other groups' never queue behind them)
     s = run_rollout(lake, _cfg(policy_dir, "ship", env=f"{__name__}:WaitsForTheLake", flush_seconds=0.2,
-                               verify_timeout_s=120.0))
+                               verify_timeout_s=120.0, verifier_concurrency=8))
     assert s.landed == s.trajectories == GROUPS * G
     assert WaitsForTheLake.seen and WaitsForTheLake.seen[0] == (GROUPS - 1) * G, \
         "the other groups' rows were not in the lake while group 0 was still being verified"
