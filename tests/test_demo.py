@@ -115,7 +115,7 @@ def test_async_kill_worker_and_trainer_then_restart_loses_and_duplicates_nothing
     groups, g = 24, 4
     worker_cmd = [sys.executable, "-m", "pipeline", "rollout", "--lake", lake.uri, "--groups", str(groups),
                   "--group-size", str(g), "--seed", "5", "--run-id", "async-kill", "--follow-latest",
-                  "--set", "flush_rows=8", "--set", "groups_per_wave=4"]
+                  "--set", "flush_rows=16", "--set", "groups_per_wave=4"]
     shipped = tmp_path / "worker-mid-ship"
     worker = subprocess.Popen(worker_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               env=_env_without_pause(PIPELINE_TEST_PAUSE_AT=f"append:trajectories:committed={shipped}"))
@@ -126,8 +126,10 @@ def test_async_kill_worker_and_trainer_then_restart_loses_and_duplicates_nothing
                 if lake.exists("events") else [])
     assert not set(landed) <= ended, "killed mid-ship: the batch's trajectories landed, its events not"
 
-    a = admit(lake, AdmissionConfig(), command="test")
-    assert a.snapshot_id
+    # the worker streams: its first shipment holds finished members of several groups, few complete; the
+    # operator decides the groups with what arrived (a member landing later is outside its decided group)
+    a = admit(lake, AdmissionConfig(group_timeout_s=0), command="test")
+    assert a.snapshot_id, a.as_dict(with_receipts=True)["receipts"]
     train_cmd = [sys.executable, "-m", "pipeline", "train", "--batch-snapshot", a.snapshot_id, "--lake", lake.uri,
                  "--set", "epochs=2", "--no-progress"]
     published = tmp_path / "trainer-mid-publish"
