@@ -524,7 +524,21 @@ def _inv_value_where(t: pa.Table, inv: Invariant, fails: _Failures) -> None:
               f"sampled tokens", depends=(col, mask))
 
 
+def _inv_present_where(t: pa.Table, inv: Invariant, fails: _Failures) -> None:
+    """``column`` holds a value on every row whose ``where`` column is one of ``values``
+    (a judged verdict has a reward: NaN, which pandas writes as a missing value, is not one)."""
+    col, where, values = inv.params["column"], inv.params["where"], list(inv.params["values"])
+    judged = _mask(pc.is_in(t.column(where), value_set=pa.array(values, t.column(where).type)))
+    bad = judged & _mask(pc.is_null(t.column(col), nan_is_null=True))
+    fails.add(bad, code=f"{col}_missing",
+              message=lambda i: f"{col} is null or NaN on a row whose {where} is {t.column(where)[i].as_py()}: "
+                                f"a judged trajectory carries its {col}; write it, or set {where} UNKNOWN (with "
+                                f"status INFRA_FAILED) when the evaluation did not happen",
+              depends=(col, where))
+
+
 INVARIANTS: dict[str, Callable[[pa.Table, Invariant, _Failures], None]] = {
+    "present_where": _inv_present_where,
     "same_length": _inv_same_length,
     "not_before": _inv_not_before,
     "any_equal": _inv_any_equal,

@@ -145,6 +145,26 @@ def test_null_reward_is_valid_and_distinct_from_zero(lake, tmp_path, make_traj):
     assert rewards == {"ENV_ERROR": None, "FAIL": 0.0}
 
 
+def test_a_judged_row_without_a_reward_is_quarantined_not_landed_as_unevaluated(lake, tmp_path, good, make_traj):
+    """pandas writes a NaN reward as a missing value: on a row that says ACCEPTED / PASS it would land as
+    'no valid evaluation' and silently leave the group's baseline; it is a contradiction, so the row is held."""
+    from pipeline.ingest import ingest_table
+
+    _base(lake, tmp_path, good)
+    t = make_traj(3, seed=11).drop_columns(["content_hash", "reward_components"])
+    df = t.to_pandas()
+    df["reward"] = df["reward"].astype("float64")
+    df.loc[0, "reward"] = float("nan")                 # verdict PASS or FAIL, reward NaN
+    df.loc[1, ["status", "verdict", "reward"]] = ["INFRA_FAILED", "UNKNOWN", float("nan")]   # consistent
+    verdict0 = df.loc[0, "verdict"]
+    r = ingest_table(lake.uri, df)
+    assert r.landed == 2
+    q = [row for row in _quarantine(lake) if row["reason_code"] == "reward_missing"]
+    assert len(q) == 1 and f"verdict is {verdict0}" in q[0]["reason"] and "set verdict UNKNOWN" in q[0]["reason"]
+    landed = {row["trajectory_id"]: row["reward"] for row in lake.read("trajectories").to_pylist()}
+    assert df.loc[0, "trajectory_id"] not in landed and landed[df.loc[1, "trajectory_id"]] is None
+
+
 def test_mismatched_list_lengths(lake, tmp_path, good, make_traj):
     t = make_traj(1, seed=8, median_len=13, sigma=0.0).drop_columns(["content_hash"])
     row = t.to_pylist()[0]
