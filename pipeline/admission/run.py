@@ -285,8 +285,8 @@ def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_ver
            command: str = "pipeline admit", scope: Scope | None = None) -> AdmissionResult:
     from pipeline.admission import scope as scoping
 
-    # a scoped run leaves groups undecided whatever their age: no incremental-scan state, so the
-    # next run scans them all again
+    # a scoped run (or one that defers another tokenizer's groups, scope.py) leaves groups undecided
+    # whatever their age: no incremental-scan state, so the next run scans them all again
     scoped = scope is not None and bool(scope.run_id or scope.env or scope.task)
     cfg = cfg or AdmissionConfig()
     run_id = f"admit-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
@@ -313,7 +313,7 @@ def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_ver
         plan = read_plan(lake, tv, previous) if engine == "dask" else None
         members, groups, qsummary, n_cands = _decisions_from_engine(
             lake, tv, cfg, engine, decided, current, now, dask_scheduler, timings, sources, plan)
-        members, groups, _tok = scoping.apply(members, groups, scope, _policy_tokenizer(lake, current))
+        members, groups, _tok, deferred = scoping.apply(members, groups, scope, _policy_tokenizer(lake, current))
         dec = finalize(members, groups, cfg, config_hash=chash, current_policy_version=current,
                        previous_baseline=_previous_baseline(lake, cfg))
         timings["decide_s"] = time.perf_counter() - t0
@@ -326,7 +326,8 @@ def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_ver
         rows = receipts.num_rows
         result = AdmissionResult(run_id, snapshot_id, current, chash, engine, dry_run, receipts, dict(dec.counts),
                                  n_admit_groups, admitted.num_rows, 0, source_versions,
-                                 {"candidates": qsummary, "candidate_rows": n_cands}, target, attempt, timings,
+                                 {"candidates": qsummary, "candidate_rows": n_cands, "deferred_groups": deferred},
+                                 target, attempt, timings,
                                  admitted)
         if dry_run or not rows:
             return result
@@ -343,7 +344,7 @@ def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_ver
         t1 = time.perf_counter()
         pending = now - timedelta(microseconds=round(cfg.group_timeout_s * 1e6))
         meta = {"pipeline.admission_run_id": run_id} | (
-            {} if scoped else {STATE_VERSION: str(tv), STATE_PENDING: pending.isoformat()})
+            {} if scoped or deferred else {STATE_VERSION: str(tv), STATE_PENDING: pending.isoformat()})
         if target is not None:  # the next rollout reads it (plan_next_rollout; jobs' {dynamic_groups})
             meta[STATE_TARGET] = json.dumps(target, sort_keys=True)
         res = lake.append("receipts", receipts, command=command, config_hash=chash, app_id=LOCK_APP,

@@ -162,6 +162,9 @@ def _admit_text(d: dict[str, Any]) -> str:
         t = d["target"]
         lines.append(f"target {t['target_groups']} groups: {t['missing_groups']} missing, admit rate "
                      f"{t['observed_admit_rate']}, sample ~{t['groups_to_sample']} more groups")
+    for rev, n in sorted(((d.get("quality") or {}).get("deferred_groups") or {}).items()):
+        lines.append(f"{n} group(s) of tokenizer {rev} left undecided: they wait for a policy of that tokenizer "
+                     f"(pipeline policy import), and the next admission scans them again")
     if d.get("snapshot_id"):
         lines.append(f"snapshot {d['snapshot_id']}: {d['admitted_groups']} groups, {d['admitted_members']} members"
                      + ("" if d.get("dry_run") else f", {d['num_tokens']} tokens"))

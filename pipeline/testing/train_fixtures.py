@@ -37,8 +37,10 @@ def tiny_tokenizer(vocab_size: int):
 SYNTH_TOKENIZER_REV = "tok-1"
 
 
-def publish_tiny_policy(lake: Lake, *, checkpoint_id: str = "tiny-v0", seed: int = 0, **arch: Any):
-    """Build, save and publish a tiny random Llama as policy version 0 (or next)."""
+def publish_tiny_policy(lake: Lake, *, checkpoint_id: str = "tiny-v0", seed: int = 0,
+                        tokenizer_rev: str = SYNTH_TOKENIZER_REV, **arch: Any):
+    """Build, save and publish a tiny random Llama as policy version 0 (or next), recorded as
+    sampling with ``tokenizer_rev``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -53,7 +55,7 @@ def publish_tiny_policy(lake: Lake, *, checkpoint_id: str = "tiny-v0", seed: int
     model.save_pretrained(str(out))
     tiny_tokenizer(spec["vocab_size"]).save_pretrained(str(out))
     publish_checkpoint(lake, checkpoint_id=checkpoint_id, policy_version=next_policy_version(lake),
-                       parent_checkpoint_id=None, snapshot_ids=[], train_config={"kind": "tiny", **spec, "tokenizer_rev": SYNTH_TOKENIZER_REV},
+                       parent_checkpoint_id=None, snapshot_ids=[], train_config={"kind": "tiny", **spec, "tokenizer_rev": tokenizer_rev},
                        train_config_hash="tiny", seed=seed, command="test fixture")
     return resolve_policy(lake, checkpoint_id)
 

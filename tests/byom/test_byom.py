@@ -194,19 +194,23 @@ def test_admission_keeps_one_tokenizer_and_scopes(lake, tmp_path):
     # scoped: only run-c's groups are decided
     r1 = admit(lake, scope=Scope(run_id="run-c"))
     assert set(r1.receipts.column("run_id").to_pylist()) == {"run-c"}
-    # the rest: run-b's groups (another tokenizer, even though the majority) are excluded with a reason
+    # the rest: run-b's groups (another tokenizer, even though the majority) are deferred, not decided:
+    # no policy of their tokenizer is current yet, and deciding them now would close them for good
     r2 = admit(lake)
     rec = r2.receipts.to_pylist()
-    assert {x["run_id"] for x in rec} == {"run-a", "run-b"}
-    for x in rec:
-        if x["run_id"] == "run-b":
-            assert x["decision"] != "admit" and x["ref_tokenizer_rev"] == "tok-other"
-            assert set(dict(x["excluded_members"]).values()) <= {"tokenizer_scope", "infra_failed", "expired",
-                                                                  "no_reward"}
-            assert "tokenizer_scope" in dict(x["excluded_members"]).values()
+    assert {x["run_id"] for x in rec} == {"run-a"}
+    assert r2.quality["deferred_groups"] == {"tok-other": len(set(b.column("group_id").to_pylist()))}
     assert r2.snapshot_id
     snap_ids = set(r2.members.column("trajectory_id").to_pylist())
     assert snap_ids and all(t.startswith("a") for t in snap_ids)
+    p = cli(lake, "admit")
+    assert "of tokenizer tok-other left undecided: they wait for a policy of that tokenizer" in p.stdout, p.stdout
+    # once a policy of their tokenizer is current, they are decided (and admitted) like any group
+    publish_tiny_policy(lake, checkpoint_id="tiny-other", vocab_size=30000, hidden_size=16, intermediate_size=32,
+                        tokenizer_rev="tok-other")
+    r3 = admit(lake)
+    assert {x["run_id"] for x in r3.receipts.to_pylist()} == {"run-b"} and not r3.quality["deferred_groups"]
+    assert r3.snapshot_id and all(t.startswith("b") for t in r3.members.column("trajectory_id").to_pylist())
     # the CLI takes the scope options
     p = cli(lake, "admit", "--run-id", "nothing-here", "--json")
     assert json.loads(p.stdout)["snapshot_id"] is None
