@@ -147,8 +147,12 @@ class _Wandb:
         (root / "wandb").mkdir(parents=True, exist_ok=True)
         # a plain string: wandb validates it (its settings accept more modes than the Literal of init's stub)
         mode: Any = os.environ.get("WANDB_MODE", "offline")
+        # silent: wandb's banner, sync hints and run summary (~30 lines a run) go nowhere, like the other
+        # libraries' noise; the run's own files still hold everything (WANDB_SILENT=false brings them back)
+        quiet = os.environ.get("WANDB_SILENT", "true").lower() not in ("0", "false", "no")
+        settings = wandb.Settings(silent=True, quiet=True, console="off") if quiet else None
         self.run = wandb.init(project=EXPERIMENT, name=checkpoint_id, id=checkpoint_id, resume="allow",
-                              dir=str(root), config=config, mode=mode)
+                              dir=str(root), config=config, mode=mode, settings=settings)
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log({f"train/{k}": v for k, v in values.items()}, step=step)

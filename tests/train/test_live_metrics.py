@@ -142,7 +142,7 @@ def _wandb_records(path: Path) -> list[bytes]:
     return out
 
 
-def test_wandb_offline_run_reads_back_equal_to_the_metrics_table(tlake, tmp_path, monkeypatch):
+def test_wandb_offline_run_reads_back_equal_to_the_metrics_table(tlake, tmp_path, monkeypatch, capfd):
     pytest.importorskip("wandb")
     import json
 
@@ -152,12 +152,15 @@ def test_wandb_offline_run_reads_back_equal_to_the_metrics_table(tlake, tmp_path
     from pipeline.train.live import scalars
     from pipeline.train.run import train_snapshot
 
-    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_SILENT", raising=False)                    # silent is the default
     monkeypatch.delenv("WANDB_MODE", raising=False)                      # offline is the default
     lake, sid = tlake
     cfg = TrainConfig(lr=0.003, micro_batch_tokens=256, epochs=1, seed=5, max_steps=3, metrics_every_steps=2,
                       metrics_every_s=0, trackers="wandb", tracker_dir=str(tmp_path / "trk"))
+    capfd.readouterr()
     res = train_snapshot(lake, sid, cfg, progress=False)
+    said = capfd.readouterr()
+    assert "wandb" not in said.out + said.err, "wandb's banner and summary stay out of the user's terminal"
     rows = sorted(lake.read("metrics").to_pylist(), key=lambda r: r["global_step"])
     (log,) = (tmp_path / "trk" / "wandb").glob(f"offline-run-*-{res.checkpoint_id}/run-{res.checkpoint_id}.wandb")
     history = []
