@@ -425,9 +425,11 @@ def _as_arrow(table) -> pa.Table:
             out = _from_pandas(table)
         elif hasattr(table, "__arrow_c_stream__"):
             out = pa.table(table)
+        elif isinstance(table, (list, tuple)) and table and all(isinstance(r, dict) for r in table):
+            out = pa.Table.from_pylist(list(table))      # rows as dicts: types inferred, then validated exactly
         else:
-            raise TypeError(f"ingest_table needs a pyarrow Table, pandas or polars DataFrame (or LazyFrame), "
-                            f"not {type(table).__name__}")
+            raise TypeError(f"ingest_table needs a pyarrow Table, pandas or polars DataFrame (or LazyFrame) or a "
+                            f"non-empty list of row dicts, not {type(table).__name__}")
         return _plain_types(out)
     except (pa.ArrowException, ValueError) as exc:
         if isinstance(exc, InputFileError):
