@@ -17,9 +17,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
 import pandas as pd
 
 from pipeline.lake.ref import as_lake
+from pipeline.report.alerts import alerts
 from pipeline.report.html import Note, Plot, Section, Table, render
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
@@ -98,6 +100,23 @@ def _series_by_run(df: pd.DataFrame, x: str, cols: dict[str, str]) -> dict[str, 
     return out
 
 
+SPARSE_MIN = 5          # a time bucket with fewer members than this (or than 10% of the run's median) is
+                        # not drawn: a partial bucket holding 3 fast failures is not a collapse
+
+
+def _hide_sparse(df: pd.DataFrame, count: str, cols: list[str]) -> tuple[pd.DataFrame, int]:
+    """``df`` with ``cols`` blanked in buckets too sparse to read, and how many were."""
+    med = df.groupby("run_id")[count].transform("median") if "run_id" in df else df[count].median()
+    sparse = df[count] < np.maximum(SPARSE_MIN, 0.1 * med)
+    out = df.copy()
+    out.loc[sparse, cols] = None
+    return out, int(sparse.sum())
+
+
+def _sparse_note(n: int) -> str:
+    return f" ({n} sparse bucket{'s' if n != 1 else ''} not drawn)" if n else ""
+
+
 def _table(df: pd.DataFrame, columns: list[str] | None = None, caption: str = "", limit: int = 200) -> Table:
     d = df[columns] if columns else df
     rows = [[_py(v) for v in r] for r in d.head(limit).itertuples(index=False, name=None)]
@@ -167,9 +186,11 @@ def quality(q: _Queries) -> Section:
         title="Reward over policy versions", xlabel="policy version", ylabel="reward", integer_x=True)))
     ot = _rows(q.get("quality_over_time", run_id=o.run_id, bucket=o.bucket), "over time")
     if isinstance(ot, pd.DataFrame):
+        ot, hidden = _hide_sparse(ot, "valid_members", ["success_rate", "reward_mean"])
         s.blocks.append(Plot("Success and reward over time", _lines(
             _series_by_run(ot, "bucket", {"success_rate": "success rate", "reward_mean": "reward mean"}),
-            title=f"Success and reward over time (per {o.bucket}, UTC)", xlabel="finished at", ylabel="rate")))
+            title=f"Success and reward over time (per {o.bucket}, UTC){_sparse_note(hidden)}", xlabel="finished at",
+            ylabel="rate")))
     comp = _rows(q.get("quality_components", run_id=o.run_id, bucket=o.bucket), "components")
     if isinstance(comp, pd.DataFrame):
         series = {}
@@ -385,6 +406,9 @@ def training(q: _Queries) -> Section:
                          "samples": ("samples", "trajectories trained on (per run)", "over samples")}.get(
         q.opts.train_x, ("step", "step (across runs)", "per step"))
     multi = xcol != "step" and df.checkpoint_id.nunique() > 1
+    # where each training run (checkpoint) begins on the shared step axis: dotted lines labelled v<version>
+    starts = df.groupby("checkpoint_id", sort=False).agg(x=(xcol, "min"), v=("policy_version", "first"))
+    bounds = [] if multi or len(starts) < 2 else [(r.x, f"v{int(r.v)}") for r in starts.itertuples()]
     for title, cols, ylabel in groups:
         series = {}
         for c, name in cols.items():
@@ -397,7 +421,7 @@ def training(q: _Queries) -> Section:
                 series[name] = (df[xcol].tolist(), df[c].tolist())
         if series:
             s.blocks.append(Plot(title if xcol == "step" else f"{title} {per}",
-                                 _lines(series, title=f"{title} {per}", xlabel=xlabel,
+                                 _lines(series, title=f"{title} {per}", xlabel=xlabel, boundaries=bounds,
                                         ylabel=ylabel, integer_x=xcol != "elapsed_s")))
     adv = q.sql("SELECT advantage FROM snapshot_members")
     if isinstance(adv, pd.DataFrame) and not adv.empty:
@@ -466,9 +490,11 @@ def rollout(q: _Queries) -> Section:
             integer_x=True, ylim=(0, 1.02))))
         tp = _rows(q.get("rollout_throughput", run_id=o.run_id, bucket=o.bucket), "throughput")
         if isinstance(tp, pd.DataFrame):
+            tp, hidden = _hide_sparse(tp, "trajectories", ["tokens_per_s"])
             s.blocks.append(Plot("Rollout throughput", _lines(
                 _series_by_run(tp, "bucket", {"tokens_per_s": "response tokens/s"}),
-                title=f"Rollout throughput (per {o.bucket}, UTC)", xlabel="finished at", ylabel="tokens/s")))
+                title=f"Rollout throughput (per {o.bucket}, UTC){_sparse_note(hidden)}", xlabel="finished at",
+                ylabel="tokens/s")))
         sd = _rows(q.get("success_by_difficulty", run_id=o.run_id), "difficulty")
         if isinstance(sd, pd.DataFrame):
             series = {str(d): (g.policy_version.tolist(), g.success_rate.tolist())
@@ -529,91 +555,6 @@ def time_breakdown(lake: Lake) -> dict[str, dict[str, Any]]:
     return dict(sorted(out.items()))
 
 
-# -- alerts -------------------------------------------------------------------------------------------
-
-# Thresholds of the alerts section (a value beyond its bound raises the alert).
-ALERTS = {
-    "mismatch_kl": 1e-3,          # rollout-engine vs trainer log-probs: above this the engines drift apart
-    "zero_variance_share": 0.5,   # share of decided groups with identical rewards: no learning signal
-    "infra_failure_rate": 0.05,   # share of trajectories INFRA_FAILED: infrastructure, not policy
-    "stale_share": 0.2,           # share of a bucket's groups rejected as stale (gated)
-    "truncation_rate": 0.2,       # share of responses cut at the length limit (newest version)
-    "clip_fraction": 0.2,         # share of tokens clipped in a step
-    "eval_drop": 0.05,            # held-out success falling by more than this from the previous version
-}
-
-
-def alerts(q: _Queries) -> Section:
-    s = Section("alerts", "Alerts",
-                "Checks against fixed thresholds (pipeline.report.build.ALERTS); each alert says what is wrong "
-                "and where to look.")
-    found: list[tuple[str, str]] = []   # (check, message)
-    tr = q.get("training")
-    if isinstance(tr, pd.DataFrame) and not tr.empty:
-        if "mismatch_kl" in tr and tr.mismatch_kl.notna().any():
-            worst = tr.loc[tr.mismatch_kl.idxmax()]
-            if worst.mismatch_kl > ALERTS["mismatch_kl"]:
-                found.append(("mismatch_kl",
-                              f"Rollout engine and trainer disagree: mismatch_kl reached {worst.mismatch_kl:.3g} "
-                              f"(bound {ALERTS['mismatch_kl']:g}) in checkpoint {worst.checkpoint_id}, step "
-                              f"{int(worst.global_step)}. Check the engine's dtype/sampling settings and the "
-                              f"policy version workers load (Training metrics)."))
-        if tr.grad_norm.notna().any() and not pd.Series(tr.grad_norm.dropna()).map(math.isfinite).all():
-            found.append(("grad_norm",
-                          "Gradient norm is not finite in some step: training diverged (Training metrics)."))
-        if tr.clip_fraction.notna().any() and tr.clip_fraction.max() > ALERTS["clip_fraction"]:
-            found.append(("clip_fraction",
-                          f"Up to {tr.clip_fraction.max():.0%} of tokens were clipped in a step (bound "
-                          f"{ALERTS['clip_fraction']:.0%}): updates are too large or data too off-policy; lower the "
-                          f"learning rate or the policy lag."))
-    rc = q.sql("SELECT decision, count(*) AS n FROM receipts GROUP BY decision")
-    if isinstance(rc, pd.DataFrame) and not rc.empty:
-        total = rc.n.sum()
-        zv = rc.loc[rc.decision == "zero_variance", "n"].sum() / total
-        if zv > ALERTS["zero_variance_share"]:
-            found.append(("zero_variance_share",
-                          f"{zv:.0%} of decided groups had zero reward variance (bound "
-                          f"{ALERTS['zero_variance_share']:.0%}): they carry no learning signal; tasks are too easy "
-                          f"or too hard for this policy (Success by difficulty)."))
-    st = q.get("freshness_rejections", run_id=q.opts.run_id)
-    if isinstance(st, pd.DataFrame) and not st.empty:
-        for r in st[st.stale_exclusion_rate.fillna(0) > ALERTS["stale_share"]].itertuples():
-            found.append(("stale_share",
-                          f"{r.stale_exclusion_rate:.0%} of the members in bucket difficulty={r.difficulty}, "
-                          f"length={r.length_bucket} (run {r.run_id}) were excluded as stale (bound "
-                          f"{ALERTS['stale_share']:.0%}): rollouts of this bucket arrive too late for the policy; "
-                          f"raise max_policy_lag or speed up their generation (Freshness)."))
-    inf = q.sql("SELECT avg(CASE WHEN status = 'INFRA_FAILED' THEN 1.0 ELSE 0.0 END) AS rate, count(*) AS n "
-                "FROM trajectories")
-    if isinstance(inf, pd.DataFrame) and not inf.empty and inf.n.iloc[0] and inf.rate.iloc[0] > ALERTS[
-            "infra_failure_rate"]:
-        found.append(("infra_failure_rate",
-                      f"{inf.rate.iloc[0]:.1%} of trajectories failed for infrastructure reasons (bound "
-                      f"{ALERTS['infra_failure_rate']:.0%}): tools, environments or verifiers are failing "
-                      f"(Efficiency: failures)."))
-    ln = q.get("rollout_lengths", run_id=q.opts.run_id)
-    if isinstance(ln, pd.DataFrame) and not ln.empty:
-        newest = ln.sort_values("policy_version").groupby("run_id").tail(1)
-        for r in newest[newest.truncation_rate > ALERTS["truncation_rate"]].itertuples():
-            found.append(("truncation_rate",
-                          f"{r.truncation_rate:.0%} of responses of policy version {r.policy_version} (run "
-                          f"{r.run_id}) hit the length limit (bound {ALERTS['truncation_rate']:.0%}): answers are "
-                          f"growing; truncated answers mostly fail (Rollout health)."))
-    ev = q.get("eval_curve")
-    if isinstance(ev, pd.DataFrame) and len(ev) > 1:
-        for _, g in ev.groupby(["env", "n", "seed", "samples", "temperature"]):
-            g = g.sort_values("policy_version")
-            if len(g) > 1 and g.success.iloc[-2] - g.success.iloc[-1] > ALERTS["eval_drop"]:
-                found.append(("eval_drop",
-                              f"Held-out success fell from {g.success.iloc[-2]:.3f} to {g.success.iloc[-1]:.3f} at "
-                              f"policy version {int(g.policy_version.iloc[-1])} ({g.env.iloc[0]}): the newest version "
-                              f"is worse on tasks it never trained on (Held-out evaluation)."))
-    s.blocks.extend(Note(text, "alert", check=check) for check, text in found)
-    if not found:
-        s.blocks.append(Note("No alerts: every check is within its threshold.", "info"))
-    return s
-
-
 def choose_bucket(lake: Lake) -> str:
     """The time bucket that gives the over-time plots a usable number of points
     for the span of the data (finished_at of the trajectories)."""
@@ -641,13 +582,13 @@ SECTIONS: tuple[Callable[[_Queries], Section], ...] = (
 # -- plotting wrappers: an empty series gives no plot ---------------------------------------------
 
 
-def _lines(series, **kw) -> bytes:
+def _lines(series, **kw) -> str:
     from pipeline.report import plots
 
     return plots.lines(series, **kw)
 
 
-def _bars(categories, series, **kw) -> bytes:
+def _bars(categories, series, **kw) -> str:
     from pipeline.report import plots
 
     return plots.bars(categories, series, **kw)

@@ -1,13 +1,15 @@
 """Render report sections into one self-contained HTML page.
 
-Plots are inline PNG data URIs, styles are inline, and the only script marks
-images that failed to decode (so a broken plot is visible, not silent). The
-file opens offline in any browser.
+Plots are plotly figures (JSON, one ``<script type="application/json">`` each)
+drawn by plotly.js, inlined once in the page (``<script id="plotly-js">``);
+styles are inline. The page's own script draws every figure at load, marks
+each ``data-rendered="yes"`` (or replaces it with a visible error note, ``no``)
+and the body ``data-plots-checked="yes"`` when all are done, so a broken plot
+is visible, not silent. The file opens offline in any browser.
 """
 
 from __future__ import annotations
 
-import base64
 import html
 import math
 from dataclasses import dataclass, field
@@ -18,7 +20,7 @@ from typing import Any, Literal
 @dataclass(frozen=True)
 class Plot:
     title: str
-    png: bytes
+    figure: str      # a plotly figure as JSON (pipeline.report.plots)
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,7 @@ class Table:
 class Note:
     text: str
     kind: Literal["empty", "error", "info", "alert"] = "info"
-    check: str = ""   # for an alert: the check that raised it (a key of pipeline.report.build.ALERTS)
+    check: str = ""   # for an alert: the check that raised it (a key of pipeline.report.alerts.ALERTS)
 
 
 @dataclass
@@ -48,7 +50,7 @@ body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;c
 h1{font-size:22px;margin:0 0 4px}h2{font-size:18px;margin:28px 0 6px;border-bottom:1px solid #ddd;padding-bottom:4px}
 .meta{color:#666;font-size:13px}.intro{color:#444;font-size:13px;max-width:980px}
 .grid{display:flex;flex-wrap:wrap;gap:12px}.fig{background:#fff;border:1px solid #e2e2e2;border-radius:4px;padding:6px}
-.fig img{display:block;width:640px;max-width:100%}
+.fig .plot{width:640px;height:330px}
 table{border-collapse:collapse;font-size:12px;margin:8px 0;background:#fff}
 th,td{border:1px solid #e2e2e2;padding:3px 6px;text-align:left;vertical-align:top}th{background:#f0f0f0}
 td.num{text-align:right;font-variant-numeric:tabular-nums}caption{text-align:left;font-size:12px;color:#555;padding:4px 0}
@@ -59,13 +61,22 @@ nav a{margin-right:12px;font-size:13px}.tw{overflow-x:auto;max-width:100%}
 
 SCRIPT = """
 window.addEventListener('load', function () {
-  document.querySelectorAll('img').forEach(function (img) {
-    var ok = img.complete && img.naturalWidth > 0;
-    img.setAttribute('data-decoded', ok ? 'yes' : 'no');
-    if (!ok) { var p = document.createElement('p'); p.className = 'note error';
-               p.textContent = 'plot failed to decode: ' + img.alt; img.replaceWith(p); }
+  var figs = Array.prototype.slice.call(document.querySelectorAll('div.plot'));
+  var fail = function (div, why) {
+    div.setAttribute('data-rendered', 'no');
+    var p = document.createElement('p'); p.className = 'note error';
+    p.textContent = 'plot failed to draw: ' + div.getAttribute('data-title') + ' (' + why + ')';
+    div.replaceWith(p);
+  };
+  var done = figs.map(function (div) {
+    try {
+      var fig = JSON.parse(div.nextElementSibling.textContent);
+      return Plotly.newPlot(div, fig.data, fig.layout, {displaylogo: false, responsive: false})
+        .then(function () { div.setAttribute('data-rendered', 'yes'); },
+              function (e) { fail(div, e); });
+    } catch (e) { fail(div, e); return Promise.resolve(); }
   });
-  document.body.setAttribute('data-images-checked', 'yes');
+  Promise.all(done).then(function () { document.body.setAttribute('data-plots-checked', 'yes'); });
 });
 """
 
@@ -104,9 +115,10 @@ def _table(t: Table) -> str:
 
 def _block(b: Plot | Table | Note) -> str:
     if isinstance(b, Plot):
-        data = base64.b64encode(b.png).decode("ascii")
-        alt = html.escape(b.title, quote=True)
-        return f'<div class="fig"><img alt="{alt}" title="{alt}" src="data:image/png;base64,{data}"></div>'
+        title = html.escape(b.title, quote=True)
+        spec = b.figure.replace("</", "<\\/")          # JSON inside <script>: never closes the element
+        return (f'<div class="fig"><div class="plot" data-title="{title}"></div>'
+                f'<script type="application/json">{spec}</script></div>')
     if isinstance(b, Table):
         return _table(b)
     return f'<p class="note {b.kind}">{html.escape(b.text)}</p>'
@@ -114,11 +126,15 @@ def _block(b: Plot | Table | Note) -> str:
 
 def render(title: str, meta: list[str], sections: list[Section]) -> str:
     """The whole page as one string."""
+    from pipeline.report.plots import library_js   # plotly: only when a page is rendered
+
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{html.escape(title)}</title>",
         f"<style>{CSS}</style>",
+        f'<script id="plotly-js">{library_js()}</script>' if any(
+            isinstance(b, Plot) for s in sections for b in s.blocks) else "",
         f"<script>{SCRIPT}</script>",
         "</head><body>",
         f"<h1>{html.escape(title)}</h1>",
