@@ -34,8 +34,10 @@ def _ingest(args: argparse.Namespace) -> int:
     out = report.as_dict()
     emit(out, args, lambda r: with_lake(
         f"ingest {r['ingest_id']}: {r['rows_read']} rows read from {r['files']} file(s): "
-        f"{r['landed']} landed, {r['duplicates']} duplicate, {r['quarantined']} quarantined"
-        + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(r['reasons'].items()))})" if r["reasons"] else "")
+        f"{r['landed']} landed, {r['duplicates']} duplicate, {r['rejected_rows']} quarantined"
+        + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(r['reasons'].items()))})" if r["reasons"] and not
+           r["file_problems"] else "")
+        + "".join(f"\n  whole file, recorded once: {p}" for p in r["file_problems"])
         + (f"\n  already ingested (no-op): {', '.join(r['skipped_files'])}" if r["skipped_files"] else "")
         + (f"\n  trajectories version {r['trajectories_version']}" if r["trajectories_version"] is not None else "")
         + (f"\n  quarantine version {r['quarantine_version']}; see: pipeline sql \"SELECT source_row, reason "

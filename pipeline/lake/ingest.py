@@ -57,7 +57,9 @@ class IngestReport:
     skipped_files: list[str] = field(default_factory=list)  # already ingested (same bytes)
     trajectories_version: int | None = None
     quarantine_version: int | None = None
-    reasons: dict[str, int] = field(default_factory=dict)
+    reasons: dict[str, int] = field(default_factory=dict)   # quarantine entries per reason_code
+    rejected_rows: int = 0          # rows read that did not land because of a problem (quarantined)
+    file_problems: list[str] = field(default_factory=list)   # "<file>: <problem>", one per problem of a whole file
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -289,16 +291,22 @@ def prompt_hashes(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
     return pa.array(out, pa.string())
 
 
+FILE_ROW = -1   # source_row of a quarantine entry for a problem of the whole file
+
+
 def quarantine_rows(rejects: list[tuple[int, str, str, str | None]], *, raw: pa.Table, raw_lines: list[str] | None,
                     source: str, fingerprint: str, ingest_id: str, target: str = "trajectories",
                     hashes: dict[int, str] | None = None) -> pa.Table:
     """Quarantine rows for (row, code, message, trajectory_id) rejects of one source."""
     now = datetime.now(timezone.utc)
     rows = []
-    if rejects and raw_lines is None:
-        py = raw.take(pa.array([r[0] for r in rejects], pa.int64())).to_pylist()
-    for k, (row, code, message, tid) in enumerate(rejects):
-        raw_text = raw_lines[row] if raw_lines is not None else json.dumps(py[k], default=str)
+    at = [r[0] for r in rejects if r[0] != FILE_ROW]
+    py = dict(zip(at, raw.take(pa.array(at, pa.int64())).to_pylist())) if at and raw_lines is None else {}
+    for row, code, message, tid in rejects:
+        if row == FILE_ROW:      # the whole file: its shape, so the entry says what the file held
+            raw_text = json.dumps({"rows": raw.num_rows, "columns": {f.name: str(f.type) for f in raw.schema}})
+        else:
+            raw_text = raw_lines[row] if raw_lines is not None else json.dumps(py[row], default=str)
         rows.append({
             "quarantine_id": hashlib.sha256(f"{fingerprint}:{row}:{code}".encode()).hexdigest(),
             "target_table": target,
@@ -528,7 +536,8 @@ def _land(lake: Lake, sources: Sources, fingerprints: list[str], report: IngestR
         return report
     base = dataclasses.replace(report)
     for _ in range(MAX_RACES):
-        report = dataclasses.replace(base, reasons=dict(base.reasons), skipped_files=list(base.skipped_files))
+        report = dataclasses.replace(base, reasons=dict(base.reasons), skipped_files=list(base.skipped_files),
+                                     file_problems=list(base.file_problems))
         try:
             return _land_once(lake, sources, fingerprints, report, command=command)
         except KeyRace:
@@ -598,7 +607,7 @@ def _stage_sources(lake: Lake, sources: Sources, seen: _Seen, report: IngestRepo
     try:
         with ThreadPoolExecutor(max_workers=1) as writer:
             for path, fp, raw, lines, pre in sources():
-                to_land, rej = _check_source(seen, raw, lines, pre, report)
+                to_land, rej = _check_source(seen, raw, lines, pre, report, source=path)
                 if to_land is not None:
                     landed += to_land.num_rows
                     futures.append(writer.submit(lake.stage, "trajectories", to_land))
@@ -617,14 +626,26 @@ def _stage_sources(lake: Lake, sources: Sources, seen: _Seen, report: IngestRepo
     return staged, landed, q_tables
 
 
-def _check_source(seen: _Seen, raw: pa.Table, lines: list[str] | None, pre: list[Reject], report: IngestReport
-                  ) -> tuple[pa.Table | None, list[tuple[int, str, str, str | None]]]:
+def _check_source(seen: _Seen, raw: pa.Table, lines: list[str] | None, pre: list[Reject], report: IngestReport,
+                  *, source: str) -> tuple[pa.Table | None, list[tuple[int, str, str, str | None]]]:
     """(the new rows to land or None, quarantine entries (row, code, message, id)) of one source."""
     report.rows_read += raw.num_rows
     validated = validate_table(raw, pre_rejected=pre)
     valid = validated.valid
+    if validated.file_problems and raw.num_rows:
+        # every row fails alike: one quarantine entry per problem for the file (source_row -1), not one per row
+        n = raw.num_rows
+        report.rejected_rows += n
+        report.file_problems.extend(f"{source}: {msg}" for _, msg in dict.fromkeys(validated.file_problems))
+        by_code: dict[str, list[str]] = {}     # one entry per code (the quarantine key): its messages joined
+        for code, msg in dict.fromkeys(validated.file_problems):
+            by_code.setdefault(code, []).append(msg)
+        return None, [(FILE_ROW, code, f"{'; '.join(msgs)} (a problem of the whole file: none of its {n} row(s) "
+                                        f"landed; fix the file and ingest it again)", None)
+                      for code, msgs in by_code.items()]
     shown = safe_raw(raw) if validated.rejects else raw  # renders bad UTF-8 / repeated columns
     rej = [(r.row, r.code, r.message, _tid(shown, lines, r.row)) for r in validated.rejects]
+    report.rejected_rows += len(rej)
     if not valid.num_rows:
         return None, rej
     valid = stamp_derived(valid, report.ingest_id)
@@ -632,6 +653,7 @@ def _check_source(seen: _Seen, raw: pa.Table, lines: list[str] | None, pre: list
     report.duplicates += int(dup.sum())
     for i in np.flatnonzero(conflict):
         tid = valid.column("trajectory_id")[int(i)].as_py()
+        report.rejected_rows += 1
         rej.append((int(validated.valid_rows[i]), "conflict",
                     f"trajectory_id {tid!r} already exists (or repeats in this input) with different "
                     f"content (content_hash {valid.column('content_hash')[int(i)].as_py()[:12]}…); "

@@ -49,6 +49,9 @@ class Validated:
     valid: pa.Table                 # ingest schema (content_hash filled), valid rows only
     valid_rows: np.ndarray          # their indices in the input
     rejects: list[Reject] = field(default_factory=list)
+    # problems of the whole input (a missing, unknown, repeated or derived column, a column of a type that
+    # cannot be converted): every row fails them alike, so they are reported once for the file
+    file_problems: list[tuple[str, str]] = field(default_factory=list)
 
 
 class _Failures:
@@ -61,6 +64,12 @@ class _Failures:
         self.bad = np.zeros(n, dtype=bool)
         self.problems: dict[int, list[tuple[str, str]]] = {}
         self.broken: dict[str, np.ndarray] = {}
+        self.file: list[tuple[str, str]] = []
+
+    def add_file(self, code: str, message: str, column: str | None = None) -> None:
+        """A problem of the whole input: every row fails it, and it is recorded once."""
+        self.file.append((code, message))
+        self.add(np.ones(self.n, bool), code, message, column=column)
 
     def broken_rows(self, *columns: str) -> np.ndarray:
         out = self.broken.get("*", np.zeros(self.n, bool)).copy()
@@ -644,30 +653,30 @@ def validate_table(raw: pa.Table, *, table: str = "trajectories",
     names = [c for c in raw.column_names if c not in set(pandas_index_columns(raw))]
     dup = sorted({c for c in names if names.count(c) > 1})
     if dup:
-        fails.add(np.ones(n, bool), "duplicate_column",
+        fails.add_file("duplicate_column",
                   f"column(s) {dup} appear more than once; every column must be unique")
     known = {c.name for c in spec.columns}
     derived = [c for c in dict.fromkeys(names) if c in {d.name for d in spec.derived_columns}]
     if derived:
-        fails.add(np.ones(n, bool), "derived_column",
+        fails.add_file("derived_column",
                   f"column(s) {derived} are computed by the lake; drop them from the input")
     unknown = [c for c in dict.fromkeys(names) if c not in known]
     if unknown:
-        fails.add(np.ones(n, bool), "unknown_column",
+        fails.add_file("unknown_column",
                   f"unknown column(s) {unknown}; the {table} contract has no such column "
                   f"(see README, Ingest contract): drop or rename them")
     cols: dict[str, pa.Array] = {}
     for c in spec.ingest_columns:
         if c.name not in names:
             if c.required and c.ingest != "optional":
-                fails.add(np.ones(n, bool), "missing_column", f"required column {c.name} is missing", column=c.name)
+                fails.add_file("missing_column", f"required column {c.name} is missing", column=c.name)
             cols[c.name] = pa.nulls(n, c.arrow_type)
             continue
         arr = _utf8_problems(raw, raw.column_names.index(c.name), fails, c.name)
         try:
             norm = _normalize(arr, c, fails)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, OverflowError) as exc:
-            fails.add(np.ones(n, bool), "wrong_type", f"{c.name} has type {arr.type} and cannot be converted "
+            fails.add_file("wrong_type", f"{c.name} has type {arr.type} and cannot be converted "
                       f"exactly to {c.type_text} ({str(exc).splitlines()[0]})", column=c.name)
             norm = None
         cols[c.name] = norm if norm is not None else pa.nulls(n, c.arrow_type)
@@ -702,7 +711,7 @@ def validate_table(raw: pa.Table, *, table: str = "trajectories",
             keep = keep[~mismatch]
         valid = valid.set_column(valid.schema.get_field_index("content_hash"), "content_hash", computed)
     valid = valid.cast(pa.schema([c.arrow_field() for c in spec.ingest_columns]))  # content_hash filled
-    return Validated(valid=valid, valid_rows=keep, rejects=fails.rejects())
+    return Validated(valid=valid, valid_rows=keep, rejects=fails.rejects(), file_problems=fails.file)
 
 
 def validate_trajectories(raw: pa.Table) -> Validated:

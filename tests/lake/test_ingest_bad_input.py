@@ -52,6 +52,9 @@ def _set(table, name, values, typ=None):
     return table.set_column(i, pa.field(name, arr.type), arr)
 
 
+FILE_LEVEL = ("unknown_column", "missing_column", "duplicate_column", "derived_column")
+
+
 @pytest.fixture
 def good(make_traj):
     return make_traj(4, seed=7, group_size=2)
@@ -70,7 +73,12 @@ def _only_bad(lake, tmp_path, good, table, code, fragment=None, name="bad.parque
     assert r.landed == 0
     assert lake.version("trajectories") == v0, "bad rows must not create a table version"
     q = _quarantine(lake)
-    assert len(q) == table.num_rows
+    assert r.rejected_rows == table.num_rows
+    if code in FILE_LEVEL:     # every row fails alike: one entry for the whole file
+        assert len(q) == 1 and q[0]["source_row"] == -1 and "a problem of the whole file" in q[0]["reason"]
+        assert json.loads(q[0]["raw_row"])["rows"] == table.num_rows and r.file_problems
+    else:
+        assert len(q) == table.num_rows
     assert {row["reason_code"] for row in q} == {code}, q[0]["reason"]
     if fragment:
         assert fragment in q[0]["reason"], q[0]["reason"]
@@ -86,6 +94,24 @@ def test_extra_column(lake, tmp_path, good, make_traj):
 def test_missing_column(lake, tmp_path, good, make_traj):
     bad = make_traj(2, seed=8).drop_columns(["verifier_version"])
     _only_bad(lake, tmp_path, good, bad, "missing_column", "verifier_version")
+
+
+def test_a_problem_of_the_whole_file_is_recorded_once_not_once_per_row(lake, tmp_path, good, make_traj, capsys):
+    from pipeline.cli import main
+
+    bad = make_traj(300, seed=9).drop_columns(["verifier_version", "env_version"])
+    path = _write(tmp_path / "wide.parquet", bad)
+    assert main(["ingest", str(path), "--lake", lake.uri]) == 1          # nothing landed
+    out = capsys.readouterr().out
+    assert "300 quarantined" in out and out.count("whole file, recorded once:") == 2, out
+    assert "required column verifier_version is missing" in out and "required column env_version is missing" in out
+    q = _quarantine(lake)
+    assert [(row["source_row"], row["reason_code"]) for row in q] == [(-1, "missing_column")]   # one per code
+    assert "env_version is missing; required column verifier_version is missing" in q[0]["reason"]
+    cols = json.loads(q[0]["raw_row"])["columns"]
+    assert "verifier_version" not in cols and cols["trajectory_id"] == "string"
+    assert main(["ingest", str(path), "--lake", lake.uri]) == 1          # a rerun records nothing twice
+    assert len(_quarantine(lake)) == 1
 
 
 def test_wrong_type(lake, tmp_path, good, make_traj):
@@ -412,7 +438,7 @@ def test_odd_frames_land_or_get_one_clear_error(lake, make_traj):
     assert ingest_table(lake, pl.from_arrow(w).lazy()).landed == 4               # a polars LazyFrame: collected
     dup = pa.Table.from_arrays(list(w.columns) + [w.column("reward")], names=w.column_names + ["reward"])
     r = ingest_table(lake, dup)
-    assert r.landed == 0 and r.reasons == {"duplicate_column": 4}
+    assert r.landed == 0 and r.reasons == {"duplicate_column": 1} and r.rejected_rows == 4   # one entry: the file's
     mixed = make_traj(4, seed=4, median_len=4, id_prefix="m-").to_pandas()
     mixed["task_id"] = ["a", 1, 2.5, None]
     with pytest.raises(InputFileError, match=r"column 'task_id' \(pandas dtype object\) cannot be converted .*"

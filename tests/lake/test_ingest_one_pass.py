@@ -214,4 +214,4 @@ def test_repeated_columns_are_a_clear_error_or_quarantined(lake, tmp_path, make_
     with pa.ipc.new_file(tmp_path / "d.arrow", dup.schema) as w:  # Arrow IPC reads: validation rejects
         w.write_table(dup)
     r = ingest_files(lake, [tmp_path / "d.arrow"])
-    assert (r.landed, r.quarantined) == (0, 2) and r.reasons == {"duplicate_column": 2}
+    assert (r.landed, r.quarantined, r.rejected_rows) == (0, 1, 2) and r.reasons == {"duplicate_column": 1}  # the file
