@@ -25,7 +25,7 @@ ALERTS = {
     "infra_failure_rate": 0.05,   # share of trajectories INFRA_FAILED: infrastructure, not policy
     "stale_share": 0.2,           # share of a bucket's groups rejected as stale (gated)
     "truncation_rate": 0.2,       # share of responses cut at the length limit (newest version)
-    "clip_fraction": 0.2,         # share of tokens clipped in a step
+    "clip_fraction": 0.2,         # share of tokens clipped, mean over a checkpoint's steps
     "eval_drop": 0.05,            # held-out success falling by more than this from the previous version
 }
 
@@ -48,11 +48,14 @@ def alerts(q: _Queries) -> Section:
         if tr.grad_norm.notna().any() and not pd.Series(tr.grad_norm.dropna()).map(math.isfinite).all():
             found.append(("grad_norm",
                           "Gradient norm is not finite in some step: training diverged (Training metrics)."))
-        if tr.clip_fraction.notna().any() and tr.clip_fraction.max() > ALERTS["clip_fraction"]:
+        # sustained, not one step: the first update from a warm start clips a burst and settles (the
+        # demo's own run: 38% in one step, 15% over its run, under 5% after), which is not a problem
+        clip = tr.groupby("checkpoint_id", sort=False).clip_fraction.mean().dropna()
+        if len(clip) and clip.max() > ALERTS["clip_fraction"]:
             found.append(("clip_fraction",
-                          f"Up to {tr.clip_fraction.max():.0%} of tokens were clipped in a step (bound "
-                          f"{ALERTS['clip_fraction']:.0%}): updates are too large or data too off-policy; lower the "
-                          f"learning rate or the policy lag."))
+                          f"{clip.max():.0%} of tokens were clipped on average over the steps of checkpoint "
+                          f"{clip.idxmax()} (bound {ALERTS['clip_fraction']:.0%}): updates are too large or data too "
+                          f"off-policy; lower the learning rate or the policy lag (Training metrics)."))
     rc = q.sql("SELECT decision, count(*) AS n FROM receipts GROUP BY decision")
     if isinstance(rc, pd.DataFrame) and not rc.empty:
         total = rc.n.sum()

@@ -189,6 +189,10 @@ def test_alerts_say_in_words_what_is_wrong(tmp_path):
     m = sorted(lake.read("metrics").to_pylist(), key=lambda r: (r["checkpoint_id"], r["global_step"]))[-1]
     lake.append("metrics", pa.Table.from_pylist([dict(m, global_step=99, mismatch_kl=0.05)],
                                                  schema=table_spec("metrics").arrow_schema()), command="t")
+    _, one_step = build_report(lake)
+    assert not any("clipped" in a for a in one_step["alerts"])     # the synthetic runs clip little
+    hot = [dict(m, global_step=100 + i, clip_fraction=0.9) for i in range(16)]   # a run that keeps clipping
+    lake.append("metrics", pa.Table.from_pylist(hot, schema=table_spec("metrics").arrow_schema()), command="t")
     ev = lake.read("evaluations").to_pylist()
     last = max((r for r in ev if r["samples"] == 1), key=lambda r: r["policy_version"])
     drop = dict(last, eval_id="drop", policy_version=last["policy_version"] + 1, checkpoint_id=None, success=0.0)
@@ -200,7 +204,8 @@ def test_alerts_say_in_words_what_is_wrong(tmp_path):
     assert "Held-out success fell" in text and f"policy version {last['policy_version'] + 1}" in text
     assert res["errors"] == []
     checks = {a["check"] for a in res["alert_checks"]}
-    assert {"mismatch_kl", "eval_drop"} <= checks and len(res["alert_checks"]) == len(res["alerts"])
+    assert {"mismatch_kl", "eval_drop", "clip_fraction"} <= checks and len(res["alert_checks"]) == len(res["alerts"])
+    assert f"on average over the steps of checkpoint {m['checkpoint_id']}" in text
     # --check: the report is written and the exit code says an alert fired (for cron or CI)
 
     from pipeline.cli import main
