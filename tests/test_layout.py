@@ -110,3 +110,10 @@ def test_no_tracked_file_cites_files_outside_the_repository():
                                                                       ".sql", ".cfg", ".txt", ".json", ".ini"))
             and any(n in line for line in (ROOT / f).read_text(errors="replace").splitlines() for n in needles)]
     assert hits == [], "restate what the code relies on in docs/ instead"
+
+
+def test_no_module_is_over_700_lines():
+    """Every module stays small enough to know: one over 700 lines is split along its seams (CONTRIBUTING.md)."""
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in PKG.rglob("*.py")}
+    assert len(sizes) > 50, "the package's modules were not found"
+    assert {f: n for f, n in sizes.items() if n > 700} == {}

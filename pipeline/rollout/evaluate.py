@@ -36,7 +36,8 @@ def evaluate(policy, env_name: str = "arithmetic-tool", *, n: int = 200, seed: i
     from pipeline.rollout.backends import make_engine
     from pipeline.rollout.engine import Sampling, derive_seed
     from pipeline.rollout.envs import get_env
-    from pipeline.rollout.harness import Harness, Limits
+    from pipeline.rollout.harness import Harness
+    from pipeline.rollout.settings import Limits
     from pipeline.rollout.spool import Spool
 
     from pipeline.errors import ConfigError

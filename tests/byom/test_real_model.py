@@ -166,7 +166,8 @@ def test_chat_rendering_through_the_harness(lake, chatml_dir):
     from pipeline.rollout import codec as codecs
     from pipeline.rollout.engine import Completion, Sampling
     from pipeline.rollout.envs import get_env
-    from pipeline.rollout.harness import Harness, Limits
+    from pipeline.rollout.harness import Harness
+    from pipeline.rollout.settings import Limits
     from pipeline.rollout.spool import Spool, ship
 
     env = get_env("arithmetic-plus")
@@ -251,8 +252,9 @@ def test_token_in_token_out_with_the_real_tokenizer(lake, smollm2_dir):
     from pipeline.rollout import codec as codecs
     from pipeline.rollout.engine import Sampling
     from pipeline.rollout.envs import get_env
-    from pipeline.rollout.harness import Harness, Limits
+    from pipeline.rollout.harness import Harness
     from pipeline.rollout.hf import HFEngine
+    from pipeline.rollout.settings import Limits
     from pipeline.rollout.spool import Spool
 
     env = get_env("arithmetic-plus")

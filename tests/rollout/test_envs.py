@@ -124,7 +124,8 @@ def test_infra_failure_reward_attribute_switches_to_naive_scoring(tmp_path):
     timeouts scored as that reward (REJECTED), not excluded (INFRA_FAILED, null)."""
     from pipeline.rollout.engine import Completion, Sampling
     from pipeline.rollout.envs.arithmetic import ArithmeticChain
-    from pipeline.rollout.harness import Faults, Harness
+    from pipeline.rollout.harness import Harness
+    from pipeline.rollout.settings import Faults
     from pipeline.rollout.spool import Spool
 
     class Scripted:   # always calls the tool

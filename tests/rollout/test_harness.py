@@ -222,7 +222,7 @@ def test_follow_latest_switches_engine_to_newest_published_policy(lake, publishe
     from pipeline.policy_store import resolve_policy
     from pipeline.rollout.engine import Request, Sampling
     from pipeline.rollout.hf import HFEngine
-    from pipeline.rollout.run import _PolicyHolder
+    from pipeline.rollout.worker import _PolicyHolder
 
     def publish_perturbed(version, cid):      # another policy of the same architecture
         import shutil

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import ConflictError
-from pipeline.rollout.run import RolloutConfig, RunOwner
+from pipeline.rollout.owner import RunOwner
+from pipeline.rollout.run import RolloutConfig
 
 
 def test_a_second_owner_is_refused_naming_the_live_one(lake):
@@ -141,7 +142,7 @@ def test_shipping_a_lost_and_rewritten_spool_lands_nothing_twice(lake, tmp_path)
 def test_reconcile_counts_a_landed_trajectory_as_finished_without_its_events(lake, tmp_path):
     """A spool lost after its trajectories landed and before its events did: the
     episode is finished, never run again."""
-    from pipeline.rollout.run import reconcile
+    from pipeline.rollout.recovery import reconcile
     from pipeline.rollout.spool import ship
 
     trajs, events = _records(2)
@@ -158,7 +159,7 @@ OWNER = r"""
 import os, sys, time
 from concurrent.futures import ProcessPoolExecutor
 import multiprocessing as mp
-from pipeline.rollout.run import _die_with_parent
+from pipeline.rollout.owner import _die_with_parent
 
 def work(marker):
     open(marker, "w").write(str(os.getpid()))

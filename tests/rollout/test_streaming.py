@@ -160,7 +160,7 @@ def test_finished_trajectories_ship_while_other_episodes_still_run(lake, policy_
 
 
 def test_latency_model_is_seeded_recorded_and_changes_no_outcome(lake, policy_dir):
-    from pipeline.rollout.harness import Latency
+    from pipeline.rollout.settings import Latency
 
     lat = Latency(tool_ms=300.0, tool_sigma=1.0, slow_tool_p=0.05, seed=1)
     assert lat.draw("tool", "e/a0") == lat.draw("tool", "e/a0") != lat.draw("tool", "e/a1")

@@ -106,7 +106,8 @@ def test_retries_resample_failed_members_within_budget(lake, policy_dir):
 
 def test_deadline_precedence_run_then_environment_then_default():
     from pipeline.rollout.engine import Sampling
-    from pipeline.rollout.harness import DEFAULT_TOOL_TIMEOUT_S, Harness, Limits
+    from pipeline.rollout.harness import DEFAULT_TOOL_TIMEOUT_S, Harness
+    from pipeline.rollout.settings import Limits
 
     class Declares(ArithmeticTool):
         tool_timeout_s = 7.0
@@ -127,7 +128,8 @@ def teardown_module():
 def test_retry_only_while_the_groups_policy_is_still_served():
     from pipeline.rollout.envs import Task
     from pipeline.rollout.harness import Episode
-    from pipeline.rollout.run import RolloutSummary, _retries
+    from pipeline.rollout.plan import _retries
+    from pipeline.rollout.summary import RolloutSummary
 
     class Recorder:
         def __init__(self):

@@ -1,0 +1,96 @@
+"""The settings a harness runs under: frozen value types, each field a knob of
+``pipeline rollout`` (pipeline/rollout/run.py builds them from ``RolloutConfig``).
+
+``Limits`` bound an episode (turns, tokens, wall clock) and its calls (tool and
+verifier deadlines and concurrency); ``Schedule`` says how episodes share the
+engine; ``Faults`` injects seeded tool timeouts, environment crashes, verifier
+errors and the crash tests' kill / hold points.
+
+``Latency`` injects a seeded latency model into tool and verifier calls (a
+lognormal with a given mean and sigma, and a share of 10x slow calls): the
+draw is a function of (seed, call key), it is recorded in the CREATED event
+(the model) and in each call's event (``injected_ms``), so two runs can be
+compared.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+from pipeline.rollout.engine import derive_seed
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_turns: int = 4
+    max_tokens_per_turn: int = 16
+    max_total_tokens: int = 64       # response tokens, policy + observation
+    wall_clock_s: float = 120.0      # per trajectory
+    tool_timeout_s: float = 0.0      # per tool call (0: the environment's tool_timeout_s, else 30s)
+    tool_concurrency: int = 8        # tool calls running at once
+    verify_timeout_s: float = 30.0   # per verifier call (INFRA_FAILED / verifier_timeout past it)
+    verifier_concurrency: int = 8    # verifier calls running at once
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How episodes share the engine."""
+
+    order: Literal["stream", "waves"] = "stream"   # waves: the lockstep baseline
+    max_batch: int = 256             # rows of one engine call (engines without continuous batching)
+    max_wait_ms: float = 20.0        # a partial micro-batch waits this long for more ready episodes
+    max_inflight: int = 0            # episodes active at once when fed (0: no bound)
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Injected latency of tool and verifier calls: lognormal with mean ``*_ms``
+    and log-sd ``*_sigma``; a share ``slow_*_p`` of the calls takes 10x. Seeded
+    per call key, so a call's latency does not depend on timing or workers."""
+
+    tool_ms: float = 0.0
+    tool_sigma: float = 0.0
+    slow_tool_p: float = 0.0
+    verifier_ms: float = 0.0
+    verifier_sigma: float = 0.0
+    slow_verifier_p: float = 0.0
+    seed: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.tool_ms > 0 or self.verifier_ms > 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in ("tool_ms", "tool_sigma", "slow_tool_p", "verifier_ms",
+                                              "verifier_sigma", "slow_verifier_p", "seed")}
+
+    def draw(self, kind: str, key: str) -> float:
+        """Seconds to wait before the call ``key`` of ``kind`` (``tool`` | ``verify``)."""
+        mean, sigma, slow = ((self.tool_ms, self.tool_sigma, self.slow_tool_p) if kind == "tool"
+                             else (self.verifier_ms, self.verifier_sigma, self.slow_verifier_p))
+        if mean <= 0:
+            return 0.0
+        rng = random.Random(derive_seed(self.seed, "latency", kind, key))
+        # E[exp(N(mu, s^2))] = exp(mu + s^2/2) = mean
+        ms = math.exp(rng.gauss(math.log(mean) - sigma * sigma / 2, sigma)) if sigma > 0 else mean
+        if rng.random() < slow:
+            ms *= 10
+        return ms / 1000
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Fault injection (probabilities per tool call / verification)."""
+
+    tool_timeout: float = 0.0
+    env_crash: float = 0.0
+    verifier_error: float = 0.0
+    kill_after_executed: int = 0     # SIGKILL this process right after the Nth ACTION_EXECUTED is durable
+    seed: int = 0
+    # hold (sleep until killed) right after the Nth ACTION_EXECUTED is durable, once
+    # ``<hold_file>.<pid>`` is written: the readiness marker crash tests kill on
+    hold_after_executed: int = 0
+    hold_file: str = ""
