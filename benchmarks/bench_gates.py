@@ -13,6 +13,12 @@ version 0 per seed, and differs in ONE thing:
                         the policy ``slow_lag`` versions behind; max_policy_lag off (1000)
     async_lag1          the same collection with max_policy_lag=1 (the default)
 
+``--env NAME`` moves the main arms to another environment (the naive arm uses
+``NAME-infra0``); ``--json`` prints one JSON document on stdout whose ``arms``
+hold, per arm, held-out success per updated version for each seed, the mean
+over seeds and versions and a seeded bootstrap 95% interval over seeds, and
+whose ``differences`` pair arms by seed (``ablation``; docs/gates.md).
+
 Measured per policy version: held-out greedy success (fixed evaluation split,
 never trained on) and held-out tool use; per iteration: admitted groups and
 members, trained policy tokens, *useful* tokens (policy tokens of members
@@ -23,6 +29,9 @@ the summary is mean +- std over seeds.
     python benchmarks/bench_gates.py                  # full: 3 seeds, writes results/gates-<time>.json + docs plot
     python benchmarks/bench_gates.py --quick          # smoke run (1 seed, 2 iterations; nothing written)
     python benchmarks/bench_gates.py --arms tool_gates_on,tool_infra_as_zero   # (b) on arithmetic-tool
+    python benchmarks/bench_gates.py --env flaky-tool --arms gates_on,infra_as_zero \
+        --seeds 0,1,2,3,4,5,6,7 --iterations 5 --lr 1e-3 --warm-start-tool-fraction 0.5 \
+        --json --out benchmarks/results/gates-flaky-tool.json   # issue 29: where avoiding the tool pays
     python benchmarks/bench_gates.py --plot A.json B.json   # redraw docs/gates.png from results files
     python benchmarks/bench_gates.py --table A.json B.json  # the README table
 
