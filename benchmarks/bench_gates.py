@@ -13,6 +13,12 @@ version 0 per seed, and differs in ONE thing:
                         the policy ``slow_lag`` versions behind; max_policy_lag off (1000)
     async_lag1          the same collection with max_policy_lag=1 (the default)
 
+``--env NAME`` moves the main arms to another environment (the naive arm uses
+``NAME-infra0``); ``--json`` prints one JSON document on stdout whose ``arms``
+hold, per arm, held-out success per updated version for each seed, the mean
+over seeds and versions and a seeded bootstrap 95% interval over seeds, and
+whose ``differences`` pair arms by seed (``ablation``; docs/gates.md).
+
 Measured per policy version: held-out greedy success (fixed evaluation split,
 never trained on) and held-out tool use; per iteration: admitted groups and
 members, trained policy tokens, *useful* tokens (policy tokens of members
@@ -23,6 +29,9 @@ the summary is mean +- std over seeds.
     python benchmarks/bench_gates.py                  # full: 3 seeds, writes results/gates-<time>.json + docs plot
     python benchmarks/bench_gates.py --quick          # smoke run (1 seed, 2 iterations; nothing written)
     python benchmarks/bench_gates.py --arms tool_gates_on,tool_infra_as_zero   # (b) on arithmetic-tool
+    python benchmarks/bench_gates.py --env flaky-tool --arms gates_on,infra_as_zero \
+        --seeds 0,1,2,3,4,5,6,7 --iterations 5 --lr 1e-3 --warm-start-tool-fraction 0.5 \
+        --json --out benchmarks/results/gates-flaky-tool.json   # issue 29: where avoiding the tool pays
     python benchmarks/bench_gates.py --plot A.json B.json   # redraw docs/gates.png from results files
     python benchmarks/bench_gates.py --table A.json B.json  # the README table
 
@@ -88,20 +97,49 @@ class GatesConfig:
     groups: int = 16
     group_size: int = 8
     eval_n: int = 100
-    tool_timeout_p: float = 0.2
+    tool_timeout_p: float | None = None     # None: the env's train_tool_timeout_p, else 0.2
     lr: float = 3e-4
     epochs: int = 1
     arms: tuple[str, ...] = MAIN_ARMS
+    env: str | None = None                  # --env: run the main arms on this env instead of arithmetic-chain
+    warm_start_steps: int | None = None     # None: the policy init's default
+    warm_start_tool_fraction: float | None = None   # None: the policy init's default (0.4)
 
 
-def _register_infra0_env() -> None:
-    """``<env>-infra0``: the env with the naive scoring: a tool timeout is a reward-0 policy failure."""
-    from pipeline.rollout.envs.arithmetic import ArithmeticChain, ArithmeticTool
-    from pipeline.rollout.envs.base import _REGISTRY
+def timeout_p(cfg: GatesConfig, env: str) -> float:
+    """The per-call injected tool-timeout probability an arm on ``env`` trains with."""
+    if cfg.tool_timeout_p is not None:
+        return cfg.tool_timeout_p
+    from pipeline.rollout.envs.base import _REGISTRY, get_env
 
-    for base in (ArithmeticChain, ArithmeticTool):
-        _REGISTRY[f"{base.name}-infra0"] = type(f"{base.__name__}InfraAsZero", (base,), {
-            "name": f"{base.name}-infra0", "infra_failure_reward": 0.0})
+    get_env(env)                            # registers the built-ins; unknown names fail here
+    return float(getattr(_REGISTRY[env], "train_tool_timeout_p", 0.2))
+
+
+def resolve_arms(cfg: GatesConfig) -> list[Arm]:
+    """The arms ``cfg`` names, in ``ARMS`` order, moved to ``cfg.env`` when set
+    (the ``tool_*`` arms keep ``arithmetic-tool``)."""
+    from dataclasses import replace
+
+    unknown = sorted(set(cfg.arms) - {a.name for a in ARMS})
+    if unknown:
+        raise SystemExit(f"unknown arms {unknown}; known: {', '.join(a.name for a in ARMS)}")
+    arms = [a for a in ARMS if a.name in cfg.arms]
+    if cfg.env:
+        arms = [replace(a, env=cfg.env) if a.env == ENV else a for a in arms]
+    return arms
+
+
+def _register_infra0_env(names: tuple[str, ...] = ()) -> None:
+    """``<env>-infra0``: the env with the naive scoring: a tool timeout is a reward-0 policy failure
+    (for arithmetic-chain, arithmetic-tool and every env in ``names``)."""
+    from pipeline.rollout.envs.base import _REGISTRY, get_env
+
+    for name in ("arithmetic-chain", "arithmetic-tool", *names):
+        get_env(name)                        # registers the built-ins; unknown names fail here
+        base = _REGISTRY[name]
+        _REGISTRY[f"{name}-infra0"] = type(f"{base.__name__}InfraAsZero", (base,), {
+            "name": f"{name}-infra0", "infra_failure_reward": 0.0})
 
 
 def _policy_tokens(lake) -> dict[str, int]:
@@ -143,7 +181,8 @@ def run_arm(lake, arm: Arm, seed: int, cfg: GatesConfig, v0: dict[str, Any]) -> 
     t_arm = time.perf_counter()
     for k in range(1, cfg.iterations + 1):
         version = resolve_policy(lake).policy_version
-        common = dict(env=env, group_size=cfg.group_size, seed=seed * 1000 + k, tool_timeout_p=cfg.tool_timeout_p)
+        common = dict(env=env, group_size=cfg.group_size, seed=seed * 1000 + k,
+                      tool_timeout_p=timeout_p(cfg, arm.env))
         t0 = time.perf_counter()
         if arm.slow_lag:
             fast = cfg.groups // 2
@@ -223,6 +262,59 @@ def summarize(runs: list[dict[str, Any]], cfg: GatesConfig) -> dict[str, Any]:
     return out
 
 
+def bootstrap_ci(xs: list[float], *, resamples: int = 10000, seed: int = 0, level: float = 0.95) -> list[float]:
+    """Percentile bootstrap interval of the mean of ``xs`` (resampling the values with
+    replacement, a seeded ``random.Random``: the same input gives the same interval)."""
+    import random
+
+    if not xs:
+        return [float("nan"), float("nan")]
+    rng = random.Random(seed)
+    n = len(xs)
+    means = sorted(statistics.fmean(rng.choices(xs, k=n)) for _ in range(resamples))
+    lo = means[int((1 - level) / 2 * resamples)]
+    hi = means[min(resamples - 1, int((1 + level) / 2 * resamples))]
+    return [round(lo, 4), round(hi, 4)]
+
+
+PAIRS = (("gates_on", "infra_as_zero"), ("gates_on", "zero_var_kept"), ("async_lag1", "async_no_freshness"))
+
+
+def ablation(runs: list[dict[str, Any]], arms: tuple[str, ...]) -> dict[str, Any]:
+    """The ``--json`` document's core: per arm, held-out success per updated version
+    for each seed (``seeds``), the mean over seeds of the per-seed mean over versions
+    (``mean_heldout``) with a seeded bootstrap 95% interval over seeds (``ci95``); per
+    pair of arms run on the same seeds, the per-seed difference of those means, its
+    mean and bootstrap interval (paired by seed: both arms start from the same
+    version 0)."""
+    out: dict[str, Any] = {"arms": {}, "differences": {}}
+    per_seed: dict[str, dict[str, float]] = {}
+    for name in arms:
+        rs = sorted((r for r in runs if r["arm"] == name), key=lambda r: r["seed"])
+        if not rs:
+            continue
+        seeds = {str(r["seed"]): [c["heldout_success"] for c in r["curve"][1:]] for r in rs}
+        tool = {str(r["seed"]): [c["heldout_tool_use"] for c in r["curve"][1:]] for r in rs}
+        means = {k: statistics.fmean(v) for k, v in seeds.items() if v}
+        per_seed[name] = means
+        out["arms"][name] = {
+            "mean_heldout": round(statistics.fmean(means.values()), 4) if means else None,
+            "ci95": bootstrap_ci(list(means.values())), "seeds": seeds,
+            "version0": {str(r["seed"]): r["curve"][0]["heldout_success"] for r in rs},
+            "heldout_tool_use": tool,
+            "trained_tokens": sum(c["trained_tokens"] for r in rs for c in r["curve"][1:]),
+            "sampled": sum(c["sampled"] for r in rs for c in r["curve"][1:]),
+        }
+    for a, b in PAIRS:
+        if a in per_seed and b in per_seed:
+            common = sorted(set(per_seed[a]) & set(per_seed[b]), key=int)
+            d = [per_seed[a][k] - per_seed[b][k] for k in common]
+            out["differences"][f"{a}-{b}"] = {"mean": round(statistics.fmean(d), 4) if d else None,
+                                              "ci95": bootstrap_ci(d), "seeds": dict(zip(common, [round(x, 4)
+                                                                                                  for x in d]))}
+    return out
+
+
 def machine_info() -> dict[str, Any]:
     import torch
 
@@ -241,8 +333,8 @@ def run_all(cfg: GatesConfig, root: Path) -> dict[str, Any]:
     from pipeline.lake.delta import Lake
     from pipeline.rollout.policy import init_policy
 
-    _register_infra0_env()
-    arms = [a for a in ARMS if a.name in cfg.arms]
+    arms = resolve_arms(cfg)
+    _register_infra0_env(tuple(sorted({a.env for a in arms})))
     info = machine_info()
     t_all = time.perf_counter()
     runs, v0s = [], {}
@@ -251,7 +343,10 @@ def run_all(cfg: GatesConfig, root: Path) -> dict[str, Any]:
         for env in envs:
             base = root / f"v0-{env}-seed{seed}"
             t0 = time.perf_counter()
-            init_policy(Lake(base), seed=seed, **warm_start_overrides(env))
+            extra: dict[str, Any] = {} if cfg.warm_start_steps is None else {"warm_start_steps": cfg.warm_start_steps}
+            if cfg.warm_start_tool_fraction is not None:
+                extra["tool_fraction"] = cfg.warm_start_tool_fraction
+            init_policy(Lake(base), seed=seed, **warm_start_overrides(env), **extra)
             _, s0, tool0 = _evaluate(Lake(base), cfg.eval_n, env)
             v0s[f"{env}/{seed}"] = {"heldout_success": s0, "heldout_tool_use": tool0,
                                     "warm_start_s": round(time.perf_counter() - t0, 1)}
@@ -267,8 +362,8 @@ def run_all(cfg: GatesConfig, root: Path) -> dict[str, Any]:
         for env in envs:
             shutil.rmtree(root / f"v0-{env}-seed{seed}", ignore_errors=True)
     info["loadavg_end"] = os.getloadavg()
-    return {"benchmark": "gates", "config": asdict(cfg), "machine": info, "arms": [asdict(a) for a in arms],
-            "version0": v0s, "runs": runs, "summary": summarize(runs, cfg),
+    return {"benchmark": "gates", "config": asdict(cfg), "machine": info, "arm_specs": [asdict(a) for a in arms],
+            "version0": v0s, "runs": runs, "summary": summarize(runs, cfg), **ablation(runs, cfg.arms),
             "seconds": round(time.perf_counter() - t_all, 1)}
 
 
@@ -380,11 +475,35 @@ def _merge(paths: list[str]) -> dict[str, Any]:
     return out
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"--seeds takes comma-separated integers, got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
+    import contextlib
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 seed, 2 iterations, nothing written")
     ap.add_argument("--plot", nargs="+", help="redraw docs/gates.png from results files (arms merged) and exit")
     ap.add_argument("--arms", help="comma-separated subset of arms")
+    ap.add_argument("--env", help="run the main arms on this environment (e.g. flaky-tool)")
+    ap.add_argument("--seeds", help="comma-separated seeds (default 0,1,2)")
+    ap.add_argument("--iterations", type=int, help="policy updates per run (default 4)")
+    ap.add_argument("--groups", type=int, help="groups sampled per iteration (default 16)")
+    ap.add_argument("--group-size", type=int, help="trajectories per group (default 8)")
+    ap.add_argument("--eval-n", type=int, help="held-out tasks evaluated per version (default 100)")
+    ap.add_argument("--lr", type=float, help="trainer learning rate (default 3e-4)")
+    ap.add_argument("--tool-timeout-p", type=float, help="injected tool timeouts per call (default: the env's "
+                    "train_tool_timeout_p, else 0.2)")
+    ap.add_argument("--warm-start-steps", type=int, help="supervised warm-start steps of version 0")
+    ap.add_argument("--warm-start-tool-fraction", type=float, help="share of version 0's demonstrations that "
+                    "call the tool (default 0.4)")
+    ap.add_argument("--json", action="store_true", help="print ONE JSON document on stdout (progress on stderr)")
+    ap.add_argument("--out", help="also write the JSON document to this file")
+    ap.add_argument("--no-write", action="store_true", help="do not write results/gates-<time>.json and the plot")
     ap.add_argument("--table", nargs="+", help="print the README table of these results files and exit")
     args = ap.parse_args(argv)
     if args.plot:
@@ -394,13 +513,30 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown_table(_merge(args.table)))
         return 0
     cfg = GatesConfig(seeds=(0,), iterations=2, groups=8, eval_n=40) if args.quick else GatesConfig()
+    over: dict[str, Any] = {}
     if args.arms:
-        cfg = GatesConfig(**{**asdict(cfg), "arms": tuple(args.arms.split(","))})
+        over["arms"] = tuple(args.arms.split(","))
+    if args.seeds:
+        over["seeds"] = _ints(args.seeds)
+    for key in ("env", "iterations", "groups", "group_size", "eval_n", "lr", "tool_timeout_p", "warm_start_steps",
+                "warm_start_tool_fraction"):
+        if getattr(args, key) is not None:
+            over[key] = getattr(args, key)
+    cfg = GatesConfig(**{**asdict(cfg), **over})
+    resolve_arms(cfg)                        # unknown arm names fail before any work
     with tempfile.TemporaryDirectory(prefix="bench-gates-") as tmp:
-        res = run_all(cfg, Path(tmp))
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            res = run_all(cfg, Path(tmp))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    if args.json:
+        print(json.dumps(res, indent=1))
+        return 0
     print(json.dumps(res["summary"], indent=1))
+    print(json.dumps({"arms": {k: {x: v[x] for x in ("mean_heldout", "ci95")} for k, v in res["arms"].items()},
+                      "differences": res["differences"]}, indent=1))
     print(markdown_table(res))
-    if not args.quick:
+    if not (args.quick or args.no_write):
         print(f"wrote {_write(res)}")
     return 0
 
