@@ -56,7 +56,7 @@ def test_sync_demo_loop(lake):
     summary = run_demo(lake, _cfg(), out=lines.append)
     _check_loop_invariants(lake, summary)
     _, rep = build_report(lake)
-    assert rep["errors"] == [] and rep["alerts"] == [], "the demo's own healthy run raises no alert
+    assert rep["errors"] == [] and rep["alerts"] == [], "the demo's own healthy run raises no alert"
     assert len(summary["iterations"]) == 3 and any("held-out success" in str(x) for x in lines)
     trained = [it for it in summary["iterations"] if it["checkpoint_id"]]
     # an iteration whose groups were all zero-variance admits nothing and publishes nothing

@@ -25,24 +25,15 @@ keys are rejects, never a traceback.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.lake.contenthash import content_hashes
-from pipeline.schema import ColumnSpec, Invariant, table_spec
-
-
-@dataclass(frozen=True)
-class Reject:
-    row: int
-    code: str                        # the first problem's code
-    message: str                     # every problem, the first one first
-    columns: tuple[str, ...] = ()    # parse rejects: the cells that failed ("*" = the whole row)
-    problems: tuple[tuple[str, str], ...] = ()  # every (code, message) of the row
-
+from pipeline.lake.failures import Reject, _Failures, _flat, _mask, _np, _parents, _per_row_any, _rows_with
+from pipeline.lake.invariants import INVARIANTS
+from pipeline.schema import ColumnSpec, table_spec
 
 @dataclass
 class Validated:
@@ -52,102 +43,6 @@ class Validated:
     # problems of the whole input (a missing, unknown, repeated or derived column, a column of a type that
     # cannot be converted): every row fails them alike, so they are reported once for the file
     file_problems: list[tuple[str, str]] = field(default_factory=list)
-
-
-class _Failures:
-    """Every problem of every row. ``column`` names the cell a problem makes
-    unusable: later checks of that cell (and invariants that read it) skip the
-    row rather than report a consequence of the same problem."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.bad = np.zeros(n, dtype=bool)
-        self.problems: dict[int, list[tuple[str, str]]] = {}
-        self.broken: dict[str, np.ndarray] = {}
-        self.file: list[tuple[str, str]] = []
-
-    def add_file(self, code: str, message: str, column: str | None = None) -> None:
-        """A problem of the whole input: every row fails it, and it is recorded once."""
-        self.file.append((code, message))
-        self.add(np.ones(self.n, bool), code, message, column=column)
-
-    def broken_rows(self, *columns: str) -> np.ndarray:
-        out = self.broken.get("*", np.zeros(self.n, bool)).copy()
-        for c in columns:
-            if c in self.broken:
-                out |= self.broken[c]
-        return out
-
-    def add(self, mask: np.ndarray, code: str, message: str | Callable[[int], str],
-            column: str | None = None, depends: tuple[str, ...] = ()) -> None:
-        mask = np.asarray(mask, dtype=bool)
-        skip = self.broken_rows(*((column,) if column else ()), *depends)
-        mask = mask & ~skip
-        new = np.flatnonzero(mask)
-        if not len(new):
-            return
-        for i in new:
-            msg = message(int(i)) if callable(message) else message
-            lst = self.problems.setdefault(int(i), [])
-            if (code, msg) not in lst:
-                lst.append((code, msg))
-        self.bad[new] = True
-        if column:
-            self.broken[column] = self.broken.get(column, np.zeros(self.n, bool)) | mask
-
-    def rejects(self) -> list[Reject]:
-        out = []
-        for i in sorted(self.problems):
-            probs = self.problems[i]
-            msg = probs[0][1] + "".join(f"; also: {m}" for _, m in probs[1:])
-            if len(probs) > 1:
-                msg = f"{len(probs)} problems: {msg}"
-            out.append(Reject(i, probs[0][0], msg, problems=tuple(probs)))
-        return out
-
-
-def _np(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    return arr.to_numpy(zero_copy_only=False)
-
-
-def _mask(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """Boolean Arrow array -> numpy bool with nulls as False."""
-    return np.asarray(_np(pc.fill_null(arr, False)), dtype=bool)
-
-
-def _rows_with(values_mask: np.ndarray, parents: np.ndarray, n: int) -> np.ndarray:
-    """Per-row any() of an element-level mask of a flattened list column."""
-    out = np.zeros(n, dtype=bool)
-    if values_mask.size:
-        out[parents[values_mask]] = True
-    return out
-
-
-def _parents(arr: pa.Array) -> np.ndarray:
-    """Row index of every element of the flattened list column."""
-    lengths = _np(pc.list_value_length(arr).fill_null(0)).astype(np.int64)
-    return np.repeat(np.arange(len(arr), dtype=np.int64), lengths)
-
-
-def _flat(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """(values, offsets[n+1]) of a list column as numpy, zero-copy where possible;
-    offsets index into values. Null rows have equal consecutive offsets."""
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
-    offs = arr.offsets.to_numpy().astype(np.int64)
-    vals = arr.values.to_numpy(zero_copy_only=False)
-    return vals, offs
-
-
-def _per_row_any(flags: np.ndarray, offs: np.ndarray) -> np.ndarray:
-    """Per-row any() of an element-level boolean array (one pass, no big temporaries)."""
-    starts, lengths = offs[:-1], offs[1:] - offs[:-1]
-    out = np.zeros(len(starts), bool)
-    nz = lengths > 0
-    if nz.any() and len(flags):
-        # reduceat over non-empty rows only: it misbehaves on empty segments
-        out[nz] = np.logical_or.reduceat(np.asarray(flags[: offs[-1]], bool), starts[nz])
-    return out
 
 
 # -- type normalization ---------------------------------------------------------------
@@ -457,103 +352,6 @@ def _check_column(arr: pa.Array, spec: ColumnSpec, fails: _Failures) -> None:
                 m[rows] = True
                 fails.add(m, "duplicate_key", lambda i: f"{name} repeats key {keyname[i]!r}; map keys must be unique",
                           column=name)
-
-
-# -- invariants (the kinds schemas/*.yaml may name) --------------------------------------------
-def _inv_same_length(t: pa.Table, inv: Invariant, fails: _Failures) -> None:
-    cols = inv.params["columns"]
-    first = cols[0]
-    base = _np(pc.list_value_length(t.column(first)).fill_null(-1))
-    for other in cols[1:]:
-        lens = pc.list_value_length(t.column(other))
-        present = _mask(pc.is_valid(lens))
-        lens = _np(lens.fill_null(-1))
-        bad = present & (base >= 0) & (lens != base)
-
-        def message(i: int, o: str = other, L: np.ndarray = lens) -> str:
-            return f"{o} has {L[i]} elements, {first} has {base[i]}"
-
-        fails.add(bad, "length_mismatch", message, depends=(first, other))
-
-
-def _inv_not_before(t: pa.Table, inv: Invariant, fails: _Failures) -> None:
-    a, b = inv.params["column"], inv.params["other"]
-    bad = _mask(pc.less(t.column(a), t.column(b)))
-    fails.add(bad, "time_order", lambda i: f"{a} ({t.column(a)[i].as_py()}) is before {b} "
-              f"({t.column(b)[i].as_py()})", depends=(a, b))
-
-
-def _inv_any_equal(t: pa.Table, inv: Invariant, fails: _Failures) -> None:
-    col = t.column(inv.params["column"]).combine_chunks()
-    values, offs = _flat(col)
-    hits = _per_row_any(values == inv.params["value"], offs)
-    lengths = offs[1:] - offs[:-1]
-    fails.add(~hits & (lengths > 0), "no_policy_tokens",
-              f"{inv.params['column']} has no {inv.params['value']}: the trajectory has no policy-sampled "
-              f"token to learn from", depends=(inv.params["column"],))
-
-
-def _pair(t: pa.Table, a: str, b: str, fails: _Failures,
-          check: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
-    """Run element-wise ``check(va, vb) -> bad flags`` over rows where list
-    columns a and b are both present and equally long; flag rows with any bad."""
-    va, oa = _flat(t.column(a))
-    vb, ob = _flat(t.column(b))
-    la, lb = oa[1:] - oa[:-1], ob[1:] - ob[:-1]
-    present = _mask(pc.is_valid(t.column(a))) & _mask(pc.is_valid(t.column(b)))
-    rows = present & (la == lb) & ~fails.broken_rows(a, b)
-    if not rows.any():
-        return rows
-    if rows.all() and len(oa) == len(ob) and np.array_equal(oa - oa[0], ob - ob[0]):
-        bad = _per_row_any(check(va[oa[0]:oa[-1]], vb[ob[0]:ob[-1]]), oa - oa[0])  # same layout: no gather
-    else:  # different layouts (nulls, slices): gather the rows' elements
-        idx = np.flatnonzero(rows)
-        ga = np.concatenate([np.arange(oa[i], oa[i + 1]) for i in idx]) if len(idx) else np.zeros(0, np.int64)
-        gb = np.concatenate([np.arange(ob[i], ob[i + 1]) for i in idx]) if len(idx) else np.zeros(0, np.int64)
-        sub_offs = np.concatenate(([0], np.cumsum(la[idx])))
-        bad_sub = _per_row_any(check(va[ga], vb[gb]), sub_offs)
-        bad = np.zeros(t.num_rows, bool)
-        bad[idx] = bad_sub
-    return bad & rows
-
-
-def _inv_zero_where(t: pa.Table, inv: Invariant, fails: _Failures) -> None:
-    col, mask = inv.params["column"], inv.params["mask"]
-    bad = _pair(t, col, mask, fails, lambda v, m: (m == 0) & (v != 0))
-    fails.add(bad, "nonzero_masked_logprob",
-              f"{col} is non-zero where {mask} is 0 (observation tokens carry no behaviour log-prob); "
-              f"write 0 there", depends=(col, mask))
-
-
-def _inv_value_where(t: pa.Table, inv: Invariant, fails: _Failures) -> None:
-    col, mask, value = inv.params["column"], inv.params["mask"], inv.params["value"]
-    bad = _pair(t, col, mask, fails, lambda v, m: ((m == 0) & (v != value)) | ((m == 1) & (v < 0)))
-    fails.add(bad, "bad_token_versions",
-              f"{col} must be {value} on observation tokens ({mask} 0) and a policy version >= 0 on "
-              f"sampled tokens", depends=(col, mask))
-
-
-def _inv_present_where(t: pa.Table, inv: Invariant, fails: _Failures) -> None:
-    """``column`` holds a value on every row whose ``where`` column is one of ``values``
-    (a judged verdict has a reward: NaN, which pandas writes as a missing value, is not one)."""
-    col, where, values = inv.params["column"], inv.params["where"], list(inv.params["values"])
-    judged = _mask(pc.is_in(t.column(where), value_set=pa.array(values, t.column(where).type)))
-    bad = judged & _mask(pc.is_null(t.column(col), nan_is_null=True))
-    fails.add(bad, code=f"{col}_missing",
-              message=lambda i: f"{col} is null or NaN on a row whose {where} is {t.column(where)[i].as_py()}: "
-                                f"a judged trajectory carries its {col}; write it, or set {where} UNKNOWN (with "
-                                f"status INFRA_FAILED) when the evaluation did not happen",
-              depends=(col, where))
-
-
-INVARIANTS: dict[str, Callable[[pa.Table, Invariant, _Failures], None]] = {
-    "present_where": _inv_present_where,
-    "same_length": _inv_same_length,
-    "not_before": _inv_not_before,
-    "any_equal": _inv_any_equal,
-    "zero_where": _inv_zero_where,
-    "value_where": _inv_value_where,
-}
 
 
 # -- entry points -----------------------------------------------------------------------

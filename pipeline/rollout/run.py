@@ -112,7 +112,7 @@ class RolloutConfig:
         "help": "how tasks become tokens: chat (the environment's chat messages through the policy's chat "
                 "template), text (the <call>/<ans> protocol), auto (chat when the policy's tokenizer has a chat "
                 "template and the environment a chat rendering)"})
-    progress: bool = field(default=False, metadata={"help": "print one line per wave to stderr"})
+    progress: bool = field(default=False, metadata={"help": "print a progress line to stderr every 5 s (pipeline rollout sets it)"})
 
 
 def _worker_main(lake_uri: str, cfg_dict: dict[str, Any], worker: int) -> dict[str, Any]:

@@ -226,7 +226,8 @@ def _spool_worker_id(path: Path) -> str | None:
 def ship(lake: Lake, spool: Spool, *, command: str = "pipeline rollout") -> ShipReport:
     """Cut the pending tail into a batch and land every batch not yet in the lake
     (also the ones a crashed run declared but never landed)."""
-    from pipeline.lake.ingest import quarantine_rows, stamp_derived
+    from pipeline.lake.ingest import stamp_derived
+    from pipeline.lake.quarantine import quarantine_rows
     from pipeline.lake.validate import validate_table
 
     report = ShipReport()

@@ -220,7 +220,8 @@ class LakeGate:
         self.decided = 0
 
     def _land(self, sim, idx: list[int], now: float) -> None:
-        from pipeline.lake.ingest import quarantine_rows, stamp_derived
+        from pipeline.lake.ingest import stamp_derived
+        from pipeline.lake.quarantine import quarantine_rows
         from pipeline.lake.validate import validate_table
 
         raw = trajectory_rows(sim, idx, now)
