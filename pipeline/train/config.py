@@ -87,7 +87,11 @@ class TrainConfig:
     # -- memory / data ------------------------------------------------------
     logprob_chunk: int = field(default=1024, metadata={"ge": 1, "help": "rows per chunk of the log-prob head"})
     vocab_chunk: int = field(default=0, metadata={"ge": 0, "help": "vocabulary columns per chunk (0 = whole vocabulary)"})
-    shuffle: bool = field(default=True, metadata={"help": "shuffle micro-batch order each epoch (seeded)"})
+    step_order: Literal["stratified", "shuffled", "length"] = field(default="stratified", metadata={
+        "help": "which length-packed micro-batches share an optimizer step, seeded by seed and epoch: stratified = "
+                "one micro-batch of each of grad_accum length bands per step (every step mixes lengths), shuffled = "
+                "a random permutation cut into steps, length = the pack order (each step one length stratum); "
+                "the micro-batches, hence the padding, are the same under every order"})
     carry_optimizer: bool = field(default=True, metadata={
         "help": "start from the parent checkpoint's optimizer state (AdamW moments) when it was trained by this "
                 "trainer with the same zero_stage, precision, offload and world size; else a fresh optimizer"})

@@ -105,7 +105,7 @@ def plan_run(run: Run, strategy: DeepSpeedStrategy, members: Members, *, optimiz
     prepass(strategy, members, cfg, run.lake, run.parent)
     prepass_s = time.perf_counter() - t0
     steps = plan_steps(members.lengths, budget_tokens=cfg.micro_batch_tokens, grad_accum=cfg.grad_accum,
-                       epochs=cfg.epochs, seed=cfg.seed, shuffle=cfg.shuffle, max_steps=cfg.max_steps)
+                       epochs=cfg.epochs, seed=cfg.seed, order=cfg.step_order, max_steps=cfg.max_steps)
     norm_len = float(cfg.norm_len or max(len(r) for r in members.response))
     return Plan(loss_kind, optimizer_from, steps, norm_len, prepass_s)
 
