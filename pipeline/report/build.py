@@ -380,7 +380,12 @@ def training(q: _Queries) -> Section:
                ("Engine/trainer mismatch", {"mismatch_kl": "mismatch_kl (rollout vs trainer log-probs)"}, "nats"),
                ("Clip high vs clip low", {"clip_frac_high": "clipped above (ratio > 1 + clip_high)",
                                           "clip_frac_low": "clipped below (ratio < 1 - clip_low)"}, "share"),
-               ("Advantage", {"advantage_mean": "advantage mean per step"}, "advantage"))
+               ("Advantage", {"advantage_mean": "advantage mean per step"}, "advantage"),
+               ("Importance-sampling ESS vs the behaviour policy",
+                {"ess_token_frac": "ESS/n, token-level", "ess_seq_frac": "ESS/n, sequence-level"}, "ESS / n"),
+               ("Ratio tail vs the behaviour policy",
+                {"behav_ratio_p50": "p50", "behav_ratio_p90": "p90", "behav_ratio_p99": "p99",
+                 "behav_ratio_max": "max"}, "pi / mu"))
     xcol, xlabel, per = {"time": ("elapsed_s", "seconds since the run's first step", "over wall time"),
                          "samples": ("samples", "trajectories trained on (per run)", "over samples")}.get(
         q.opts.train_x, ("step", "step (across runs)", "per step"))
@@ -540,6 +545,9 @@ ALERTS = {
     "truncation_rate": 0.2,       # share of responses cut at the length limit (newest version)
     "clip_fraction": 0.2,         # share of tokens clipped in a step
     "eval_drop": 0.05,            # held-out success falling by more than this from the previous version
+    "ess_seq_frac": 0.5,          # a LOWER bound: sequence-level IS ESS/n vs the behaviour policy below it in a step
+                                  # (half the sampled trajectories carry the weight: SMC's resampling threshold)
+    "behav_ratio_p99": 2.0,       # token ratio pi/mu p99 above it in a step (the default tis_cap: beyond it TIS truncates)
 }
 
 
@@ -558,6 +566,23 @@ def alerts(q: _Queries) -> Section:
                               f"(bound {ALERTS['mismatch_kl']:g}) in checkpoint {worst.checkpoint_id}, step "
                               f"{int(worst.global_step)}. Check the engine's dtype/sampling settings and the "
                               f"policy version workers load (Training metrics)."))
+        if "ess_seq_frac" in tr and tr.ess_seq_frac.notna().any():
+            worst = tr.loc[tr.ess_seq_frac.idxmin()]
+            if worst.ess_seq_frac < ALERTS["ess_seq_frac"]:
+                found.append(("ess_seq_frac",
+                              f"Training data is far off-policy: the sequence-level importance-sampling ESS/n of the "
+                              f"policy against the rollout's sampling log-probs fell to {worst.ess_seq_frac:.3g} "
+                              f"(bound {ALERTS['ess_seq_frac']:g}) in checkpoint {worst.checkpoint_id}, step "
+                              f"{int(worst.global_step)}: a few trajectories carry the update. Lower the policy lag, "
+                              f"the epochs or the learning rate, or gate it (min_ess_fraction) (Training metrics)."))
+        if "behav_ratio_p99" in tr and tr.behav_ratio_p99.notna().any():
+            worst = tr.loc[tr.behav_ratio_p99.idxmax()]
+            if worst.behav_ratio_p99 > ALERTS["behav_ratio_p99"]:
+                found.append(("behav_ratio_p99",
+                              f"Importance ratios against the behaviour policy have a heavy tail: p99 of pi/mu reached "
+                              f"{worst.behav_ratio_p99:.3g} (bound {ALERTS['behav_ratio_p99']:g}) in checkpoint "
+                              f"{worst.checkpoint_id}, step {int(worst.global_step)}. Check the policy lag and the "
+                              f"engine/trainer mismatch, or gate it (max_ratio_p99) (Training metrics)."))
         if tr.grad_norm.notna().any() and not pd.Series(tr.grad_norm.dropna()).map(math.isfinite).all():
             found.append(("grad_norm",
                           "Gradient norm is not finite in some step: training diverged (Training metrics)."))

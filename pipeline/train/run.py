@@ -117,11 +117,11 @@ def _train_in_env(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkp
                                inputs=run.inputs, outputs=[lineage.checkpoint(lake, run.checkpoint_id)], **run.ol)
     try:
         data = prepare_data(run)
-        prepare_workdir(run, resume)
         strategy = build_engine(cfg, data.lm)
         plan = plan_run(run, strategy, data.members,
                         optimizer_from=carry_optimizer(strategy, cfg, lake, run.parent, run.world_size)
-                        if cfg.carry_optimizer else None)
+                        if cfg.carry_optimizer else None, train_lag=data.freshness["train_lag_max"])
+        prepare_workdir(run, resume)       # after the off-policy gate: a refused snapshot leaves no work directory
         state = restore(run, strategy, resume)
         step_loop(run, strategy, data.members, plan, state, progress)
         result = checkpoint_and_publish(run, strategy, data, plan, state, crash_at=crash_at, t_start=t_start)
