@@ -21,7 +21,8 @@
 --   mismatch_kl                            KL between rollout-engine and trainer log-probs (engine drift)
 --   ess_token_frac, ess_seq_frac           importance-sampling ESS / n of the step's policy against the
 --                                          rollout's sampling log-probs, token- and sequence-level
---   behav_ratio_p50, _p90, _p99, _max      token ratio pi / mu quantiles against the sampling log-probs
+--   behav_ratio_p50, behav_ratio_p90, behav_ratio_p99, behav_ratio_max
+--                                          token ratio pi / mu quantiles against the sampling log-probs
 --   behav_ratio_above                      share of tokens with pi / mu above ratio_tail_bound
 --                                          (these seven: null in rows written before they were recorded)
 --   step_seconds, tokens, sequences
