@@ -84,3 +84,8 @@ class MissingExtraError(PipelineError):
 
 class StaleSnapshotError(PipelineError):
     """A snapshot's data is too many policy versions behind the policy it would update."""
+
+
+class OffPolicySnapshotError(StaleSnapshotError):
+    """The policy a snapshot would update is too far from the policy that sampled it
+    (importance-sampling ESS or ratio tail beyond the trainer's bounds)."""

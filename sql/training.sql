@@ -19,6 +19,12 @@
 --   clip_frac_high, clip_frac_low          clipped above (ratio > 1 + clip_high) / below (ratio < 1 - clip_low)
 --   ratio_p05, ratio_p50, ratio_p95        importance-ratio quantiles
 --   mismatch_kl                            KL between rollout-engine and trainer log-probs (engine drift)
+--   ess_token_frac, ess_seq_frac           importance-sampling ESS / n of the step's policy against the
+--                                          rollout's sampling log-probs, token- and sequence-level
+--   behav_ratio_p50, behav_ratio_p90, behav_ratio_p99, behav_ratio_max
+--                                          token ratio pi / mu quantiles against the sampling log-probs
+--   behav_ratio_above                      share of tokens with pi / mu above ratio_tail_bound
+--                                          (these seven: null in rows written before they were recorded)
 --   step_seconds, tokens, sequences
 --   elapsed_s        seconds since the run's first step finished (wall-time x axis)
 --   samples          trajectories trained on so far in the run (samples x axis)
@@ -34,6 +40,8 @@ SELECT
     m.created_at,
     m.clip_frac_high, m.clip_frac_low, m.ratio_p05, m.ratio_p50, m.ratio_p95, m.mismatch_kl,
     m.step_seconds, m.tokens, m.sequences,
+    m.ess_token_frac, m.ess_seq_frac, m.behav_ratio_p50, m.behav_ratio_p90, m.behav_ratio_p99, m.behav_ratio_max,
+    m.behav_ratio_above,
     epoch(m.created_at) - min(epoch(m.created_at)) OVER (PARTITION BY m.checkpoint_id) AS elapsed_s,
     sum(m.sequences) OVER (PARTITION BY m.checkpoint_id ORDER BY m.global_step) AS samples
 FROM metrics AS m

@@ -27,6 +27,9 @@ ALERTS = {
     "truncation_rate": 0.2,       # share of responses cut at the length limit (newest version)
     "clip_fraction": 0.2,         # share of tokens clipped, mean over a checkpoint's steps
     "eval_drop": 0.05,            # held-out success falling by more than this from the previous version
+    "ess_seq_frac": 0.5,          # a LOWER bound: sequence-level IS ESS/n vs the behaviour policy below it in a step
+                                  # (half the sampled trajectories carry the weight: SMC's resampling threshold)
+    "behav_ratio_p99": 2.0,       # token ratio pi/mu p99 above it in a step (the default tis_cap: beyond it TIS truncates)
 }
 
 
@@ -45,6 +48,23 @@ def alerts(q: _Queries) -> Section:
                               f"(bound {ALERTS['mismatch_kl']:g}) in checkpoint {worst.checkpoint_id}, step "
                               f"{int(worst.global_step)}. Check the engine's dtype/sampling settings and the "
                               f"policy version workers load (Training metrics)."))
+        if "ess_seq_frac" in tr and tr.ess_seq_frac.notna().any():
+            worst = tr.loc[tr.ess_seq_frac.idxmin()]
+            if worst.ess_seq_frac < ALERTS["ess_seq_frac"]:
+                found.append(("ess_seq_frac",
+                              f"Training data is far off-policy: the sequence-level importance-sampling ESS/n of the "
+                              f"policy against the rollout's sampling log-probs fell to {worst.ess_seq_frac:.3g} "
+                              f"(bound {ALERTS['ess_seq_frac']:g}) in checkpoint {worst.checkpoint_id}, step "
+                              f"{int(worst.global_step)}: a few trajectories carry the update. Lower the policy lag, "
+                              f"the epochs or the learning rate, or gate it (min_ess_fraction) (Training metrics)."))
+        if "behav_ratio_p99" in tr and tr.behav_ratio_p99.notna().any():
+            worst = tr.loc[tr.behav_ratio_p99.idxmax()]
+            if worst.behav_ratio_p99 > ALERTS["behav_ratio_p99"]:
+                found.append(("behav_ratio_p99",
+                              f"Importance ratios against the behaviour policy have a heavy tail: p99 of pi/mu reached "
+                              f"{worst.behav_ratio_p99:.3g} (bound {ALERTS['behav_ratio_p99']:g}) in checkpoint "
+                              f"{worst.checkpoint_id}, step {int(worst.global_step)}. Check the policy lag and the "
+                              f"engine/trainer mismatch, or gate it (max_ratio_p99) (Training metrics)."))
         if tr.grad_norm.notna().any() and not pd.Series(tr.grad_norm.dropna()).map(math.isfinite).all():
             found.append(("grad_norm",
                           "Gradient norm is not finite in some step: training diverged (Training metrics)."))

@@ -401,7 +401,12 @@ def training(q: _Queries) -> Section:
                ("Engine/trainer mismatch", {"mismatch_kl": "mismatch_kl (rollout vs trainer log-probs)"}, "nats"),
                ("Clip high vs clip low", {"clip_frac_high": "clipped above (ratio > 1 + clip_high)",
                                           "clip_frac_low": "clipped below (ratio < 1 - clip_low)"}, "share"),
-               ("Advantage", {"advantage_mean": "advantage mean per step"}, "advantage"))
+               ("Advantage", {"advantage_mean": "advantage mean per step"}, "advantage"),
+               ("Importance-sampling ESS vs the behaviour policy",
+                {"ess_token_frac": "ESS/n, token-level", "ess_seq_frac": "ESS/n, sequence-level"}, "ESS / n"),
+               ("Ratio tail vs the behaviour policy",
+                {"behav_ratio_p50": "p50", "behav_ratio_p90": "p90", "behav_ratio_p99": "p99",
+                 "behav_ratio_max": "max"}, "pi / mu"))
     xcol, xlabel, per = {"time": ("elapsed_s", "seconds since the run's first step", "over wall time"),
                          "samples": ("samples", "trajectories trained on (per run)", "over samples")}.get(
         q.opts.train_x, ("step", "step (across runs)", "per step"))

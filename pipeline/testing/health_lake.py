@@ -281,6 +281,9 @@ def _metrics(spec: HealthLakeSpec, ck: pa.Table) -> pa.Table:
                 "micro_batches": 4, "padding_ratio": float(abs(rng.normal(0.1, 0.02))),
                 "tokens_per_s": float(abs(rng.normal(2000, 100))), "step_seconds": 2.0,
                 "policy_lag": float(rng.uniform(0, 1)), "policy_lag_max": 1,
+                "ess_token_frac": float(0.99 - 0.002 * step), "ess_seq_frac": float(0.95 - 0.01 * step),
+                "behav_ratio_p50": 1.0, "behav_ratio_p90": 1.05, "behav_ratio_p99": float(1.2 + 0.01 * step),
+                "behav_ratio_max": 1.6, "behav_ratio_above": 0.0,
                 "created_at": created - timedelta(seconds=10 * (spec.steps_per_checkpoint - step)),
             })
     return pa.Table.from_pylist(rows, schema=table_spec("metrics").arrow_schema())

@@ -84,10 +84,26 @@ class TrainConfig:
                 "it would update (parent version - oldest token version); null = no limit. Admission bounds the "
                 "lag when it decides (max_policy_lag, default 1); this bounds it when the data is used, after the "
                 "queue (default 2: admitted at the limit, then one more publication while it waited)"})
+    min_ess_fraction: float | None = field(default=None, metadata={
+        "help": "refuse a snapshot whose sequence-level importance-sampling ESS/n, of the policy it would update "
+                "against the rollout's sampling log-probs (computed before the first update), is below this "
+                "(0 < x <= 1); null = off"})
+    max_ratio_p99: float | None = field(default=None, metadata={
+        "help": "refuse a snapshot whose token importance ratio pi/mu has a 99th percentile above this (> 1; "
+                "same pre-update measurement); null = off"})
+    stale_lr_scale: float = field(default=1.0, metadata={"gt": 0, "le": 1,
+        "help": "learning rate x stale_lr_scale ** train_lag_max for a snapshot that many versions behind the "
+                "policy it updates (1.0 = off; e.g. 0.5 halves the LR per version of lag)"})
+    ratio_tail_bound: float = field(default=2.0, metadata={"gt": 0,
+        "help": "the token ratio bound of the behav_ratio_above figure (share of tokens with pi/mu above it)"})
     # -- memory / data ------------------------------------------------------
     logprob_chunk: int = field(default=1024, metadata={"ge": 1, "help": "rows per chunk of the log-prob head"})
     vocab_chunk: int = field(default=0, metadata={"ge": 0, "help": "vocabulary columns per chunk (0 = whole vocabulary)"})
-    shuffle: bool = field(default=True, metadata={"help": "shuffle micro-batch order each epoch (seeded)"})
+    step_order: Literal["stratified", "shuffled", "length"] = field(default="stratified", metadata={
+        "help": "which length-packed micro-batches share an optimizer step, seeded by seed and epoch: stratified = "
+                "one micro-batch of each of grad_accum length bands per step (every step mixes lengths), shuffled = "
+                "a random permutation cut into steps, length = the pack order (each step one length stratum); "
+                "the micro-batches, hence the padding, are the same under every order"})
     carry_optimizer: bool = field(default=True, metadata={
         "help": "start from the parent checkpoint's optimizer state (AdamW moments) when it was trained by this "
                 "trainer with the same zero_stage, precision, offload and world size; else a fresh optimizer"})
@@ -131,16 +147,25 @@ class TrainConfig:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
         if self.max_train_lag is not None and self.max_train_lag < 0:
             raise ConfigError(f"max_train_lag must be >= 0 or null, got {self.max_train_lag}")
+        if self.min_ess_fraction is not None and not (0 < self.min_ess_fraction <= 1):
+            raise ConfigError(f"min_ess_fraction must be in (0, 1] or null, got {self.min_ess_fraction}")
+        if self.max_ratio_p99 is not None and not self.max_ratio_p99 > 1:
+            raise ConfigError(f"max_ratio_p99 must be > 1 or null, got {self.max_ratio_p99}",
+                              hint="the ratio's median is ~1 on fresh data: a bound <= 1 refuses every snapshot")
+        if not (0 < self.stale_lr_scale <= 1):
+            raise ConfigError(f"stale_lr_scale must be in (0, 1], got {self.stale_lr_scale}")
+        if self.ratio_tail_bound <= 0:
+            raise ConfigError(f"ratio_tail_bound must be > 0, got {self.ratio_tail_bound}")
         if self.kl_coef < 0 or self.entropy_coef < 0 or self.tis_cap < 0:
             raise ConfigError("kl_coef, entropy_coef and tis_cap must be >= 0")
 
 
 # How a run reports itself, not what it computes: changing these names the same
 # run (same checkpoint id, resumable state) and the same weights.
-OBSERVABILITY = ("metrics_every_steps", "metrics_every_s", "trackers", "tracker_dir")
+OBSERVABILITY = ("metrics_every_steps", "metrics_every_s", "trackers", "tracker_dir", "ratio_tail_bound")
 # Whether a run may start, not what it computes: a run that passes the gate trains
 # the same weights under any bound, so the bound is not part of its identity either.
-ADMISSION_GATES = ("max_train_lag",)
+ADMISSION_GATES = ("max_train_lag", "min_ess_fraction", "max_ratio_p99")
 # How the resident trainer publishes and polls, not what it computes: a version
 # has the same weights (and checkpoint id) whether or not its full state was written.
 PUBLISHING = ("full_checkpoint_every", "follow_poll_s")

@@ -54,6 +54,7 @@ class Members:
     # filled by the pre-pass: per member, [R_i] float32 (0 off the mask)
     old_logprobs: list[np.ndarray | None] = field(default_factory=list)
     ref_logprobs: list[np.ndarray | None] = field(default_factory=list)
+    current_logprobs: list[np.ndarray | None] = field(default_factory=list)  # the starting weights' (= old in recompute)
     policy_version: np.ndarray | None = None     # [N] int64: the version that started each member
 
     def __len__(self) -> int:

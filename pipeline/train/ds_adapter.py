@@ -238,6 +238,23 @@ class DeepSpeedStrategy:
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
         return t
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (every rank must call this)."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    @property
+    def base_lr(self) -> float:
+        return float(self.scheduler.base_lrs[0])
+
+    def set_base_lr(self, lr: float) -> None:
+        """This run's peak learning rate (the warmup schedule's base), from the schedule's start."""
+        self.scheduler.base_lrs = [lr for _ in self.scheduler.base_lrs]
+        self.reset_lr()
+
     def broadcast_object(self, obj: Any) -> Any:
         if self.world_size == 1:
             return obj

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from pipeline.errors import ConfigError, IntegrityError, PipelineError, StaleSnapshotError
+from pipeline.errors import ConfigError, IntegrityError, OffPolicySnapshotError, PipelineError, StaleSnapshotError
 from pipeline.train.config import TrainConfig
 from pipeline.train.line import Recovery, pending_snapshots, recorded_skips, recovery_plan, superseded
 
@@ -224,16 +224,24 @@ class _Follower:
         self.out.replayed.append(row["checkpoint_id"])
 
     # -- one version ---------------------------------------------------------------------
-    def _train(self, run: Run, data: Any, *, replay: bool) -> tuple[Any, Any]:
-        """Steps 4 and 6 from the in-memory state, as the chain does them from files:
-        reseed, restart the LR schedule, pre-pass, step loop."""
+    def _plan(self, run: Run, data: Any, *, replay: bool) -> Any:
+        """Step 4 from the in-memory state, as the chain does it from files: reseed,
+        restart the LR schedule, pre-pass, off-policy gate (not on replay: the
+        version passed it when first trained), step plan."""
         from pipeline.train import checkpoint as ck
-        from pipeline.train.records import State
-        from pipeline.train.steps import plan_run, step_loop
+        from pipeline.train.steps import plan_run
 
         ck.seed_everything(self.cfg.seed)
         self.strategy.reset_lr()
-        plan = plan_run(run, self.strategy, data.members, optimizer_from=self.optimizer_from)
+        return plan_run(run, self.strategy, data.members, optimizer_from=self.optimizer_from,
+                        train_lag=data.freshness["train_lag_max"], gate=not replay)
+
+    def _train(self, run: Run, data: Any, *, replay: bool, plan: Any = None) -> tuple[Any, Any]:
+        """Steps 4 (unless ``plan``) and 6 from the in-memory state."""
+        from pipeline.train.records import State
+        from pipeline.train.steps import step_loop
+
+        plan = plan if plan is not None else self._plan(run, data, replay=replay)
         state = State()
         step_loop(run, self.strategy, data.members, plan, state, self.progress, live=not replay)
         return plan, state
@@ -267,12 +275,17 @@ class _Follower:
         except PipelineError as exc:      # not trainable by this line (other tokenizer, damaged files, ...)
             self._skip(sid, type(exc).__name__, exc.message)
             return
+        try:
+            plan = self._plan(run, data, replay=False)
+        except OffPolicySnapshotError as exc:   # measured against the head's weights: refused like a stale one
+            self._skip(sid, "off_policy", exc.message)
+            return
         if self.rank == 0:
             lineage.emit_run_event(self.lake, event_type="START", run_id=run.lineage_run_id, job_name=JOB_NAME,
                                    inputs=run.inputs, outputs=[lineage.checkpoint(self.lake, run.checkpoint_id)],
                                    **run.ol)
         try:
-            plan, state = self._train(run, data, replay=False)
+            plan, state = self._train(run, data, replay=False, plan=plan)
             full = self._broadcast(self._full_now(n) if self.rank == 0 else None)
             extra = {"trainer": "follow", "skipped_snapshots": self.unrecorded_skips}
             result = checkpoint_and_publish(run, self.strategy, data, plan, state, crash_at=None, t_start=t0,

@@ -1,11 +1,16 @@
-"""Freshness at use: how stale a snapshot's data is against the policy it would update."""
+"""Freshness at use: how stale a snapshot's data is against the policy it would update,
+in versions (``check_freshness``, ``max_train_lag``) and in probability (the
+importance-sampling figures ``offpolicy_figures`` and their gate ``check_offpolicy``:
+``min_ess_fraction``, ``max_ratio_p99``)."""
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from pipeline.lake.delta import Lake
     from pipeline.train.data import Members
 
@@ -57,3 +62,86 @@ def check_freshness(members: Members, parent_version: int, max_train_lag: int | 
             "parent_version": parent_version}
 
 
+
+
+# -- off-policy figures: how far the policy being trained is from the one that sampled ------------
+
+# The token ratio is clamped like the loss's (losses.policy_loss: log-ratio in [-20, 20]).
+LOG_RATIO_CLAMP = 20.0
+OFFPOLICY_KEYS = ("ess_token_frac", "ess_seq_frac", "behav_ratio_p50", "behav_ratio_p90", "behav_ratio_p99",
+                  "behav_ratio_max", "behav_ratio_above")
+
+
+def ess_fraction(log_w: np.ndarray) -> float:
+    """ESS / n = (sum w)^2 / (n * sum w^2) of importance weights given as logs
+    (computed with w / max w, which the fraction does not depend on: no overflow)."""
+    import numpy as np
+
+    log_w = np.asarray(log_w, np.float64)
+    if log_w.size == 0:
+        return 1.0
+    w = np.exp(log_w - log_w.max())
+    return float(w.sum() ** 2 / (log_w.size * (w * w).sum()))
+
+
+def offpolicy_figures(log_ratios: list[np.ndarray], bound: float) -> dict[str, float]:
+    """The importance-sampling figures of the policy pi against the behaviour
+    policy mu that sampled the tokens, from ``log_ratios``: one array per
+    sequence of log pi(y_t) - log mu(y_t) over its policy-sampled response
+    tokens (loss_mask 1; observation tokens are nobody's sample).
+
+    - token level: w_t = exp(clamp(log-ratio, -20, 20)) over every token of every
+      sequence; ``ess_token_frac`` = ESS/n of the w_t, and their p50/p90/p99/max
+      and share above ``bound`` (``behav_ratio_*``);
+    - sequence level: w_b = exp(sum_t log-ratio), the likelihood ratio of the whole
+      response (the product of its token ratios, unclamped); ``ess_seq_frac`` =
+      ESS/n of the w_b over the sequences.
+    """
+    import numpy as np
+
+    seqs = [np.asarray(x, np.float64) for x in log_ratios]
+    if not seqs or not any(s.size for s in seqs):
+        return {"ess_token_frac": 1.0, "ess_seq_frac": 1.0, "behav_ratio_p50": 1.0, "behav_ratio_p90": 1.0,
+                "behav_ratio_p99": 1.0, "behav_ratio_max": 1.0, "behav_ratio_above": 0.0}
+    tok = np.clip(np.concatenate(seqs), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    r = np.exp(tok)
+    p50, p90, p99 = np.quantile(r, [0.5, 0.9, 0.99])
+    return {"ess_token_frac": ess_fraction(tok), "ess_seq_frac": ess_fraction(np.array([s.sum() for s in seqs])),
+            "behav_ratio_p50": float(p50), "behav_ratio_p90": float(p90), "behav_ratio_p99": float(p99),
+            "behav_ratio_max": float(r.max()), "behav_ratio_above": float((r > bound).mean())}
+
+
+def member_log_ratios(members: Members, logprobs: list[np.ndarray | None], idx: Sequence[int] | None = None,
+                      ) -> list[np.ndarray]:
+    """Per member: ``logprobs`` (the pre-pass's, [R_i], 0 off the mask) minus the
+    rollout's sampling log-probs, on the loss tokens."""
+    import numpy as np
+
+    out = []
+    for i in (range(len(members)) if idx is None else idx):
+        lp = logprobs[i]
+        keep = members.loss_mask[i] > 0
+        out.append(np.zeros(0) if lp is None else
+                   (lp.astype(np.float64) - members.rollout_logprobs[i].astype(np.float64))[keep])
+    return out
+
+
+def check_offpolicy(figures: dict[str, float], *, min_ess_fraction: float | None, max_ratio_p99: float | None,
+                    snapshot_id: str, policy: str) -> None:
+    """The trainer's off-policy gate: refuse the snapshot when the policy about to
+    be trained is too far from the behaviour policy (sequence-level ESS/n below
+    ``min_ess_fraction``, or the token ratio's p99 above ``max_ratio_p99``)."""
+    from pipeline.errors import OffPolicySnapshotError
+
+    why = []
+    if min_ess_fraction is not None and figures["ess_seq_frac"] < min_ess_fraction:
+        why.append(f"sequence-level ESS/n {figures['ess_seq_frac']:.3g} < min_ess_fraction={min_ess_fraction:g}")
+    if max_ratio_p99 is not None and figures["behav_ratio_p99"] > max_ratio_p99:
+        why.append(f"token ratio p99 {figures['behav_ratio_p99']:.3g} > max_ratio_p99={max_ratio_p99:g}")
+    if why:
+        raise OffPolicySnapshotError(
+            f"snapshot {snapshot_id} is too far off-policy for {policy}: {'; '.join(why)} (importance ratio of the "
+            f"policy it would update against the rollout's sampling log-probs; token ESS/n "
+            f"{figures['ess_token_frac']:.3g}, ratio max {figures['behav_ratio_max']:.3g})",
+            hint="admit fresher data (pipeline admit) and train on that snapshot, or loosen --set min_ess_fraction=X / "
+                 "--set max_ratio_p99=Y (null: off) if this off-policy distance is intended")

@@ -7,8 +7,24 @@ small on the lognormal length mix of agent rollouts (see bench_train).
 
 The plan of an epoch is a list of optimizer steps, each ``grad_accum``
 micro-batches; micro-batch ``i`` of a step runs on rank ``i % world_size``.
-The plan depends on (lengths, budget, grad_accum, seed, epoch) only, never on
-the world size, which is why N processes compute the same steps as one.
+The plan depends on (lengths, budget, grad_accum, order, seed, epoch) only,
+never on the world size, which is why N processes compute the same steps as one.
+
+Which micro-batches share an optimizer step (``order``, the ``step_order`` key)
+never changes the micro-batches themselves, so the padding is the same under
+every order:
+
+- ``stratified`` (default): the n packed micro-batches, in length order, are cut
+  into ``grad_accum`` consecutive bands of floor or ceil(n / grad_accum)
+  micro-batches (``numpy.array_split``; band 0 the longest rows), and each band
+  is dealt to the S = ceil(n / grad_accum) steps by a seeded permutation (a band
+  one short skips a random step). Every step holds one micro-batch of each length
+  band, so its mean advantage is a whole-snapshot mix, not one stratum's (with
+  ``grad_accum=1`` there is one band: a step is one micro-batch under any order);
+- ``shuffled``: a seeded permutation of all micro-batches, cut into steps of
+  ``grad_accum`` (a step may draw all its micro-batches from one band);
+- ``length``: the pack order (longest first), cut into steps: each step trains
+  one length stratum (the baseline of bench_train's step-order figures).
 """
 
 from __future__ import annotations
@@ -94,18 +110,38 @@ class Step:
         return mine + [()] * (per_rank - len(mine))
 
 
+STEP_ORDERS = ("stratified", "shuffled", "length")
+
+
+def epoch_groups(n_batches: int, grad_accum: int, order: str, rng: np.random.Generator) -> list[list[int]]:
+    """Micro-batch indices (into the length-ordered pack) of each optimizer step of one epoch."""
+    if order == "length":
+        return [list(range(k, min(k + grad_accum, n_batches))) for k in range(0, n_batches, grad_accum)]
+    if order == "shuffled":
+        perm = rng.permutation(n_batches).tolist()
+        return [perm[k:k + grad_accum] for k in range(0, n_batches, grad_accum)]
+    if order != "stratified":
+        raise ValueError(f"unknown step order {order!r}; one of {STEP_ORDERS}")
+    n_steps = -(-n_batches // grad_accum)
+    if n_steps == 0:
+        return []
+    groups: list[list[int]] = [[] for _ in range(n_steps)]
+    for band in np.array_split(np.arange(n_batches), min(grad_accum, n_batches)):   # sizes differ by <= 1
+        slots = rng.permutation(n_steps).tolist()[:len(band)]    # a short band: a random subset of the steps
+        for mb, st in zip(band.tolist(), slots):
+            groups[st].append(mb)
+    return groups
+
+
 def plan_steps(lengths: list[int] | np.ndarray, *, budget_tokens: int, grad_accum: int, epochs: int, seed: int,
-               shuffle: bool = True, max_steps: int = 0) -> list[Step]:
-    """Every optimizer step of the run, in order."""
+               order: str = "stratified", max_steps: int = 0) -> list[Step]:
+    """Every optimizer step of the run, in order; each epoch trains every micro-batch once."""
     batches = pack_by_length(lengths, budget_tokens)
     steps: list[Step] = []
     for epoch in range(epochs):
-        order = list(range(len(batches)))
-        if shuffle:
-            order = np.random.default_rng([seed, epoch]).permutation(len(batches)).tolist()
-        for k in range(0, len(order), grad_accum):
-            mbs = tuple(tuple(batches[j]) for j in order[k:k + grad_accum])
-            steps.append(Step(epoch, len(steps), mbs))
+        rng = np.random.default_rng([seed, epoch])
+        for group in epoch_groups(len(batches), grad_accum, order, rng):
+            steps.append(Step(epoch, len(steps), tuple(tuple(batches[j]) for j in group)))
             if max_steps and len(steps) >= max_steps:
                 return steps
     return steps

@@ -51,7 +51,7 @@ def checkpoint_and_publish(run: Run, strategy: DeepSpeedStrategy, data: Data, pl
                    parent_hf=run.parent.hf_dir, full=full, pause_prefix=pause_prefix)
     if run.rank != 0:
         return None
-    summary = summarize(state.rows) | data.freshness | {"prepass_seconds": plan.prepass_seconds}
+    summary = summarize(state.rows) | data.freshness | plan.offpolicy | {"prepass_seconds": plan.prepass_seconds}
     result = publish(lake, checkpoint_id=run.checkpoint_id, parent=run.parent, snapshot_id=run.snapshot_id, cfg=cfg,
                       world_size=run.world_size, global_step=global_step, samples_seen=state.samples_seen,
                       summary=summary, rows=state.rows, resumed_from=state.resumed_from, t_start=t_start,

@@ -86,6 +86,7 @@ class Plan:
     steps: list[Step]
     norm_len: float
     prepass_seconds: float = 0.0    # old / reference log-probs under the frozen starting weights
+    offpolicy: dict[str, Any] = dataclasses.field(default_factory=dict)  # snapshot_* figures, lr_scale
 
 
 @dataclass

@@ -11,10 +11,12 @@ in their own modules:
     a snapshot already consumed by a published checkpoint is refused (or, for
     the same run, the published result is returned: a no-op);
  2. ``steps.prepare_data``: verify and load the snapshot, load the parent policy, assert it
-    is trainable (data.check_members); ``steps.prepare_workdir``: the run's work directory;
+    is trainable (data.check_members);
  3. ``steps.build_engine``: wrap the policy in DeepSpeed (ds_adapter);
  4. ``steps.plan_run``: the carried optimizer (``steps.carry_optimizer``), the pre-pass
-    (old log-probs under the frozen starting weights, reference log-probs), the step plan;
+    (old log-probs under the frozen starting weights, reference log-probs), the off-policy
+    figures and gate, the LR for the snapshot's lag, the step plan; then
+    ``steps.prepare_workdir``: the run's work directory;
  5. ``steps.restore``: the resumable state when resuming (hash-verified; never a silent fresh start);
  6. ``steps.step_loop``: length-bucketed micro-batches (``update.train_step``), losses from
     losses.py, metrics per step;
@@ -117,11 +119,12 @@ def _train_in_env(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkp
                                inputs=run.inputs, outputs=[lineage.checkpoint(lake, run.checkpoint_id)], **run.ol)
     try:
         data = prepare_data(run)
-        prepare_workdir(run, resume)
         strategy = build_engine(cfg, data.lm)
         plan = plan_run(run, strategy, data.members,
                         optimizer_from=carry_optimizer(strategy, cfg, lake, run.parent, run.world_size)
-                        if cfg.carry_optimizer else None)
+                        if cfg.carry_optimizer else None, train_lag=data.freshness["train_lag_max"])
+        prepare_workdir(run, resume)       # after the off-policy gate: a refused snapshot leaves no work directory
+        strategy.barrier()                 # rank 0 made (or cleared) it before any rank writes there
         state = restore(run, strategy, resume)
         step_loop(run, strategy, data.members, plan, state, progress)
         result = checkpoint_and_publish(run, strategy, data, plan, state, crash_at=crash_at, t_start=t_start)

@@ -91,10 +91,16 @@ def build_engine(cfg: TrainConfig, lm: Any) -> DeepSpeedStrategy:
     return strategy
 
 
-def plan_run(run: Run, strategy: DeepSpeedStrategy, members: Members, *, optimizer_from: str | None) -> Plan:
-    """Step 4: the loss, the pre-pass with the frozen starting weights, the step plan.
+def plan_run(run: Run, strategy: DeepSpeedStrategy, members: Members, *, optimizer_from: str | None,
+             train_lag: int | None = None, gate: bool = True) -> Plan:
+    """Step 4: the loss, the pre-pass with the frozen starting weights, the
+    off-policy figures of those weights against the rollout's sampling
+    log-probs and their gate (``check_offpolicy``; ``gate=False``: a replayed
+    version, which passed it when first trained), the learning rate for the
+    snapshot's lag (``stale_lr_scale ** train_lag``), the step plan.
     ``optimizer_from``: whose optimizer state the engine holds (``carry_optimizer``
     ran before, or the resident trainer kept it in memory), recorded with the checkpoint."""
+    from pipeline.train.freshness import check_offpolicy, member_log_ratios, offpolicy_figures
     from pipeline.train.packing import plan_steps
 
     cfg = run.cfg
@@ -104,10 +110,19 @@ def plan_run(run: Run, strategy: DeepSpeedStrategy, members: Members, *, optimiz
     t0 = time.perf_counter()
     prepass(strategy, members, cfg, run.lake, run.parent)
     prepass_s = time.perf_counter() - t0
+    figures = offpolicy_figures(member_log_ratios(members, members.current_logprobs), cfg.ratio_tail_bound)
+    if gate:
+        check_offpolicy(figures, min_ess_fraction=cfg.min_ess_fraction, max_ratio_p99=cfg.max_ratio_p99,
+                        snapshot_id=run.snapshot_id,
+                        policy=f"v{run.parent.policy_version} ({run.parent.checkpoint_id})")
+    lr_scale = cfg.stale_lr_scale ** max(train_lag or 0, 0)
+    if strategy.base_lr != cfg.lr * lr_scale:      # (the resident trainer's engine keeps the last version's)
+        strategy.set_base_lr(cfg.lr * lr_scale)
+    offpolicy = {f"snapshot_{k}": v for k, v in figures.items()} | {"lr_scale": lr_scale}
     steps = plan_steps(members.lengths, budget_tokens=cfg.micro_batch_tokens, grad_accum=cfg.grad_accum,
-                       epochs=cfg.epochs, seed=cfg.seed, shuffle=cfg.shuffle, max_steps=cfg.max_steps)
+                       epochs=cfg.epochs, seed=cfg.seed, order=cfg.step_order, max_steps=cfg.max_steps)
     norm_len = float(cfg.norm_len or max(len(r) for r in members.response))
-    return Plan(loss_kind, optimizer_from, steps, norm_len, prepass_s)
+    return Plan(loss_kind, optimizer_from, steps, norm_len, prepass_s, offpolicy)
 
 
 def restore(run: Run, strategy: DeepSpeedStrategy, resume: bool) -> State:

@@ -9,6 +9,8 @@ import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Sequence
 
+from pipeline.train.freshness import offpolicy_figures
+
 if TYPE_CHECKING:
     from pipeline.lake.delta import Lake
     from pipeline.policy_store import PolicyRef
@@ -33,9 +35,11 @@ def kl_reference_spec(kl_reference: str, parent: PolicyRef) -> str:
 
 def prepass(strategy: DeepSpeedStrategy, members: Members, cfg: TrainConfig, lake: Lake, parent: PolicyRef) -> None:
     """Old log-probs (recompute mode) and reference log-probs (kl_coef > 0) of
-    every member under frozen weights, once, before the first update. Every
-    rank computes all members, in the same micro-batches: identical on any
-    world size and on resume."""
+    every member under frozen weights, once, before the first update, and the
+    starting weights' log-probs (``current_logprobs``: the old ones in recompute
+    mode, one more no-grad pass in rollout mode) for the off-policy figures.
+    Every rank computes all members, in the same micro-batches: identical on
+    any world size and on resume."""
     import numpy as np
     import torch
 
@@ -45,8 +49,7 @@ def prepass(strategy: DeepSpeedStrategy, members: Members, cfg: TrainConfig, lak
     need_ref = cfg.kl_coef > 0
     members.old_logprobs = [None] * len(members)
     members.ref_logprobs = [None] * len(members)
-    if not (need_old or need_ref):
-        return
+    members.current_logprobs = [None] * len(members)
     batches = pack_by_length(members.lengths, cfg.micro_batch_tokens)
 
     def run(forward, target: list) -> None:
@@ -66,6 +69,9 @@ def prepass(strategy: DeepSpeedStrategy, members: Members, cfg: TrainConfig, lak
     strategy.eval()
     if need_old:
         run(strategy.module, members.old_logprobs)
+        members.current_logprobs = members.old_logprobs
+    else:
+        run(strategy.module, members.current_logprobs)
     if need_ref:
         spec = kl_reference_spec(cfg.kl_reference, parent)
         if spec == "parent" and need_old:
@@ -99,6 +105,7 @@ class StepSums:
         import torch
 
         self.values = torch.zeros(len(self.NAMES), dtype=torch.float64)
+        self.log_ratios: list = []      # per sequence: log pi - log mu on its loss tokens (offpolicy_figures)
 
     def add(self, **named: float) -> None:
         import torch
@@ -126,7 +133,10 @@ def train_step(strategy: DeepSpeedStrategy, members: Members, step: Step, cfg: T
         if strategy.rank == 0 and mb == step.for_rank(0, strategy.world_size)[0]:
             quant = {k: met[k] for k in quant}
     out = strategy.optimizer_step()
-    return step_row(members, step, cfg, all_idx, sums.all_reduce(strategy), quant, out, time.perf_counter() - t0)
+    offp = offpolicy_figures([x for part in strategy.all_gather_object(sums.log_ratios) for x in part],
+                             cfg.ratio_tail_bound)
+    return step_row(members, step, cfg, all_idx, sums.all_reduce(strategy), quant | offp, out,
+                    time.perf_counter() - t0)
 
 
 def zero_weight_pass(strategy: DeepSpeedStrategy) -> None:
@@ -176,6 +186,9 @@ def micro_batch(strategy: DeepSpeedStrategy, members: Members, mb: Sequence[int]
     # DeepSpeed averages gradients over ranks; the loss is already a share of the global step sum
     strategy.backward(total * strategy.world_size)
     with torch.no_grad():
+        d = ((logp.detach().double() - rollout.double()) * mask).cpu().numpy()                              # [B, R]
+        keep = mask.cpu().numpy() > 0
+        sums.log_ratios.extend(d[k][keep[k]] for k in range(B))
         tok = float(mask.sum())
         mism = float(L.masked_mean(L.kl_penalty(old, rollout, "k3"), mask)) if cfg.old_logprobs == "recompute" \
             else float(L.masked_mean(L.kl_penalty(logp.detach(), rollout, "k3"), mask))

@@ -35,7 +35,7 @@ def console_errors(stderr: str) -> list[str]:
             or "net::ERR_" in ln]
 
 
-PLOTS = 33        # plots the full synthetic lake gives (see test_report_has_every_section_and_plot)
+PLOTS = 35        # plots the full synthetic lake gives (see test_report_has_every_section_and_plot)
 BLANK_STD = 20.0  # grey-level std of a screenshot below which it counts as blank
 
 
@@ -206,6 +206,15 @@ def test_alerts_say_in_words_what_is_wrong(tmp_path):
     checks = {a["check"] for a in res["alert_checks"]}
     assert {"mismatch_kl", "eval_drop", "clip_fraction"} <= checks and len(res["alert_checks"]) == len(res["alerts"])
     assert f"on average over the steps of checkpoint {m['checkpoint_id']}" in text
+    assert not {"ess_seq_frac", "behav_ratio_p99"} & checks          # the health lake's steps are near on-policy
+    # a step far off-policy: low ESS against the behaviour policy, a heavy ratio tail
+    lake.append("metrics", pa.Table.from_pylist([dict(m, global_step=200, ess_seq_frac=0.12, behav_ratio_p99=6.5)],
+                                                 schema=table_spec("metrics").arrow_schema()), command="t")
+    _, res = build_report(lake)
+    text = " ".join(res["alerts"])
+    assert "ESS/n of the policy against the rollout's sampling log-probs fell to 0.12 (bound 0.5)" in text
+    assert "p99 of pi/mu reached 6.5 (bound 2)" in text and "step 200" in text
+    assert {"ess_seq_frac", "behav_ratio_p99"} <= {a["check"] for a in res["alert_checks"]}
     # --check: the report is written and the exit code says an alert fired (for cron or CI)
 
     from pipeline.cli import main
