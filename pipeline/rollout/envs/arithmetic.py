@@ -139,6 +139,19 @@ class ArithmeticTool:
         return [(ans, True)]
 
 
+def _affine_task(env, seed: int, split: str, prefix: str) -> Task:
+    """An ``a*b+c`` task of ``split`` (two-digit ``a, b`` in ``env.low..env.high``, ``c`` in
+    ``env.c_low..env.c_high``), the same for the same seed: arithmetic-plus and arithmetic-chain."""
+    rng = random.Random(seed)
+    while True:
+        a, b = rng.randint(env.low, env.high), rng.randint(env.low, env.high)
+        c = rng.randint(env.c_low, env.c_high)
+        expr = f"{a}*{b}+{c}"
+        if split_of(expr) == split:
+            return Task(task_id=f"{prefix}-{expr}", prompt=f"{expr}=", answer=calculate(expr),
+                        difficulty="hard", meta={"expr": expr, "a": a, "b": b, "c": c})
+
+
 @register_env
 class ArithmeticPlus(ArithmeticTool):
     """``arithmetic-plus``: ``arithmetic-tool`` on ``a*b+c`` tasks (two-digit ``a, b``,
@@ -158,14 +171,7 @@ class ArithmeticPlus(ArithmeticTool):
         self.c_low, self.c_high = c_low, c_high
 
     def reset(self, seed: int, split: str = "train") -> Task:
-        rng = random.Random(seed)
-        while True:
-            a, b = rng.randint(self.low, self.high), rng.randint(self.low, self.high)
-            c = rng.randint(self.c_low, self.c_high)
-            expr = f"{a}*{b}+{c}"
-            if split_of(expr) == split:
-                return Task(task_id=f"plus-{expr}", prompt=f"{expr}=", answer=calculate(expr),
-                            difficulty="hard", meta={"expr": expr, "a": a, "b": b, "c": c})
+        return _affine_task(self, seed, split, "plus")
 
 
 _ONE_OP = re.compile(r"^\d{1,6}[+\-*]\d{1,6}$")
@@ -206,14 +212,7 @@ class ArithmeticChain(ArithmeticTool):
         self.c_low, self.c_high = c_low, c_high
 
     def reset(self, seed: int, split: str = "train") -> Task:
-        rng = random.Random(seed)
-        while True:
-            a, b = rng.randint(self.low, self.high), rng.randint(self.low, self.high)
-            c = rng.randint(self.c_low, self.c_high)
-            expr = f"{a}*{b}+{c}"
-            if split_of(expr) == split:
-                return Task(task_id=f"chain-{expr}", prompt=f"{expr}=", answer=calculate(expr),
-                            difficulty="hard", meta={"expr": expr, "a": a, "b": b, "c": c})
+        return _affine_task(self, seed, split, "chain")
 
     chat_template_rev = "calc-chain-chat/1"
 
