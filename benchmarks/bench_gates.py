@@ -554,6 +554,24 @@ def markdown_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def pool(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Results files of the same config on disjoint seeds as one: their runs pooled and the
+    intervals, differences and rejection rates recomputed over all seeds."""
+    if len(results) == 1:
+        return results[0]
+    keys = ("seeds",)
+    cfgs = [{k: v for k, v in r["config"].items() if k not in keys} for r in results]
+    if any(c != cfgs[0] for c in cfgs[1:]):
+        raise SystemExit("--async-table pools only results of the same config (other seeds); these differ")
+    seeds = [s for r in results for s in r["config"]["seeds"]]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--async-table pools disjoint seeds; seeds repeat: {sorted(seeds)}")
+    runs = [x for r in results for x in r["runs"]]
+    arms = tuple(results[0]["config"]["arms"])
+    edges = tuple(results[0]["config"]["length_edges"])
+    return {**results[0], "runs": runs, **ablation(runs, arms), "rejections": rejections(runs, arms, edges)}
+
+
 def async_tables(result: dict[str, Any]) -> str:
     """docs/gates.md's async tables from a results file: held-out success per arm with its
     interval, the paired differences against async_no_freshness, and the rejection rates."""
@@ -572,6 +590,12 @@ def async_tables(result: dict[str, Any]) -> str:
             per_s = " ".join(f"{x:+.3f}" for _, x in sorted(d["seeds"].items(), key=lambda kv: int(kv[0])))
             lines.append(f"| difference `{name}` (paired) | **{d['mean']:+.3f}** | [{d['ci95'][0]:+.3f}, "
                          f"{d['ci95'][1]:+.3f}] | | {per_s} |")
+    best = result.get("best_gated_async")
+    if best:
+        d = best["difference"]
+        lines += ["", f"best gated arm: `{best['arm']}`, {d['mean']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}] "
+                  f"over `async_no_freshness`; target (interval above 0): "
+                  f"{'met' if best['target_interval_above_0'] else 'missed'}"]
     rej = result.get("rejections", {})
     lines += ["", "| arm | by | bucket | sampled | admitted | rejection rate | stale-excluded |", "|---|---|---|---|---|---|---|"]
     for a in arms:
@@ -657,8 +681,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="also write the JSON document to this file")
     ap.add_argument("--no-write", action="store_true", help="do not write results/gates-<time>.json and the plot")
     ap.add_argument("--table", nargs="+", help="print the README table of these results files and exit")
-    ap.add_argument("--async-table", help="print docs/gates.md's async tables (success, differences, rejection "
-                    "rates) of this results file and exit")
+    ap.add_argument("--async-table", nargs="+", help="print docs/gates.md's async tables (success, differences, "
+                    "rejection rates) of these results files (runs of one config on other seeds, pooled) and exit")
     args = ap.parse_args(argv)
     if args.plot:
         plot(_merge(args.plot), ROOT / "docs" / "gates.png")
@@ -667,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown_table(_merge(args.table)))
         return 0
     if args.async_table:
-        print(async_tables(json.loads(Path(args.async_table).read_text())))
+        print(async_tables(pool([json.loads(Path(p).read_text()) for p in args.async_table])))
         return 0
     cfg = GatesConfig(seeds=(0,), iterations=2, groups=8, eval_n=40) if args.quick else GatesConfig()
     over: dict[str, Any] = {}
