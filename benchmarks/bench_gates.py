@@ -10,8 +10,17 @@ version 0 per seed, and differs in ONE thing:
     infra_as_zero       the same timeouts scored as reward 0 (a policy failure) instead of excluded
     zero_var_kept       groups without reward spread admitted with advantage 0 (drop_zero_variance=false)
     async_no_freshness  simulated async collection: half the groups (the slow class) were sampled by
-                        the policy ``slow_lag`` versions behind; max_policy_lag off (1000)
-    async_lag1          the same collection with max_policy_lag=1 (the default)
+                        the policy ``slow_lag`` versions behind (``--slow-lag``, default 3); max_policy_lag
+                        off (1000); the trainer's truncated importance weights off (tis_cap=0): stale
+                        samples trained as if on-policy
+    async_lag1          the same collection with max_policy_lag=1 (the default gate), tis_cap=0
+    async_tis           the same collection, gate off, but tis_cap=2: each token weighted by
+                        min(pi_old / mu, 2) against the behaviour log-probs (decoupled PPO)
+
+For every arm the JSON also has ``rejections``: per arm, the share of sampled
+trajectories no snapshot admitted and the share excluded as stale, by
+difficulty, by response-length bucket (``--length-edges``) and by class
+(fast / slow), from the lake's trajectories, receipts and snapshot_members.
 
 ``--env NAME`` moves the main arms to another environment (the naive arm uses
 ``NAME-infra0``); ``--json`` prints one JSON document on stdout whose ``arms``
@@ -32,6 +41,9 @@ the summary is mean +- std over seeds.
     python benchmarks/bench_gates.py --env flaky-tool --arms gates_on,infra_as_zero \
         --seeds 0,1,2,3,4,5,6,7 --iterations 5 --lr 1e-3 --warm-start-tool-fraction 0.5 \
         --json --out benchmarks/results/gates-flaky-tool.json   # issue 29: where avoiding the tool pays
+    python benchmarks/bench_gates.py --arms async_no_freshness,async_lag1,async_tis --slow-lag 4 \
+        --seeds 0,1,2,3,4 --iterations 6 --lr 1e-3 --json \
+        --out benchmarks/results/gates-async-lag4.json    # issue 29: lags the gate refuses
     python benchmarks/bench_gates.py --plot A.json B.json   # redraw docs/gates.png from results files
     python benchmarks/bench_gates.py --table A.json B.json  # the README table
 
@@ -75,14 +87,19 @@ class Arm:
     infra_as_zero: bool = False
     slow_lag: int = 0               # > 0: half the groups sampled by the policy this many versions behind
     env: str = ENV
+    train: dict[str, Any] = field(default_factory=dict)     # TrainConfig overrides of this arm
 
 
 ARMS = (
     Arm("gates_on"),
     Arm("infra_as_zero", infra_as_zero=True),
     Arm("zero_var_kept", admission={"drop_zero_variance": False}),
-    Arm("async_no_freshness", admission={"max_policy_lag": 1000}, slow_lag=3),
-    Arm("async_lag1", slow_lag=3),
+    # issue 29 (2): the async arms train with tis_cap=0 (a stale sample is treated as on-policy), so that
+    # async_lag1 differs from async_no_freshness only in the gate and async_tis only in the correction;
+    # --slow-lag sets their lag (default 3)
+    Arm("async_no_freshness", admission={"max_policy_lag": 1000}, slow_lag=3, train={"tis_cap": 0.0}),
+    Arm("async_lag1", slow_lag=3, train={"tis_cap": 0.0}),
+    Arm("async_tis", admission={"max_policy_lag": 1000}, slow_lag=3, train={"tis_cap": 2.0}),
     # (b) again on arithmetic-tool, where answering without the tool sometimes pays (+ and -)
     Arm("tool_gates_on", env="arithmetic-tool"),
     Arm("tool_infra_as_zero", infra_as_zero=True, env="arithmetic-tool"),
@@ -104,6 +121,8 @@ class GatesConfig:
     env: str | None = None                  # --env: run the main arms on this env instead of arithmetic-chain
     warm_start_steps: int | None = None     # None: the policy init's default
     warm_start_tool_fraction: float | None = None   # None: the policy init's default (0.4)
+    slow_lag: int | None = None             # None: each async arm's own (3); else the slow class's lag in versions
+    length_edges: tuple[int, ...] = (10, 30)        # response_len bucket edges of the rejection table
 
 
 def timeout_p(cfg: GatesConfig, env: str) -> float:
@@ -127,6 +146,10 @@ def resolve_arms(cfg: GatesConfig) -> list[Arm]:
     arms = [a for a in ARMS if a.name in cfg.arms]
     if cfg.env:
         arms = [replace(a, env=cfg.env) if a.env == ENV else a for a in arms]
+    if cfg.slow_lag is not None:
+        if cfg.slow_lag < 1:
+            raise SystemExit(f"--slow-lag must be >= 1, got {cfg.slow_lag}")
+        arms = [replace(a, slow_lag=cfg.slow_lag) if a.slow_lag else a for a in arms]
     return arms
 
 
@@ -217,8 +240,9 @@ def run_arm(lake, arm: Arm, seed: int, cfg: GatesConfig, v0: dict[str, Any]) -> 
             t1 = time.perf_counter()
             # the arms ablate admission's gates: the trainer's own freshness check (max_train_lag)
             # would refuse async_no_freshness's lag-3 data, so it is off here for every arm
-            train_snapshot(lake, a.snapshot_id, TrainConfig(lr=cfg.lr, epochs=cfg.epochs, seed=seed * 100 + k,
-                                                            max_train_lag=None), progress=False)
+            train_snapshot(lake, a.snapshot_id, TrainConfig(**{"lr": cfg.lr, "epochs": cfg.epochs,
+                                                               "seed": seed * 100 + k, "max_train_lag": None,
+                                                               **arm.train}), progress=False)
             row["train_s"] = round(time.perf_counter() - t1, 2)
         row["policy_version"], row["heldout_success"], row["heldout_tool_use"] = _evaluate(lake, cfg.eval_n, arm.env)
         curve.append(row)
@@ -226,7 +250,86 @@ def run_arm(lake, arm: Arm, seed: int, cfg: GatesConfig, v0: dict[str, Any]) -> 
               f"{row['heldout_success']:.2f} (tool {row['heldout_tool_use']:.2f}) admitted {a.admitted_groups}/"
               f"{cfg.groups} groups, {row['useful_tokens']}/{row['trained_tokens']} useful tokens, "
               f"train {row['train_s']:.1f}s", flush=True)
-    return {"arm": arm.name, "seed": seed, "curve": curve, "seconds": round(time.perf_counter() - t_arm, 1)}
+    return {"arm": arm.name, "seed": seed, "curve": curve, "seconds": round(time.perf_counter() - t_arm, 1),
+            "members": _member_fates(lake, arm.name)}
+
+
+# One row per sampled trajectory of the arm: its difficulty, length, tool calls, class (slow = sampled
+# behind), whether a snapshot admitted it, and the receipt's exclusion reason (null: not excluded).
+MEMBER_FATES_SQL = """
+WITH ex AS (
+    SELECT unnest(map_keys(excluded_members)) AS trajectory_id,
+           unnest(map_values(excluded_members)) AS reason
+    FROM receipts
+), rec AS (
+    SELECT unnest(valid_members) AS trajectory_id, decision FROM receipts
+), adm AS (SELECT DISTINCT trajectory_id FROM snapshot_members)
+SELECT t.trajectory_id, t.difficulty, t.response_len, t.num_tool_calls,
+       ends_with(t.run_id, '-slow') AS slow, adm.trajectory_id IS NOT NULL AS admitted,
+       ex.reason AS excluded_reason, rec.decision AS group_decision
+FROM trajectories t
+LEFT JOIN adm USING (trajectory_id)
+LEFT JOIN ex USING (trajectory_id)
+LEFT JOIN rec USING (trajectory_id)
+WHERE starts_with(t.run_id, $prefix)
+ORDER BY t.trajectory_id
+"""
+
+
+def _member_fates(lake, arm_name: str) -> list[list[Any]]:
+    """Per sampled trajectory of the arm (from the lake's trajectories, receipts and
+    snapshot_members): [difficulty, response_len, num_tool_calls, slow, admitted,
+    excluded_reason, group_decision]; compact rows, the JSON keeps them all."""
+    from pipeline.query.duck import query
+
+    t = query(lake, MEMBER_FATES_SQL, params={"prefix": f"{arm_name}-"})
+    cols = ["difficulty", "response_len", "num_tool_calls", "slow", "admitted", "excluded_reason", "group_decision"]
+    return [list(r) for r in zip(*(t.column(c).to_pylist() for c in cols))]
+
+
+def _length_bucket(n: int, edges: tuple[int, ...]) -> str:
+    lo = 0
+    for e in edges:
+        if n < e:
+            return f"{lo}-{e - 1}"
+        lo = e
+    return f">={lo}"
+
+
+def rejections(runs: list[dict[str, Any]], arms: tuple[str, ...], edges: tuple[int, ...]) -> dict[str, Any]:
+    """Per arm, over its seeds: the share of sampled trajectories no snapshot admitted
+    (``rejection_rate``) and the share excluded as stale (reason ``stale_*``), by
+    difficulty, by response-length bucket (``edges``) and by class (fast / slow)."""
+    out: dict[str, Any] = {}
+    for name in arms:
+        rows = [m for r in runs if r["arm"] == name for m in r.get("members", [])]
+        if not rows:
+            continue
+        keys = {"difficulty": lambda m: m[0] or "none", "length_bucket": lambda m: _length_bucket(m[1], edges),
+                "class": lambda m: "slow" if m[3] else "fast"}
+        arm_out: dict[str, Any] = {}
+        for key, fn in keys.items():
+            cells: dict[str, dict[str, Any]] = {}
+            for m in rows:
+                c = cells.setdefault(fn(m), {"sampled": 0, "admitted": 0, "stale_excluded": 0})
+                c["sampled"] += 1
+                c["admitted"] += bool(m[4])
+                c["stale_excluded"] += bool(m[5] and str(m[5]).startswith("stale"))
+            for c in cells.values():
+                c["rejection_rate"] = round(1 - c["admitted"] / c["sampled"], 4)
+                c["stale_exclusion_rate"] = round(c["stale_excluded"] / c["sampled"], 4)
+            arm_out[f"by_{key}"] = dict(sorted(cells.items(), key=lambda kv: _bucket_order(kv[0])))
+        adm = [m for m in rows if m[4]]
+        arm_out["sampled"], arm_out["admitted"] = len(rows), len(adm)
+        arm_out["mean_response_len_sampled"] = round(statistics.fmean(m[1] for m in rows), 2)
+        arm_out["mean_response_len_admitted"] = round(statistics.fmean(m[1] for m in adm), 2) if adm else None
+        out[name] = arm_out
+    return out
+
+
+def _bucket_order(label: str) -> tuple[int, str]:
+    digits = "".join(ch for ch in label.split("-")[0] if ch.isdigit())
+    return (int(digits) if digits else -1, label)
 
 
 def _mean_std(xs: list[float]) -> dict[str, float]:
@@ -277,7 +380,9 @@ def bootstrap_ci(xs: list[float], *, resamples: int = 10000, seed: int = 0, leve
     return [round(lo, 4), round(hi, 4)]
 
 
-PAIRS = (("gates_on", "infra_as_zero"), ("gates_on", "zero_var_kept"), ("async_lag1", "async_no_freshness"))
+PAIRS = (("gates_on", "infra_as_zero"), ("gates_on", "zero_var_kept"), ("async_lag1", "async_no_freshness"),
+         ("async_tis", "async_no_freshness"))
+GATED_ASYNC = ("async_lag1", "async_tis")     # the arms that guard against staleness, vs async_no_freshness
 
 
 def ablation(runs: list[dict[str, Any]], arms: tuple[str, ...]) -> dict[str, Any]:
@@ -312,6 +417,11 @@ def ablation(runs: list[dict[str, Any]], arms: tuple[str, ...]) -> dict[str, Any
             out["differences"][f"{a}-{b}"] = {"mean": round(statistics.fmean(d), 4) if d else None,
                                               "ci95": bootstrap_ci(d), "seeds": dict(zip(common, [round(x, 4)
                                                                                                   for x in d]))}
+    gated = [g for g in GATED_ASYNC if f"{g}-async_no_freshness" in out["differences"]]
+    if gated:       # the best guard by mean held-out success (chosen after the fact: an optimistic pick)
+        best = max(gated, key=lambda g: out["arms"][g]["mean_heldout"])
+        d = out["differences"][f"{best}-async_no_freshness"]
+        out["best_gated_async"] = {"arm": best, "difference": d, "target_interval_above_0": d["ci95"][0] > 0}
     return out
 
 
@@ -364,12 +474,18 @@ def run_all(cfg: GatesConfig, root: Path) -> dict[str, Any]:
     info["loadavg_end"] = os.getloadavg()
     return {"benchmark": "gates", "config": asdict(cfg), "machine": info, "arm_specs": [asdict(a) for a in arms],
             "version0": v0s, "runs": runs, "summary": summarize(runs, cfg), **ablation(runs, cfg.arms),
+            "rejections": rejections(runs, cfg.arms, cfg.length_edges),
             "seconds": round(time.perf_counter() - t_all, 1)}
 
 
 COLORS = {"gates_on": "#1f77b4", "infra_as_zero": "#d62728", "zero_var_kept": "#2ca02c",
-          "async_no_freshness": "#ff7f0e", "async_lag1": "#9467bd", "tool_gates_on": "#1f77b4",
+          "async_no_freshness": "#ff7f0e", "async_lag1": "#9467bd", "async_tis": "#8c564b", "tool_gates_on": "#1f77b4",
           "tool_infra_as_zero": "#d62728"}
+
+
+def _slow_lag(result: dict[str, Any]) -> int:
+    lags = [a.get("slow_lag", 0) for a in result.get("arm_specs", []) if a.get("slow_lag")]
+    return max(lags) if lags else 3
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -380,7 +496,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     s = result["summary"]
     panels = [("(a) vs (b): 20% tool timeouts", ["gates_on", "infra_as_zero"]),
-              ("(c) async, slow class 3 versions behind", ["async_lag1", "async_no_freshness"]),
+              (f"(c) async, slow class {_slow_lag(result)} versions behind",
+               ["async_lag1", "async_tis", "async_no_freshness"]),
               ("(d) zero-variance groups", ["gates_on", "zero_var_kept"])]
     if "tool_gates_on" in s:
         panels.append(("(b) on arithmetic-tool, 20% tool timeouts", ["tool_gates_on", "tool_infra_as_zero"]))
@@ -437,6 +554,62 @@ def markdown_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def pool(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Results files of the same config on disjoint seeds as one: their runs pooled and the
+    intervals, differences and rejection rates recomputed over all seeds."""
+    if len(results) == 1:
+        return results[0]
+    keys = ("seeds",)
+    cfgs = [{k: v for k, v in r["config"].items() if k not in keys} for r in results]
+    if any(c != cfgs[0] for c in cfgs[1:]):
+        raise SystemExit("--async-table pools only results of the same config (other seeds); these differ")
+    seeds = [s for r in results for s in r["config"]["seeds"]]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--async-table pools disjoint seeds; seeds repeat: {sorted(seeds)}")
+    runs = [x for r in results for x in r["runs"]]
+    arms = tuple(results[0]["config"]["arms"])
+    edges = tuple(results[0]["config"]["length_edges"])
+    return {**results[0], "runs": runs, **ablation(runs, arms), "rejections": rejections(runs, arms, edges)}
+
+
+def async_tables(result: dict[str, Any]) -> str:
+    """docs/gates.md's async tables from a results file: held-out success per arm with its
+    interval, the paired differences against async_no_freshness, and the rejection rates."""
+    arms = [a for a in ("async_no_freshness", "async_lag1", "async_tis") if a in result["arms"]]
+    k = max(len(v) for a in arms for v in result["arms"][a]["seeds"].values())
+    lines = ["| arm | mean held-out over versions 1.." + str(k) + " | 95% CI over seeds | per version (mean over seeds) "
+             "| per seed |", "|---|---|---|---|---|"]
+    for a in arms:
+        v = result["arms"][a]
+        per_v = [statistics.fmean(c[i] for c in v["seeds"].values() if len(c) > i) for i in range(k)]
+        per_s = " ".join(f"{statistics.fmean(c):.3f}" for _, c in sorted(v["seeds"].items(), key=lambda kv: int(kv[0])))
+        lines.append(f"| `{a}` | **{v['mean_heldout']:.3f}** | [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}] | "
+                     + " ".join(f"{x:.2f}" for x in per_v) + f" | {per_s} |")
+    for name, d in result["differences"].items():
+        if name.endswith("-async_no_freshness"):
+            per_s = " ".join(f"{x:+.3f}" for _, x in sorted(d["seeds"].items(), key=lambda kv: int(kv[0])))
+            lines.append(f"| difference `{name}` (paired) | **{d['mean']:+.3f}** | [{d['ci95'][0]:+.3f}, "
+                         f"{d['ci95'][1]:+.3f}] | | {per_s} |")
+    best = result.get("best_gated_async")
+    if best:
+        d = best["difference"]
+        lines += ["", f"best gated arm: `{best['arm']}`, {d['mean']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}] "
+                  f"over `async_no_freshness`; target (interval above 0): "
+                  f"{'met' if best['target_interval_above_0'] else 'missed'}"]
+    rej = result.get("rejections", {})
+    lines += ["", "| arm | by | bucket | sampled | admitted | rejection rate | stale-excluded |", "|---|---|---|---|---|---|---|"]
+    for a in arms:
+        for by in ("by_difficulty", "by_length_bucket", "by_class"):
+            for bucket, c in rej.get(a, {}).get(by, {}).items():
+                lines.append(f"| `{a}` | {by[3:]} | {bucket} | {c['sampled']} | {c['admitted']} | "
+                             f"{c['rejection_rate']:.3f} | {c['stale_exclusion_rate']:.3f} |")
+    lines += ["", "| arm | mean response_len sampled | mean response_len admitted |", "|---|---|---|"]
+    for a in arms:
+        r = rej.get(a, {})
+        lines.append(f"| `{a}` | {r.get('mean_response_len_sampled')} | {r.get('mean_response_len_admitted')} |")
+    return "\n".join(lines)
+
+
 def run(quick: bool = False) -> list:
     """For benchmarks/run.py: ratios of each ablation's mean held-out success to gates_on's."""
     from run import Result
@@ -475,11 +648,11 @@ def _merge(paths: list[str]) -> dict[str, Any]:
     return out
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def _ints(text: str, flag: str = "--seeds") -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise SystemExit(f"--seeds takes comma-separated integers, got {text!r}") from None
+        raise SystemExit(f"{flag} takes comma-separated integers, got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -501,16 +674,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-start-steps", type=int, help="supervised warm-start steps of version 0")
     ap.add_argument("--warm-start-tool-fraction", type=float, help="share of version 0's demonstrations that "
                     "call the tool (default 0.4)")
+    ap.add_argument("--slow-lag", type=int, help="versions the async arms' slow class is behind (default 3)")
+    ap.add_argument("--length-edges", help="comma-separated response_len edges of the rejection table "
+                    "(default 10,30)")
     ap.add_argument("--json", action="store_true", help="print ONE JSON document on stdout (progress on stderr)")
     ap.add_argument("--out", help="also write the JSON document to this file")
     ap.add_argument("--no-write", action="store_true", help="do not write results/gates-<time>.json and the plot")
     ap.add_argument("--table", nargs="+", help="print the README table of these results files and exit")
+    ap.add_argument("--async-table", nargs="+", help="print docs/gates.md's async tables (success, differences, "
+                    "rejection rates) of these results files (runs of one config on other seeds, pooled) and exit")
     args = ap.parse_args(argv)
     if args.plot:
         plot(_merge(args.plot), ROOT / "docs" / "gates.png")
         return 0
     if args.table:
         print(markdown_table(_merge(args.table)))
+        return 0
+    if args.async_table:
+        print(async_tables(pool([json.loads(Path(p).read_text()) for p in args.async_table])))
         return 0
     cfg = GatesConfig(seeds=(0,), iterations=2, groups=8, eval_n=40) if args.quick else GatesConfig()
     over: dict[str, Any] = {}
@@ -519,9 +700,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.seeds:
         over["seeds"] = _ints(args.seeds)
     for key in ("env", "iterations", "groups", "group_size", "eval_n", "lr", "tool_timeout_p", "warm_start_steps",
-                "warm_start_tool_fraction"):
+                "warm_start_tool_fraction", "slow_lag"):
         if getattr(args, key) is not None:
             over[key] = getattr(args, key)
+    if args.length_edges:
+        over["length_edges"] = _ints(args.length_edges, "--length-edges")
     cfg = GatesConfig(**{**asdict(cfg), **over})
     resolve_arms(cfg)                        # unknown arm names fail before any work
     with tempfile.TemporaryDirectory(prefix="bench-gates-") as tmp:
@@ -534,7 +717,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(json.dumps(res["summary"], indent=1))
     print(json.dumps({"arms": {k: {x: v[x] for x in ("mean_heldout", "ci95")} for k, v in res["arms"].items()},
-                      "differences": res["differences"]}, indent=1))
+                      "differences": res["differences"], "best_gated_async": res.get("best_gated_async"),
+                      "rejections": res["rejections"]}, indent=1))
     print(markdown_table(res))
     if not (args.quick or args.no_write):
         print(f"wrote {_write(res)}")
