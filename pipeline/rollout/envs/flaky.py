@@ -47,7 +47,7 @@ from __future__ import annotations
 import random
 
 from pipeline.errors import ConfigError
-from pipeline.rollout.envs.arithmetic import _INT, TOOL_COST, ArithmeticTool, calculate
+from pipeline.rollout.envs.arithmetic import _INT, TOOL_COST, ArithmeticTool
 from pipeline.rollout.envs.base import Task, Verification, register_env, split_of
 
 TRAIN_TOOL_TIMEOUT_P = 0.5     # the training-time failure rate the benchmark and the sign test use
@@ -101,10 +101,3 @@ class FlakyTool(ArithmeticTool):
         est = 0.0 if ok or num_tool_calls else self.estimate_reward(value, int(task.answer))
         comps = {"task_success": float(ok), "estimate": est, "format": 1.0, "tool_cost": cost}
         return Verification("PASS" if ok else "FAIL", max(0.0, float(ok) + est + cost), comps)
-
-    def demonstration(self, task: Task, rng: random.Random, tool_fraction: float = 0.5) -> list[tuple[str, bool]]:
-        ans = f"<ans>{task.answer}<eos>"
-        if rng.random() < tool_fraction:
-            expr = task.meta["expr"]
-            return [(f"<call>{expr}</call>", True), (f"<obs>{calculate(expr)}</obs>", False), (ans, True)]
-        return [(ans, True)]
