@@ -151,6 +151,12 @@ class _Wandb:
         # libraries' noise; the run's own files still hold everything (WANDB_SILENT=false brings them back)
         quiet = os.environ.get("WANDB_SILENT", "true").lower() not in ("0", "false", "no")
         settings = wandb.Settings(silent=True, quiet=True, console="off") if quiet else None
+        if settings is not None:
+            # wandb's own terminal messages follow its process-wide setup, not init's settings: silence that
+            # too, and its suggestion to install Weave whenever an LLM library (openai: vLLM imports it) is loaded
+            os.environ.setdefault("WANDB_SILENT", "true")
+            os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
+            wandb.termsetup(settings, None)
         self.run = wandb.init(project=EXPERIMENT, name=checkpoint_id, id=checkpoint_id, resume="allow",
                               dir=str(root), config=config, mode=mode, settings=settings)
 

@@ -153,6 +153,11 @@ def test_wandb_offline_run_reads_back_equal_to_the_metrics_table(tlake, tmp_path
     from pipeline.train.run import train_snapshot
 
     monkeypatch.delenv("WANDB_SILENT", raising=False)                    # silent is the default
+    monkeypatch.delenv("WANDB_DISABLE_WEAVE", raising=False)
+    import types
+
+    # an LLM library in the process (vLLM imports openai) makes wandb suggest Weave: that stays quiet too
+    monkeypatch.setitem(sys.modules, "openai", sys.modules.get("openai") or types.ModuleType("openai"))
     monkeypatch.delenv("WANDB_MODE", raising=False)                      # offline is the default
     lake, sid = tlake
     cfg = TrainConfig(lr=0.003, micro_batch_tokens=256, epochs=1, seed=5, max_steps=3, metrics_every_steps=2,
