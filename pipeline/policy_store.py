@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
 
 HF_SUBDIR = "hf"
-_VERIFIED: dict[tuple[str, str], tuple] = {}  # (local dir, checkpoint id) -> (hashes, file stats) verified
+_CHECKED: dict[tuple[str, str], tuple] = {}  # (local dir, checkpoint id) -> (hashes, file stats) verified
 
 
 def _stats(local: Path, files: dict[str, str]) -> dict[str, tuple[int, int] | None]:
@@ -154,11 +154,11 @@ def resolve_policy(lake: Lake | str | os.PathLike[str], spec: str | int | None =
         files = {k: v for k, v in files.items() if k not in gone}
     local = fetch_checkpoint(lake, row["checkpoint_id"], files)
     key = (str(local), row["checkpoint_id"])
-    if verify and _VERIFIED.get(key) != (files, _stats(local, files)):
+    if verify and _CHECKED.get(key) != (files, _stats(local, files)):
         # rehash only when the files changed since this process last verified them:
         # rollout workers following the newest policy resolve it every wave
         verify_dir(local, files, what=f"checkpoint {row['checkpoint_id']}")
-        _VERIFIED[key] = (files, _stats(local, files))
+        _CHECKED[key] = (files, _stats(local, files))
     return PolicyRef(row["checkpoint_id"], int(row["policy_version"]), local, files)
 
 
