@@ -33,6 +33,15 @@ ALERTS = {
 }
 
 
+def _worst_step(tr: pd.DataFrame, col: str, *, lower: bool = False) -> pd.Series | None:
+    """The training step with the worst value of ``col`` when it is beyond its bound in ``ALERTS``
+    (below it for a ``lower`` bound), else None."""
+    if col not in tr or not tr[col].notna().any():
+        return None
+    worst = tr.loc[tr[col].idxmin() if lower else tr[col].idxmax()]
+    return worst if (worst[col] < ALERTS[col] if lower else worst[col] > ALERTS[col]) else None
+
+
 def alerts(q: _Queries) -> Section:
     s = Section("alerts", "Alerts",
                 "Checks against fixed thresholds (pipeline.report.alerts.ALERTS); each alert says what is wrong "
@@ -40,31 +49,28 @@ def alerts(q: _Queries) -> Section:
     found: list[tuple[str, str]] = []   # (check, message)
     tr = q.get("training")
     if isinstance(tr, pd.DataFrame) and not tr.empty:
-        if "mismatch_kl" in tr and tr.mismatch_kl.notna().any():
-            worst = tr.loc[tr.mismatch_kl.idxmax()]
-            if worst.mismatch_kl > ALERTS["mismatch_kl"]:
-                found.append(("mismatch_kl",
-                              f"Rollout engine and trainer disagree: mismatch_kl reached {worst.mismatch_kl:.3g} "
-                              f"(bound {ALERTS['mismatch_kl']:g}) in checkpoint {worst.checkpoint_id}, step "
-                              f"{int(worst.global_step)}. Check the engine's dtype/sampling settings and the "
-                              f"policy version workers load (Training metrics)."))
-        if "ess_seq_frac" in tr and tr.ess_seq_frac.notna().any():
-            worst = tr.loc[tr.ess_seq_frac.idxmin()]
-            if worst.ess_seq_frac < ALERTS["ess_seq_frac"]:
-                found.append(("ess_seq_frac",
-                              f"Training data is far off-policy: the sequence-level importance-sampling ESS/n of the "
-                              f"policy against the rollout's sampling log-probs fell to {worst.ess_seq_frac:.3g} "
-                              f"(bound {ALERTS['ess_seq_frac']:g}) in checkpoint {worst.checkpoint_id}, step "
-                              f"{int(worst.global_step)}: a few trajectories carry the update. Lower the policy lag, "
-                              f"the epochs or the learning rate, or gate it (min_ess_fraction) (Training metrics)."))
-        if "behav_ratio_p99" in tr and tr.behav_ratio_p99.notna().any():
-            worst = tr.loc[tr.behav_ratio_p99.idxmax()]
-            if worst.behav_ratio_p99 > ALERTS["behav_ratio_p99"]:
-                found.append(("behav_ratio_p99",
-                              f"Importance ratios against the behaviour policy have a heavy tail: p99 of pi/mu reached "
-                              f"{worst.behav_ratio_p99:.3g} (bound {ALERTS['behav_ratio_p99']:g}) in checkpoint "
-                              f"{worst.checkpoint_id}, step {int(worst.global_step)}. Check the policy lag and the "
-                              f"engine/trainer mismatch, or gate it (max_ratio_p99) (Training metrics)."))
+        worst = _worst_step(tr, "mismatch_kl")
+        if worst is not None:
+            found.append(("mismatch_kl",
+                          f"Rollout engine and trainer disagree: mismatch_kl reached {worst.mismatch_kl:.3g} "
+                          f"(bound {ALERTS['mismatch_kl']:g}) in checkpoint {worst.checkpoint_id}, step "
+                          f"{int(worst.global_step)}. Check the engine's dtype/sampling settings and the "
+                          f"policy version workers load (Training metrics)."))
+        worst = _worst_step(tr, "ess_seq_frac", lower=True)
+        if worst is not None:
+            found.append(("ess_seq_frac",
+                          f"Training data is far off-policy: the sequence-level importance-sampling ESS/n of the "
+                          f"policy against the rollout's sampling log-probs fell to {worst.ess_seq_frac:.3g} "
+                          f"(bound {ALERTS['ess_seq_frac']:g}) in checkpoint {worst.checkpoint_id}, step "
+                          f"{int(worst.global_step)}: a few trajectories carry the update. Lower the policy lag, "
+                          f"the epochs or the learning rate, or gate it (min_ess_fraction) (Training metrics)."))
+        worst = _worst_step(tr, "behav_ratio_p99")
+        if worst is not None:
+            found.append(("behav_ratio_p99",
+                          f"Importance ratios against the behaviour policy have a heavy tail: p99 of pi/mu reached "
+                          f"{worst.behav_ratio_p99:.3g} (bound {ALERTS['behav_ratio_p99']:g}) in checkpoint "
+                          f"{worst.checkpoint_id}, step {int(worst.global_step)}. Check the policy lag and the "
+                          f"engine/trainer mismatch, or gate it (max_ratio_p99) (Training metrics)."))
         if tr.grad_norm.notna().any() and not pd.Series(tr.grad_norm.dropna()).map(math.isfinite).all():
             found.append(("grad_norm",
                           "Gradient norm is not finite in some step: training diverged (Training metrics)."))
