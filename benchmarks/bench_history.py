@@ -1,4 +1,4 @@
-"""Cost that grows with new data, not with history; writers that scale.
+"""Cost that grows with new data, not with history.
 
 (a) `pipeline ingest` and `pipeline admit` (default config: quality suites on)
     of the same-shaped 5k new trajectories on an empty lake (its tables created,
@@ -10,9 +10,7 @@
     ``engine="dask"`` on a 2-worker cluster (started once, not timed), on both
     lakes. Incremental reads make it follow the new rows, not the history:
     target <= 1.2x.
-(b) 8 writer processes landing 100-row batches at once (every append
-    serialised by the write protocol) vs one process landing the same rows in
-    one append: rows/s ratio (reported; the moonshot is >= 0.8x).
+(Many writers landing small batches at once: benchmarks/bench_writers.py.)
 
     .venv/bin/python benchmarks/run.py --only history            # N = 1M (env BENCH_HISTORY_N; reps BENCH_HISTORY_REPS)
     .venv/bin/python benchmarks/bench_history.py --existing 200000
@@ -22,8 +20,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from datetime import datetime, timedelta, timezone
@@ -92,48 +88,6 @@ def _ingest_and_admit(lake, root: Path, rep: int, tag: str) -> tuple[float, floa
     return t1 - t0, t2 - t1
 
 
-def _writers(root: Path, procs: int, batches: int, rows: int) -> tuple[float, float]:
-    """(wall seconds of `procs` processes x `batches` appends of `rows`, one process one append)."""
-    from pipeline.lake.delta import Lake
-    from pipeline.lake.ingest import stamp_derived
-
-    script = f"""
-import os, sys, time
-sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
-from pipeline.lake.delta import Lake
-from pipeline.lake.ingest import stamp_derived
-from pipeline.testing.trajectories import make_trajectories
-lake = Lake(sys.argv[1]); w = int(sys.argv[2]); start = sys.argv[3]
-tables = [stamp_derived(make_trajectories({rows}, seed=w * 1000 + k, median_len=32, id_prefix=f"w{{w}}-{{k}}-"), "w")
-          for k in range({batches})]
-while not os.path.exists(start): time.sleep(0.001)
-for k, t in enumerate(tables):
-    lake.append("trajectories", t, command="bench writer", app_id=f"w{{w}}", txn_version=k)
-"""
-    many = Lake(root / "many")
-    many.ensure("trajectories")
-    go = root / "go"
-    ps = [subprocess.Popen([sys.executable, "-c", script, many.uri, str(w), str(go)]) for w in range(procs)]
-    time.sleep(8.0)  # imports + building the batches; the writers wait for `go`
-    t0 = time.perf_counter()
-    go.write_text("go")
-    for p in ps:
-        assert p.wait() == 0
-    t_many = time.perf_counter() - t0
-    assert many.read("trajectories", columns=["trajectory_id"]).num_rows == procs * batches * rows
-    from pipeline.testing.trajectories import make_trajectories
-    import pyarrow as pa
-
-    one = Lake(root / "one")
-    one.ensure("trajectories")
-    t = pa.concat_tables([stamp_derived(make_trajectories(rows, seed=w * 1000 + k, median_len=32,
-                                                          id_prefix=f"w{w}-{k}-"), "w")
-                          for w in range(procs) for k in range(batches)])
-    t0 = time.perf_counter()
-    one.append("trajectories", t, command="bench one", app_id="one", txn_version=0)
-    return t_many, time.perf_counter() - t0
-
-
 def run(quick: bool = False, existing: int | None = None) -> list[Result]:
     from pipeline.lake.delta import Lake
 
@@ -172,16 +126,12 @@ def run(quick: bool = False, existing: int | None = None) -> list[Result]:
         ing = {k: min(t[0] for t in v) for k, v in times.items()}
         dsk = {k: min(v) for k, v in dask_times.items()}
         adm = {k: min(t[1] for t in v) for k, v in times.items()}
-        procs, batches, rows = (8, 5, 100) if quick else (8, 10, 100)
-        t_many, t_one = _writers(root, procs, batches, rows)
-        total = procs * batches * rows
     finally:
         shutil.rmtree(root, ignore_errors=True)
     raw = {"history_rows": n, "new_rows": NEW, "reps": reps,
            "ingest_s": {k: [t[0] for t in v] for k, v in times.items()},
            "admit_s": {k: [t[1] for t in v] for k, v in times.items()},
-           "dask_admit_s": dask_times,
-           "writers": {"procs": procs, "batches": batches, "rows": rows, "many_s": t_many, "one_s": t_one}}
+           "dask_admit_s": dask_times}
     return [
         Result(f"ingest 5k new on {n:,}-row lake / on empty lake", ing["big"] / ing["empty"], 1.2,
                f"{ing['big']:.2f} s", f"{ing['empty']:.2f} s", raw=raw),
@@ -190,9 +140,6 @@ def run(quick: bool = False, existing: int | None = None) -> list[Result]:
         Result(f"dask admit 5k new on {n:,}-row lake / on empty lake", dsk["big"] / dsk["empty"], 1.2,
                f"{dsk['big']:.2f} s", f"{dsk['empty']:.2f} s",
                note="incremental: reads only the files added since the last admission; 2 workers"),
-        Result(f"{procs} writers x {batches} x {rows}-row appends / 1 append (rows/s)", t_one / t_many, None,
-               f"{total / t_many:,.0f} rows/s", f"{total / t_one:,.0f} rows/s", higher_is_better=True,
-               note="moonshot >= 0.8 (group commit); every append serialised and deduped"),
     ]
 
 

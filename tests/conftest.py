@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 
 # Tiny models on a busy 2-core box run fastest single-threaded (docs/dependency-notes.md).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -162,22 +158,12 @@ def make_traj():
 
 @pytest.fixture(scope="session")
 def s3_server():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            urllib.request.urlopen(endpoint, timeout=1)
-            break
-        except Exception:
-            time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail("moto server did not start")
+    from pipeline.testing import moto_server
+
+    try:
+        proc, endpoint = moto_server.start()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
     yield endpoint
     proc.terminate()
     proc.wait(timeout=30)

@@ -139,20 +139,21 @@ def get(lake: Lake, rel: str) -> bytes | None:
         raise
 
 
-def list_names(lake: Lake, rel_dir: str) -> list[str]:
-    """Names of the objects directly under ``rel_dir`` (no sub-directories)."""
+def list_names(lake: Lake, rel_dir: str, *, prefix: str = "") -> list[str]:
+    """Names of the objects directly under ``rel_dir`` (no sub-directories), only
+    those starting with ``prefix`` when given (on S3 the store filters them)."""
     _require_supported(lake)
     if lake.is_local:
         d = _local_path(lake, rel_dir)
         try:
-            return [p.name for p in d.iterdir() if p.is_file()]
+            return [p.name for p in d.iterdir() if p.name.startswith(prefix) and p.is_file()]
         except (FileNotFoundError, NotADirectoryError):
             return []
-    bucket, prefix = s3_bucket_key(lake, rel_dir.rstrip("/") + "/")
+    bucket, base = s3_bucket_key(lake, rel_dir.rstrip("/") + "/")
     out: list[str] = []
-    for page in s3_client(lake).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix,
+    for page in s3_client(lake).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base + prefix,
                                                                           Delimiter="/"):
-        out.extend(o["Key"][len(prefix):] for o in page.get("Contents", []))
+        out.extend(o["Key"][len(base):] for o in page.get("Contents", []))
     return out
 
 

@@ -3,6 +3,7 @@
     python race_proc.py LAKE START_FILE ingest FILE...
     python race_proc.py LAKE START_FILE maintain
     python race_proc.py LAKE START_FILE publish CHECKPOINT_ID
+    python race_proc.py LAKE START_FILE append APP_ID SEED N ID_PREFIX    (Lake.append of N trajectories)
 
 Imports everything first, writes the readiness marker START_FILE.ready-<pid>,
 then waits for START_FILE to exist (the test writes it once every racer is
@@ -17,6 +18,19 @@ import json
 import os
 import sys
 import time
+
+
+def trajectories(seed: int, n: int, prefix: str):
+    """The N trajectories an ``append`` racer lands (the same for the same arguments)."""
+    from pipeline.lake.ingest import stamp_derived
+    from pipeline.testing.trajectories import make_trajectories
+
+    return stamp_derived(make_trajectories(n, seed=seed, median_len=6, sigma=0.2, id_prefix=prefix), "race")
+
+
+def _append(lake, *, app_id: str, seed: int, n: int, prefix: str) -> dict:
+    r = lake.append("trajectories", trajectories(seed, n, prefix), command="race append", app_id=app_id)
+    return {"landed": r.landed, "rows": r.rows, "duplicates": r.duplicates, "version": r.version}
 
 
 def main(argv: list[str]) -> int:
@@ -42,6 +56,8 @@ def main(argv: list[str]) -> int:
         row = publish_checkpoint(lake, checkpoint_id=args[0], policy_version=None, parent_checkpoint_id=None,
                                  snapshot_ids=[], train_config={}, train_config_hash="h", seed=0)
         out = {"policy_version": row["policy_version"]}
+    elif cmd == "append":
+        out = _append(lake, app_id=args[0], seed=int(args[1]), n=int(args[2]), prefix=args[3])
     else:
         raise SystemExit(f"unknown command {cmd}")
     print(json.dumps(dict(out, raced=[released, time.time()]), default=str), flush=True)

@@ -190,18 +190,23 @@ def test_explicit_policy_version_taken_is_a_clear_conflict(lake):
 # -- kill -9 inside every commit boundary -------------------------------------------------
 
 
-def _kill_at(uri: str, tmp: Path, point: str, command: list[str], env: dict[str, str] | None = None) -> None:
-    marker = tmp / f"at-{point.replace(':', '-')}-{time.time_ns()}"
-    p = subprocess.Popen([sys.executable, RACER, uri, "-", *command], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True,
-                         env=_env({**(env or {}), "PIPELINE_TEST_PAUSE_AT": f"{point}={marker}"}))
+def _parked(p: subprocess.Popen, marker: Path, point: str) -> None:
+    """Wait until ``p`` wrote its readiness marker at pause point ``point`` (it blocks there)."""
     deadline = time.time() + 300
     while not marker.exists():
         if p.poll() is not None:
             pytest.fail(f"the process ended before reaching {point}: {p.stderr.read()[-2000:]}")
         assert time.time() < deadline, f"{point} never reached"
         time.sleep(0.01)
-    assert int(marker.read_text()) == p.pid      # it is parked at the point: the kill lands there
+    assert int(marker.read_text()) == p.pid      # it is parked at the point: a kill lands there
+
+
+def _kill_at(uri: str, tmp: Path, point: str, command: list[str], env: dict[str, str] | None = None) -> None:
+    marker = tmp / f"at-{point.replace(':', '-')}-{time.time_ns()}"
+    p = subprocess.Popen([sys.executable, RACER, uri, "-", *command], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True,
+                         env=_env({**(env or {}), "PIPELINE_TEST_PAUSE_AT": f"{point}={marker}"}))
+    _parked(p, marker, point)
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=60)
     assert p.returncode == -signal.SIGKILL

@@ -225,13 +225,25 @@ class Lake:
                staged: list[Staged] | None = None, read_version: int | None = None,
                lock: tuple[str, int] | None = None, snapshot: DeltaTable | None = None) -> AppendResult:
         """Append ``data`` to ``name`` exactly once per ``(app_id, txn_version)``
-        (:func:`.writes.append` has the protocol)."""
-        from pipeline.lake.delta import writes
+        (:func:`.writes.append` has the protocol). Rows in memory for a keyed table, with
+        no ``lock``, ``staged`` files, ``extra_metadata`` or ``snapshot``, go through a group
+        commit (:func:`.group.append`: concurrent appends share one commit, same guarantees)."""
+        from pipeline.lake.delta import group, writes
 
+        if staged is None and lock is None and not extra_metadata and snapshot is None \
+                and table_spec(name).enforces_key and group.enabled(self):
+            return group.append(self, name, data, command=command, config_hash=config_hash, app_id=app_id,
+                                txn_version=txn_version, extra=list(extra_transactions or []))
         return writes.append(self, name, data, command=command, config_hash=config_hash, app_id=app_id,
                              txn_version=txn_version, extra_transactions=extra_transactions,
                              extra_metadata=extra_metadata, staged=staged, read_version=read_version,
                              lock=lock, snapshot=snapshot)
+
+    def sweep_intents(self, name: str, *, dry_run: bool = False) -> list[str]:
+        """Remove the group-commit intent records of ``name`` whose transaction is committed (:func:`.group.sweep`)."""
+        from pipeline.lake.delta import group
+
+        return group.sweep(self, name, dry_run=dry_run)
 
     # -- keys (pipeline/lake/delta/keyindex.py) ----------------------------
     def keys(self, name: str, dt: DeltaTable, *, since: int | None = None) -> KeySet:

@@ -1,0 +1,458 @@
+"""Group commit: concurrent appends to one keyed table land in one Delta commit
+(docs/write-protocol.md, "Group commit").
+
+A keyed append (``Lake.append`` of rows in memory, no ``lock``, no staged
+files: rollout spool shipping, events, quarantine, library callers) dedupes
+its rows, writes its data files and then publishes a **commit intent**,
+``_staging/commit.<table>.<id>.json`` (put-if-absent): its add actions, its
+application transactions, its commit metadata, the ``row_key`` of every row
+and the table version it deduped against. Then every waiting writer is a
+potential leader: it loads the table, returns if its own transaction is in
+the log, and otherwise commits *every* pending intent it can (its own
+included) in one commit carrying each intent's application transactions and
+``pipeline.keys`` at the next version. Of several writers that try at once
+delta-rs lets exactly one commit (they all carry ``pipeline.keys``); the
+others reload and find their rows landed. No lease, no timeout: a leader
+killed mid-commit either committed (its followers find their transactions) or
+did not (the next writer to look commits its intent with the rest).
+
+An intent is included only if none of its keys landed after the version its
+writer deduped against and none repeats a key of an intent included before it
+(intents are taken in name order, so every writer chooses alike). A writer
+whose own intent can no longer land that way dedupes again and publishes a
+new intent; once its keys are in the log no commit can include the old one
+(the argument is in the doc).
+
+The intent is also a staging-registry record (``paths``, not bound to its
+writer's process): maintenance keeps its files while it lives, so a writer
+killed after publishing its intent leaves files another writer may still
+commit, and they are never deleted under that commit. It expires like any
+record (``INTENT_MAX_AGE_S``); a writer never adopts an intent older than
+``STAGE_MAX_AGE_S``.
+
+``PIPELINE_GROUP_COMMIT=0`` turns it off (each append commits alone, as
+before): the baseline of the group-commit benchmark.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+from deltalake import CommitProperties, DeltaTable, Transaction
+from deltalake.exceptions import CommitFailedError
+
+from pipeline.errors import CommitError
+from pipeline.lake import objects, staging
+from pipeline.lake.delta import keyindex, writes
+from pipeline.lake.delta.common import KEYS_APP, MAX_COMMIT_RETRIES, MAX_KEYED_ATTEMPTS, STAGE_MAX_AGE_S, \
+    FilesMissing, _metadata, pause_point
+from pipeline.lake.liveness import identity
+from pipeline.schema import ROW_KEY, TableSpec, table_spec
+
+if TYPE_CHECKING:
+    from pipeline.lake.delta.store import Lake
+
+GROUP_COMMIT_ENV = "PIPELINE_GROUP_COMMIT"
+INTENT_PREFIX = "commit."
+# One commit holds at most this many intents / rows (a bounded log entry); the rest go in the next.
+MAX_GROUP_INTENTS = 256
+MAX_GROUP_ROWS = 500_000
+
+
+def enabled(lake: Lake) -> bool:
+    """On unless ``PIPELINE_GROUP_COMMIT=0``, on stores with put-if-absent (local, S3)."""
+    if not lake.is_local and not lake.uri.startswith("s3://"):
+        return False
+    return os.environ.get(GROUP_COMMIT_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Intent:
+    """One writer's pending append, as published in its intent record."""
+
+    rid: str                    # record id: commit.<table>.<ms>-<uuid>
+    app_id: str
+    txn_version: int
+    extra: tuple[str, ...]      # further application ids (version 0)
+    meta: dict[str, str]
+    checked: int                # the table version its rows were deduped against
+    actions: tuple[dict[str, Any], ...]
+    keys: np.ndarray
+    rows: int
+    created: float
+
+    @property
+    def apps(self) -> list[str]:
+        return [self.app_id, *[t for t in self.extra if t != self.app_id]]
+
+
+def _action_dict(a) -> dict[str, Any]:
+    return {"path": a.path, "size": a.size, "partition_values": a.partition_values,
+            "modification_time": a.modification_time, "data_change": a.data_change, "stats": a.stats}
+
+
+def _add_action(d: dict[str, Any]):
+    from deltalake.transaction import AddAction
+
+    return AddAction(d["path"], int(d["size"]), d["partition_values"], int(d["modification_time"]),
+                     bool(d["data_change"]), d["stats"])
+
+
+def _publish(lake: Lake, name: str, *, app_id: str, txn_version: int, extra: list[str], meta: dict[str, str],
+             checked: int, actions: list, keys: np.ndarray, rows: int) -> Intent:
+    rid = f"{INTENT_PREFIX}{name}.{int(time.time() * 1000):013d}-{uuid.uuid4().hex}"
+    intent = Intent(rid, app_id, txn_version, tuple(extra), dict(meta), checked,
+                    tuple(_action_dict(a) for a in actions), keys.astype("<i8"), rows, time.time())
+    body = {"paths": sorted(f"{name}/{a.path}" for a in actions), "created": intent.created,
+            "host": socket.gethostname(), "pid": os.getpid(),
+            "pid_bound": False,     # a dead writer's intent may still be committed by another writer
+            **identity(),
+            "commit": {"table": name, "app_id": app_id, "txn_version": txn_version, "extra": list(extra),
+                       "meta": meta, "checked": checked, "rows": rows, "actions": list(intent.actions),
+                       "keys": base64.b64encode(intent.keys.tobytes()).decode()}}
+    objects.put_if_absent(lake, f"{staging.STAGING_DIR}/{rid}.json", json.dumps(body, sort_keys=True).encode())
+    _CACHE[(lake.uri, rid)] = intent
+    return intent
+
+
+_CACHE: dict[tuple[str, str], Intent | None] = {}   # intents are immutable: parse each once per process
+
+
+def _parse(rid: str, raw: bytes) -> Intent | None:
+    try:
+        body = json.loads(raw)
+        c = body["commit"]
+        return Intent(rid, str(c["app_id"]), int(c["txn_version"]), tuple(str(t) for t in c["extra"]),
+                      {str(k): str(v) for k, v in c["meta"].items()}, int(c["checked"]),
+                      tuple(c["actions"]), np.frombuffer(base64.b64decode(c["keys"]), "<i8").astype(np.int64),
+                      int(c["rows"]), float(body["created"]))
+    except (ValueError, KeyError, TypeError):
+        return None   # damaged: never committed (its files fall to maintenance)
+
+
+def pending(lake: Lake, name: str) -> list[Intent]:
+    """The published intents of table ``name``, in name (= publication time) order."""
+    prefix = f"{INTENT_PREFIX}{name}."
+    out = []
+    names = sorted(n for n in objects.list_names(lake, staging.STAGING_DIR, prefix=prefix) if n.endswith(".json"))
+    if len(_CACHE) > 10_000:
+        _CACHE.clear()
+    for n in names:
+        rid = n[:-len(".json")]
+        if (lake.uri, rid) not in _CACHE:
+            raw = objects.get(lake, f"{staging.STAGING_DIR}/{n}")
+            if raw is None:
+                continue     # committed and removed meanwhile
+            _CACHE[(lake.uri, rid)] = _parse(rid, raw)
+        intent = _CACHE[(lake.uri, rid)]
+        if intent is not None:
+            out.append(intent)
+    return out
+
+
+def _remove(lake: Lake, rid: str) -> None:
+    staging.release(lake, rid)
+    _CACHE.pop((lake.uri, rid), None)
+
+
+_TABLES = threading.local()
+
+
+def _commit_size(lake: Lake, name: str, version: int) -> int | None:
+    fs, _ = lake.filesystem()
+    base = lake.table_uri(name) if lake.is_local else lake.table_uri(name).split("://", 1)[1]
+    import pyarrow.fs as pafs
+
+    info = fs.get_file_info(f"{base}/_delta_log/{version:020d}.json")
+    return info.size if info.type == pafs.FileType.File else None
+
+
+def latest(lake: Lake, name: str) -> DeltaTable:
+    """Table ``name`` at its latest version: this thread's open table brought forward
+    (``update_incremental`` reads only the new commits), or freshly loaded. The open table is
+    reused only while the commit it was last at is still in the log with the same size (a table
+    deleted and created again under this process is loaded afresh)."""
+    tables = _TABLES.__dict__.setdefault("tables", {})
+    held = tables.get((lake.uri, name))
+    if held is not None:
+        dt, size = held
+        try:
+            if _commit_size(lake, name, dt.version()) == size:
+                dt.update_incremental()
+                tables[(lake.uri, name)] = (dt, _commit_size(lake, name, dt.version()))
+                return dt
+        except Exception:  # noqa: BLE001 - a log cleaned up under it, a transient read error: load again
+            pass
+    dt = lake.table(name)
+    tables[(lake.uri, name)] = (dt, _commit_size(lake, name, dt.version()))
+    return dt
+
+
+# commits are immutable: (lake, table, Delta table id, version) -> (application transactions, paths added)
+_LOG: dict[tuple[str, str, str, int], tuple[dict[str, int], frozenset[str]]] = {}
+
+
+def _commit_facts(lake: Lake, name: str, dt: DeltaTable, version: int
+                  ) -> tuple[dict[str, int], frozenset[str]] | None:
+    """(application transactions, paths added) of commit ``version`` of the table ``dt`` is
+    (named by its Delta table id: a table created again at the same path is another table);
+    None if its log file is gone."""
+    from urllib.parse import unquote
+
+    key = (lake.uri, name, str(dt.metadata().id), version)
+    if key not in _LOG:
+        entries = lake.log_entries(name, version)
+        if entries is None:
+            return None
+        if len(_LOG) > 100_000:
+            _LOG.clear()
+        txns: dict[str, int] = {}
+        for e in entries:
+            if (t := e.get("txn")) and "appId" in t:
+                txns[t["appId"]] = max(int(t.get("version", -1)), txns.get(t["appId"], -1))
+        _LOG[key] = (txns, frozenset(unquote(e["add"]["path"]) for e in entries if "add" in e))
+    return _LOG[key]
+
+
+class _Landed:
+    """Which intents' transactions are committed in ``dt``. An intent's transaction was not committed
+    at its ``checked`` version (its writer looked), so only the commits after it can hold it: their log
+    entries are read once per process, instead of asking delta-rs once per intent."""
+
+    def __init__(self, lake: Lake, name: str, dt: DeltaTable) -> None:
+        self.lake, self.name, self.dt, self.version = lake, name, dt, dt.version()
+
+    def where(self, intent: Intent) -> tuple[int | None, bool | None]:
+        """(version of the commit holding the intent's transaction or None, whether that commit added
+        the intent's files: False when a twin with the same transaction landed instead, None when
+        the log no longer says)."""
+        want = {a["path"] for a in intent.actions}
+        for v in range(self.version, intent.checked, -1):
+            facts = _commit_facts(self.lake, self.name, self.dt, v)
+            if facts is None:     # a log file cleaned up (never a recent one): ask the snapshot
+                landed = self.dt.transaction_version(intent.app_id)
+                return (v if landed is not None and landed >= intent.txn_version else None), None
+            if facts[0].get(intent.app_id, -1) >= intent.txn_version:
+                return v, want <= facts[1]
+        return None, False
+
+    def __call__(self, intent: Intent) -> bool:
+        return self.where(intent)[0] is not None
+
+
+def choose(lake: Lake, name: str, dt: DeltaTable, intents: list[Intent], *, now: float | None = None
+           ) -> tuple[list[Intent], dict[str, str]]:
+    """The intents one commit on ``dt`` takes, and why each other one is left out
+    (``landed``, ``stale``, ``keys``: a key landed after its check, ``repeat``: a key or
+    transaction of an intent taken before it, ``full``: the commit is full)."""
+    now = time.time() if now is None else now
+    out: list[Intent] = []
+    why: dict[str, str] = {}
+    live = []
+    landed = _Landed(lake, name, dt)
+    for i in intents:
+        if landed(i):
+            why[i.rid] = "landed"
+        elif now - i.created > STAGE_MAX_AGE_S:
+            why[i.rid] = "stale"
+        else:
+            live.append(i)
+    if not live:
+        return out, why
+    # Every key an intent holds is absent from the table at its `checked` version (its writer
+    # dropped those rows), so a hit in the whole key set (cached per process, brought forward by
+    # the new files only) is a key that landed since -- or an 8-byte digest collision with an older
+    # row, which the exact check on the files added since `checked` tells apart.
+    table_keys = keyindex.keys(lake, name, dt)
+    taken_keys: list[np.ndarray] = []
+    apps: set[str] = set()
+    rows = 0
+    for i in live:
+        if len(out) >= MAX_GROUP_INTENTS or (out and rows + i.rows > MAX_GROUP_ROWS):
+            why[i.rid] = "full"
+            continue
+        if table_keys.contains(i.keys).any() and keyindex.keys(lake, name, dt, since=i.checked).contains(i.keys).any():
+            why[i.rid] = "keys"
+            continue
+        if apps & set(i.apps) or (taken_keys and keyindex.key_member(np.concatenate(taken_keys), i.keys).any()):
+            why[i.rid] = "repeat"
+            continue
+        out.append(i)
+        apps |= set(i.apps)
+        taken_keys.append(i.keys)
+        rows += i.rows
+    return out, why
+
+
+def _check_files(lake: Lake, name: str, intents: list[Intent]) -> tuple[list[Intent], list[Intent]]:
+    """(intents whose files are all there as written, those with a file gone)."""
+    ok, gone = [], []
+    for i in intents:
+        try:
+            lake.check_files({f"{name}/{a['path']}": int(a["size"]) for a in i.actions}, what=f"append to {name}")
+            ok.append(i)
+        except FilesMissing:
+            gone.append(i)
+    return ok, gone
+
+
+def _commit(lake: Lake, spec: TableSpec, dt: DeltaTable, intents: list[Intent], meta: dict[str, str]) -> None:
+    now_ms = int(time.time() * 1000)
+    txns = [Transaction(a, i.txn_version if a == i.app_id else 0, now_ms) for i in intents for a in i.apps]
+    txns.append(Transaction(KEYS_APP, (dt.transaction_version(KEYS_APP) or 0) + 1, now_ms))
+    meta = dict(meta, **{"pipeline.group_commit": str(len(intents)),
+                         "pipeline.group_rows": str(sum(i.rows for i in intents))})
+    pause_point(f"group:{spec.name}:committing")
+    dt.create_write_transaction(
+        [_add_action(a) for i in intents for a in i.actions],
+        mode="append",
+        schema=spec.arrow_schema(),
+        partition_by=list(spec.partition_by) or None,
+        commit_properties=CommitProperties(custom_metadata=meta, max_commit_retries=MAX_COMMIT_RETRIES,
+                                           app_transactions=txns),
+    )
+    pause_point(f"group:{spec.name}:committed")
+
+
+def append(lake: Lake, name: str, data: pa.Table, *, command: str, config_hash: str | None, app_id: str | None,
+           txn_version: int, extra: list[str]) -> writes.AppendResult:
+    """``writes.append`` for a keyed table through a group commit (same result, same guarantees)."""
+    lake.ensure(name)
+    spec = table_spec(name)
+    data = writes.prepare(lake, spec, data)
+    app_id = app_id or f"write-{uuid.uuid4().hex}"
+    meta = _metadata(command, config_hash)
+    meta.update({"pipeline.app_id": app_id, "pipeline.txn_version": str(txn_version)})
+    dt = latest(lake, name)
+    landed = dt.transaction_version(app_id)
+    if landed is not None and landed >= txn_version:
+        return writes.AppendResult(name, False, 0, None, app_id, txn_version)
+    duplicates, conflicts = 0, None
+    checked: int | None = None
+    last: Exception | None = None
+    for _ in range(MAX_KEYED_ATTEMPTS):
+        data, dups, confl = writes.drop_landed(lake, spec, dt, data, since=checked)
+        duplicates += dups
+        if confl is not None:
+            conflicts = confl if conflicts is None else pa.concat_tables([conflicts, confl])
+        if data.num_rows == 0:
+            return writes.AppendResult(name, False, 0, None, app_id, txn_version, duplicates, conflicts)
+        if checked is not None:     # a later pass: has a twin with our transaction landed meanwhile?
+            landed = dt.transaction_version(app_id)
+            if landed is not None and landed >= txn_version:
+                return writes.AppendResult(name, False, 0, None, app_id, txn_version, duplicates, conflicts)
+        checked = dt.version()      # our transaction is not in the table up to here (every pass looked)
+        actions = writes.write_data_files(lake, spec, data)
+        intent = _publish(lake, name, app_id=app_id, txn_version=txn_version, extra=extra, meta=meta,
+                          checked=checked, actions=actions, keys=data.column(ROW_KEY).to_numpy(), rows=data.num_rows)
+        pause_point(f"append:{name}:staged")      # files written and intent published, nothing committed
+        outcome, version, last = _drive(lake, spec, intent, meta)
+        if outcome == "landed":
+            pause_point(f"append:{name}:committed")
+            _remove(lake, intent.rid)
+            writes.release(lake, name, actions)
+            return writes.AppendResult(name, True, data.num_rows, version, app_id, txn_version, duplicates,
+                                       conflicts)
+        if outcome == "failed":
+            break    # left published: another writer may still commit it, or it expires (maintenance)
+        if outcome in ("keys", "gone") and _landed_as_of(lake, name, intent):
+            outcome = "unknown"     # never delete files a commit may hold: the log says our transaction landed
+        if outcome == "unknown":   # our transaction landed; whether with our files the log no longer says:
+            _remove(lake, intent.rid)           # keep them (orphan cleanup removes them if unreferenced)
+            writes.release(lake, name, actions)
+            return writes.AppendResult(name, False, 0, version, app_id, txn_version, duplicates, conflicts)
+        # our intent can never land (see _drive): drop it and its files
+        _remove(lake, intent.rid)
+        lake.discard(name, actions)
+        if outcome == "twin":
+            return writes.AppendResult(name, False, 0, None, app_id, txn_version, duplicates, conflicts)
+        dt = latest(lake, name)     # "keys": dedupe what landed since `checked`; "gone": write the files again
+    raise CommitError(f"could not append {data.num_rows} rows to {name}: {last}",
+                      hint=f"retry with the same transaction id ({app_id}, {txn_version}); it lands at most once")
+
+
+def _landed_as_of(lake: Lake, name: str, intent: Intent) -> bool:
+    """Is the intent's transaction in the table now (asked of a freshly loaded table)?"""
+    v = lake.table(name).transaction_version(intent.app_id)
+    return v is not None and v >= intent.txn_version
+
+
+def _drive(lake: Lake, spec: TableSpec, intent: Intent, meta: dict[str, str]
+           ) -> tuple[str, int | None, Exception | None]:
+    """Wait for ``intent`` to land, committing pending intents (ours among them) when nobody
+    else does. -> ("landed", version), ("twin": the same transaction landed with other files),
+    ("keys": some of our keys landed since our check), ("gone": our files vanished) or
+    ("failed": out of attempts; the intent is left for another writer or maintenance)."""
+    name = spec.name
+    last: Exception | None = None
+    for attempt in range(MAX_KEYED_ATTEMPTS):
+        dt = latest(lake, name)
+        version, ours = _Landed(lake, name, dt).where(intent)
+        if version is not None:
+            return {True: "landed", False: "twin", None: "unknown"}[ours], version, None
+        intents = pending(lake, name)
+        if intent.rid not in {i.rid for i in intents}:
+            intents = sorted([*intents, intent], key=lambda i: i.rid)
+        take, why = choose(lake, name, dt, intents)
+        for i in intents:      # intents whose transaction is in the log are done: tidy their records
+            if why.get(i.rid) == "landed" and i.rid != intent.rid:
+                _remove(lake, i.rid)
+        mine = why.get(intent.rid)
+        if mine == "keys":
+            return "keys", None, None
+        if mine == "stale":
+            return "failed", None, TimeoutError(f"its intent is older than {STAGE_MAX_AGE_S} s")
+        # "repeat" / "full": another intent goes first; we still commit what can go now
+        take, gone = _check_files(lake, name, take)
+        if intent in gone:
+            return "gone", None, None
+        if take:
+            try:
+                _commit(lake, spec, dt, take, meta)
+            except CommitFailedError as exc:
+                last = exc      # another writer committed first: most likely with our intent in it
+            except Exception as exc:  # noqa: BLE001 - ambiguous: the next pass reads the log
+                last = exc
+            else:
+                for i in take:  # committed: their records protect nothing any more
+                    if i.rid != intent.rid:
+                        _remove(lake, i.rid)
+                if intent in take:   # ours is in it: find its version without reloading the table
+                    for v in range(dt.version() + 1, dt.version() + 1 + MAX_COMMIT_RETRIES + 1):
+                        facts = _commit_facts(lake, name, dt, v)
+                        if facts is None:
+                            break
+                        if facts[0].get(intent.app_id, -1) >= intent.txn_version:
+                            return ("landed" if {a["path"] for a in intent.actions} <= facts[1] else "twin"), v, None
+                continue        # the next pass finds our transaction (or commits ours, if it was left out)
+        # wait a little for whoever commits now; spread the retries of many writers
+        time.sleep(random.uniform(0, min(0.002 * 2 ** min(attempt, 8), 0.25)))
+    return "failed", None, last
+
+
+def sweep(lake: Lake, name: str, *, dry_run: bool = False) -> list[str]:
+    """Remove the intent records of ``name`` whose transaction is committed (left by writers killed
+    after their commit landed). Records of intents not committed stay: another writer may still
+    commit them, and they expire like any staging record (maintenance removes them then)."""
+    if not lake.exists(name):
+        return []
+    dt = lake.table(name)
+    out = []
+    for i in pending(lake, name):
+        v = dt.transaction_version(i.app_id)
+        if v is not None and v >= i.txn_version:
+            out.append(i.rid)
+            if not dry_run:
+                _remove(lake, i.rid)
+    return out
