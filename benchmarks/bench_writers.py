@@ -47,11 +47,11 @@ tables = [batch(k) for k in range(batches + 1)]
 lake.append("trajectories", tables[0], command="bench writer", app_id=f"{{tag}}-w{{w}}", txn_version=0)  # warm-up
 open(start + f".ready-{{w}}", "w").close()
 while not os.path.exists(start): time.sleep(0.0005)
-t0 = time.time()
+t0 = time.time(); c0 = time.process_time()
 for k in range(1, batches + 1):
     r = lake.append("trajectories", tables[k], command="bench writer", app_id=f"{{tag}}-w{{w}}", txn_version=k)
     assert r.landed and r.rows == {ROWS}, r
-print(json.dumps({{"first": t0, "last": time.time()}}), flush=True)
+print(json.dumps({{"first": t0, "last": time.time(), "cpu_s": time.process_time() - c0}}), flush=True)
 os._exit(0)
 """
 
@@ -77,13 +77,16 @@ def _many(uri: str, store: dict | None, procs: int, batches: int, group: bool, t
     time.sleep(0.5)     # let the ready processes settle on their polling loop
     t_go = time.time()
     start.write_text("go")
-    ends = []
+    ends, cpu = [], 0.0
     for p in ps:
         out, err = p.communicate(timeout=1200)
         if p.returncode != 0:
             raise RuntimeError(f"a writer failed: {err[-3000:]}")
-        ends.append(json.loads(out.strip().splitlines()[-1])["last"])
-    return {"wall_s": max(ends) - t_go}
+        done = json.loads(out.strip().splitlines()[-1])
+        ends.append(done["last"])
+        cpu += done["cpu_s"]
+    # the writers' CPU seconds per append (process_time counts delta-rs's and Arrow's threads too)
+    return {"wall_s": max(ends) - t_go, "cpu_per_append_s": cpu / (procs * batches)}
 
 
 def _one(lake_factory, store: dict | None, procs: int, batches: int, tag: str) -> float:
@@ -147,6 +150,7 @@ def run(quick: bool = False, procs_list: tuple[int, ...] = (8, 32), stores: tupl
 
             for procs in procs_list:
                 runs: dict[str, list[float]] = {"group": [], "alone": []}
+                cpu: dict[str, list[float]] = {"group": [], "alone": []}
                 commits: dict[str, list[int]] = {"group": [], "alone": []}
                 one = []
                 for rep, order in enumerate([("group", "alone"), ("alone", "group")][: 1 if quick else 2]):
@@ -157,14 +161,16 @@ def run(quick: bool = False, procs_list: tuple[int, ...] = (8, 32), stores: tupl
                         out = _many(lake.uri, opts, procs, batches, arm == "group", tag, work)
                         version = _check_once(lake, procs * (batches + 1) * ROWS)
                         runs[arm].append(out["wall_s"])
+                        cpu[arm].append(out["cpu_per_append_s"])
                         commits[arm].append(version)
-                        print(f"   {store} {procs} writers, {arm}: {out['wall_s']:.2f} s, table version {version}",
-                              flush=True)
+                        print(f"   {store} {procs} writers, {arm}: {out['wall_s']:.2f} s, table version {version}, "
+                              f"{out['cpu_per_append_s'] * 1000:.0f} ms CPU per append", flush=True)
                     one.append(_one(factory, opts, procs, batches, f"{store}-{procs}-{rep}"))
                 g, a, o = min(runs["group"]), min(runs["alone"]), min(one)
                 rows = procs * batches * ROWS
                 raw[f"{store}-{procs}"] = {"group_s": runs["group"], "alone_s": runs["alone"], "one_s": one,
-                                           "table_versions": commits, "rows": rows, "batches": batches}
+                                           "table_versions": commits, "cpu_per_append_s": cpu, "rows": rows,
+                                           "batches": batches}
                 results.append(Result(
                     f"{procs} writers x {batches} x {ROWS}-row appends / 1 append, {store} (rows/s)", o / g, 0.5,
                     f"{rows / g:,.0f} rows/s", f"{rows / o:,.0f} rows/s", higher_is_better=True,

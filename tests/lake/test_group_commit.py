@@ -129,7 +129,7 @@ def test_an_intent_with_a_key_that_landed_after_its_check_is_left_out(lake, monk
         m.setenv(group.GROUP_COMMIT_ENV, "0")    # an append committing alone
         lake.append("trajectories", trajectories(1, 10, "a-"), command="other path", app_id="direct")
     dt = lake.table("trajectories")
-    take, why = group.choose(lake, "trajectories", dt, group.pending(lake, "trajectories"))
+    take, why = group.choose(group.View.of(lake, "trajectories", dt), group.pending(lake, "trajectories"))
     assert [i.rid for i in take] == [ib.rid]
     assert why == {ia.rid: "keys", twin.rid: "repeat", again.rid: "repeat"}
 

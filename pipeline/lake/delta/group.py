@@ -68,6 +68,10 @@ INTENT_PREFIX = "commit."
 # One commit holds at most this many intents / rows (a bounded log entry); the rest go in the next.
 MAX_GROUP_INTENTS = 256
 MAX_GROUP_ROWS = 500_000
+# The writer of the oldest pending intent commits for everyone; the others wait for the log to
+# move. If it has not committed this long after we first saw it lead (it died, or it is slow), the
+# waiting writers commit themselves. Only progress depends on it, never what lands.
+TAKEOVER_S = 2.0
 
 
 def enabled(lake: Lake) -> bool:
@@ -189,6 +193,8 @@ def latest(lake: Lake, name: str) -> DeltaTable:
         dt, size = held
         try:
             if _commit_size(lake, name, dt.version()) == size:
+                if _commit_size(lake, name, dt.version() + 1) is None:
+                    return dt       # no commit since: listing the log (update_incremental) costs more
                 dt.update_incremental()
                 tables[(lake.uri, name)] = (dt, _commit_size(lake, name, dt.version()))
                 return dt
@@ -199,18 +205,48 @@ def latest(lake: Lake, name: str) -> DeltaTable:
     return dt
 
 
+@dataclass
+class View:
+    """Table ``name`` as of ``version``, read from its log alone (no snapshot loaded): what a waiting
+    writer needs to see whether its transaction landed and which intents one commit could take.
+    ``tid`` is the Delta table id (a table created again at the same path is another table)."""
+
+    lake: Lake
+    name: str
+    tid: str
+    version: int
+    _dt: DeltaTable | None = None
+
+    @classmethod
+    def of(cls, lake: Lake, name: str, dt: DeltaTable) -> View:
+        return cls(lake, name, str(dt.metadata().id), dt.version(), dt)
+
+    def table(self) -> DeltaTable:
+        """The snapshot at ``version`` (loaded only when the log alone does not tell)."""
+        if self._dt is None or self._dt.version() != self.version:
+            self._dt = self.lake.table(self.name, version=self.version)
+        return self._dt
+
+    def advanced(self) -> View:
+        """This view moved to the newest commit in the log (one metadata request per new commit, and
+        one for the version after it)."""
+        v = self.version
+        while _commit_size(self.lake, self.name, v + 1) is not None:
+            v += 1
+        return self if v == self.version else View(self.lake, self.name, self.tid, v)
+
+
 # commits are immutable: (lake, table, Delta table id, version) -> (application transactions, paths added)
 _LOG: dict[tuple[str, str, str, int], tuple[dict[str, int], frozenset[str]]] = {}
 
 
-def _commit_facts(lake: Lake, name: str, dt: DeltaTable, version: int
+def _commit_facts(lake: Lake, name: str, tid: str, version: int
                   ) -> tuple[dict[str, int], frozenset[str]] | None:
-    """(application transactions, paths added) of commit ``version`` of the table ``dt`` is
-    (named by its Delta table id: a table created again at the same path is another table);
-    None if its log file is gone."""
+    """(application transactions, paths added) of commit ``version`` of table ``name`` with Delta
+    table id ``tid``; None if its log file is gone."""
     from urllib.parse import unquote
 
-    key = (lake.uri, name, str(dt.metadata().id), version)
+    key = (lake.uri, name, tid, version)
     if key not in _LOG:
         entries = lake.log_entries(name, version)
         if entries is None:
@@ -230,18 +266,19 @@ class _Landed:
     at its ``checked`` version (its writer looked), so only the commits after it can hold it: their log
     entries are read once per process, instead of asking delta-rs once per intent."""
 
-    def __init__(self, lake: Lake, name: str, dt: DeltaTable) -> None:
-        self.lake, self.name, self.dt, self.version = lake, name, dt, dt.version()
+    def __init__(self, view: View) -> None:
+        self.view = view
 
     def where(self, intent: Intent) -> tuple[int | None, bool | None]:
         """(version of the commit holding the intent's transaction or None, whether that commit added
         the intent's files: False when a twin with the same transaction landed instead, None when
         the log no longer says)."""
         want = {a["path"] for a in intent.actions}
-        for v in range(self.version, intent.checked, -1):
-            facts = _commit_facts(self.lake, self.name, self.dt, v)
+        view = self.view
+        for v in range(view.version, intent.checked, -1):
+            facts = _commit_facts(view.lake, view.name, view.tid, v)
             if facts is None:     # a log file cleaned up (never a recent one): ask the snapshot
-                landed = self.dt.transaction_version(intent.app_id)
+                landed = view.table().transaction_version(intent.app_id)
                 return (v if landed is not None and landed >= intent.txn_version else None), None
             if facts[0].get(intent.app_id, -1) >= intent.txn_version:
                 return v, want <= facts[1]
@@ -251,16 +288,54 @@ class _Landed:
         return self.where(intent)[0] is not None
 
 
-def choose(lake: Lake, name: str, dt: DeltaTable, intents: list[Intent], *, now: float | None = None
+_COMMIT_KEYS: dict[tuple[str, str, str, int], np.ndarray] = {}   # commits are immutable: row_key they added
+
+
+class _KeysAdded:
+    """The ``row_key`` of the rows committed to ``dt`` after a version: from the files each commit
+    after it added (read once per commit and process; Delta log entries cached likewise), so the cost
+    follows the commits since, not the table's files."""
+
+    def __init__(self, view: View) -> None:
+        self.view = view
+        self.memo: dict[int, keyindex.KeySet] = {}
+
+    def since(self, version: int) -> keyindex.KeySet:
+        if version not in self.memo:
+            self.memo[version] = keyindex.KeySet(keyindex._EMPTY, self._read(version))
+        return self.memo[version]
+
+    def _read(self, version: int) -> np.ndarray:
+        view = self.view
+        parts = []
+        for v in range(version + 1, view.version + 1):
+            key = (view.lake.uri, view.name, view.tid, v)
+            if key not in _COMMIT_KEYS:
+                facts = _commit_facts(view.lake, view.name, view.tid, v)
+                try:
+                    if facts is None:
+                        raise FileNotFoundError(v)
+                    _COMMIT_KEYS[key] = keyindex.read_keys(view.lake, view.name, [(p, {}) for p in sorted(facts[1])])
+                except (OSError, ValueError):
+                    # a log file cleaned up, or a file compacted away and vacuumed since: the live files
+                    # added since, as keyindex reads them
+                    return keyindex.keys(view.lake, view.name, view.table(), since=version).loose
+                if len(_COMMIT_KEYS) > 100_000:
+                    _COMMIT_KEYS.clear()
+            parts.append(_COMMIT_KEYS[key])
+        return np.concatenate(parts) if parts else keyindex._EMPTY
+
+
+def choose(view: View, intents: list[Intent], *, now: float | None = None
            ) -> tuple[list[Intent], dict[str, str]]:
-    """The intents one commit on ``dt`` takes, and why each other one is left out
+    """The intents one commit on ``view`` takes, and why each other one is left out
     (``landed``, ``stale``, ``keys``: a key landed after its check, ``repeat``: a key or
     transaction of an intent taken before it, ``full``: the commit is full)."""
     now = time.time() if now is None else now
     out: list[Intent] = []
     why: dict[str, str] = {}
     live = []
-    landed = _Landed(lake, name, dt)
+    landed = _Landed(view)
     for i in intents:
         if landed(i):
             why[i.rid] = "landed"
@@ -270,11 +345,7 @@ def choose(lake: Lake, name: str, dt: DeltaTable, intents: list[Intent], *, now:
             live.append(i)
     if not live:
         return out, why
-    # Every key an intent holds is absent from the table at its `checked` version (its writer
-    # dropped those rows), so a hit in the whole key set (cached per process, brought forward by
-    # the new files only) is a key that landed since -- or an 8-byte digest collision with an older
-    # row, which the exact check on the files added since `checked` tells apart.
-    table_keys = keyindex.keys(lake, name, dt)
+    added = _KeysAdded(view)
     taken_keys: list[np.ndarray] = []
     apps: set[str] = set()
     rows = 0
@@ -282,7 +353,7 @@ def choose(lake: Lake, name: str, dt: DeltaTable, intents: list[Intent], *, now:
         if len(out) >= MAX_GROUP_INTENTS or (out and rows + i.rows > MAX_GROUP_ROWS):
             why[i.rid] = "full"
             continue
-        if table_keys.contains(i.keys).any() and keyindex.keys(lake, name, dt, since=i.checked).contains(i.keys).any():
+        if added.since(i.checked).contains(i.keys).any():
             why[i.rid] = "keys"
             continue
         if apps & set(i.apps) or (taken_keys and keyindex.key_member(np.concatenate(taken_keys), i.keys).any()):
@@ -328,7 +399,8 @@ def _commit(lake: Lake, spec: TableSpec, dt: DeltaTable, intents: list[Intent], 
 def append(lake: Lake, name: str, data: pa.Table, *, command: str, config_hash: str | None, app_id: str | None,
            txn_version: int, extra: list[str]) -> writes.AppendResult:
     """``writes.append`` for a keyed table through a group commit (same result, same guarantees)."""
-    lake.ensure(name)
+    if (lake.uri, name) not in _TABLES.__dict__.get("tables", {}):
+        lake.ensure(name)       # once per thread and table (the open table below proves it exists)
     spec = table_spec(name)
     data = writes.prepare(lake, spec, data)
     app_id = app_id or f"write-{uuid.uuid4().hex}"
@@ -357,7 +429,7 @@ def append(lake: Lake, name: str, data: pa.Table, *, command: str, config_hash: 
         intent = _publish(lake, name, app_id=app_id, txn_version=txn_version, extra=extra, meta=meta,
                           checked=checked, actions=actions, keys=data.column(ROW_KEY).to_numpy(), rows=data.num_rows)
         pause_point(f"append:{name}:staged")      # files written and intent published, nothing committed
-        outcome, version, last = _drive(lake, spec, intent, meta)
+        outcome, version, last = _drive(lake, spec, intent, meta, View.of(lake, name, dt))
         if outcome == "landed":
             pause_point(f"append:{name}:committed")
             _remove(lake, intent.rid)
@@ -388,23 +460,33 @@ def _landed_as_of(lake: Lake, name: str, intent: Intent) -> bool:
     return v is not None and v >= intent.txn_version
 
 
-def _drive(lake: Lake, spec: TableSpec, intent: Intent, meta: dict[str, str]
+def _wait_for_commit(lake: Lake, name: str, version: int, *, until: float) -> None:
+    """Poll (one metadata request each time) until commit ``version + 1`` exists or ``until`` (monotonic)."""
+    pause = 0.002
+    while time.monotonic() < until and _commit_size(lake, name, version + 1) is None:
+        time.sleep(pause)
+        pause = min(pause * 1.5, 0.02)
+
+
+def _drive(lake: Lake, spec: TableSpec, intent: Intent, meta: dict[str, str], view: View
            ) -> tuple[str, int | None, Exception | None]:
     """Wait for ``intent`` to land, committing pending intents (ours among them) when nobody
     else does. -> ("landed", version), ("twin": the same transaction landed with other files),
     ("keys": some of our keys landed since our check), ("gone": our files vanished) or
-    ("failed": out of attempts; the intent is left for another writer or maintenance)."""
+    ("failed": out of attempts; the intent is left for another writer or maintenance).
+    A writer that waits reads only the log (new commit files); it loads the table to commit."""
     name = spec.name
     last: Exception | None = None
+    first_seen: dict[str, float] = {}     # leader intent -> when we first saw it lead (our monotonic clock)
     for attempt in range(MAX_KEYED_ATTEMPTS):
-        dt = latest(lake, name)
-        version, ours = _Landed(lake, name, dt).where(intent)
+        view = view.advanced()
+        version, ours = _Landed(view).where(intent)
         if version is not None:
             return {True: "landed", False: "twin", None: "unknown"}[ours], version, None
         intents = pending(lake, name)
         if intent.rid not in {i.rid for i in intents}:
             intents = sorted([*intents, intent], key=lambda i: i.rid)
-        take, why = choose(lake, name, dt, intents)
+        take, why = choose(view, intents)
         for i in intents:      # intents whose transaction is in the log are done: tidy their records
             if why.get(i.rid) == "landed" and i.rid != intent.rid:
                 _remove(lake, i.rid)
@@ -414,29 +496,38 @@ def _drive(lake: Lake, spec: TableSpec, intent: Intent, meta: dict[str, str]
         if mine == "stale":
             return "failed", None, TimeoutError(f"its intent is older than {STAGE_MAX_AGE_S} s")
         # "repeat" / "full": another intent goes first; we still commit what can go now
+        leader = take[0] if take else None
+        if leader is not None and leader.rid != intent.rid:
+            seen = first_seen.setdefault(leader.rid, time.monotonic())
+            if time.monotonic() - seen < TAKEOVER_S:
+                # the oldest intent's writer commits it, ours most likely with it: wait for the log to
+                # move instead of racing that commit (a dead writer's intent is taken over after TAKEOVER_S)
+                _wait_for_commit(lake, name, view.version, until=seen + TAKEOVER_S)
+                continue
+        if not take:
+            time.sleep(random.uniform(0, min(0.002 * 2 ** min(attempt, 8), 0.25)))
+            continue
+        dt = latest(lake, name)
+        if dt.version() != view.version or str(dt.metadata().id) != view.tid:
+            view = View.of(lake, name, dt)      # the log moved (or the table is another): choose again
+            continue
         take, gone = _check_files(lake, name, take)
         if intent in gone:
             return "gone", None, None
-        if take:
-            try:
-                _commit(lake, spec, dt, take, meta)
-            except CommitFailedError as exc:
-                last = exc      # another writer committed first: most likely with our intent in it
-            except Exception as exc:  # noqa: BLE001 - ambiguous: the next pass reads the log
-                last = exc
-            else:
-                for i in take:  # committed: their records protect nothing any more
-                    if i.rid != intent.rid:
-                        _remove(lake, i.rid)
-                if intent in take:   # ours is in it: find its version without reloading the table
-                    for v in range(dt.version() + 1, dt.version() + 1 + MAX_COMMIT_RETRIES + 1):
-                        facts = _commit_facts(lake, name, dt, v)
-                        if facts is None:
-                            break
-                        if facts[0].get(intent.app_id, -1) >= intent.txn_version:
-                            return ("landed" if {a["path"] for a in intent.actions} <= facts[1] else "twin"), v, None
-                continue        # the next pass finds our transaction (or commits ours, if it was left out)
-        # wait a little for whoever commits now; spread the retries of many writers
+        if not take:
+            continue
+        try:
+            _commit(lake, spec, dt, take, meta)
+        except CommitFailedError as exc:
+            last = exc      # another writer committed first: most likely with our intent in it
+        except Exception as exc:  # noqa: BLE001 - ambiguous: the next pass reads the log
+            last = exc
+        else:
+            for i in take:  # committed: their records protect nothing any more
+                if i.rid != intent.rid:
+                    _remove(lake, i.rid)
+            continue        # the next pass finds our transaction in the log (or commits ours, if left out)
+        # lost a race: spread the retries of many writers
         time.sleep(random.uniform(0, min(0.002 * 2 ** min(attempt, 8), 0.25)))
     return "failed", None, last
 
