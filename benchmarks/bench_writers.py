@@ -40,10 +40,6 @@ ROWS = 100
 # with the square of the writers: measured up to this many.
 S3_ALONE_MAX_PROCS = 8
 
-
-def rows_total(procs: int, batches: int) -> int:
-    return procs * batches * ROWS
-
 WRITER = f"""
 import json, os, sys, time
 sys.path.insert(0, {str(ROOT)!r})
@@ -181,18 +177,17 @@ def run(quick: bool = False, procs_list: tuple[int, ...] = (8, 32), stores: tupl
                     one.append(_one(factory, opts, procs, batches, f"{store}-{procs}-{rep}"))
                 g, o = min(runs["group"]), min(one)
                 a = min(runs["alone"]) if runs["alone"] else None
-                alone = (f"each commit alone: {o / a:.3f}x ({rows_total(procs, batches) / a:,.0f} rows/s)" if a
+                rows = procs * batches * ROWS
+                alone = (f"each commit alone: {o / a:.3f}x ({rows / a:,.0f} rows/s)" if a
                          else f"each commit alone: not measured on moto past {S3_ALONE_MAX_PROCS} writers "
                               "(its 8-writer run took minutes; this one would take over an hour)")
-                rows = procs * batches * ROWS
                 raw[f"{store}-{procs}"] = {"group_s": runs["group"], "alone_s": runs["alone"], "one_s": one,
                                            "table_versions": commits, "cpu_per_append_s": cpu, "rows": rows,
                                            "batches": batches}
                 results.append(Result(
                     f"{procs} writers x {batches} x {ROWS}-row appends / 1 append, {store} (rows/s)", o / g, 0.5,
                     f"{rows / g:,.0f} rows/s", f"{rows / o:,.0f} rows/s", higher_is_better=True,
-                    note=f"group commit (moonshot 0.8); {alone}",
-                    raw=raw if not results else {}))
+                    note=f"group commit (moonshot 0.8); {alone}"))
     finally:
         if moto is not None:
             moto.terminate()
