@@ -255,10 +255,16 @@ def append(lake: Lake, name: str, data: pa.Table | None, *, command: str, config
             txns.append(Transaction(lock[0], lock[1], now_ms))
         if keyed:
             if staged is None:
-                data, dups, confl = drop_landed(lake, spec, dt, data, since=checked)
+                try:
+                    data, dups, confl = drop_landed(lake, spec, dt, data, since=checked)
+                except BaseException:
+                    if actions and not ambiguous:   # never committed: nothing of this call stays behind
+                        lake.discard(name, actions)
+                    raise
                 if dups or confl is not None:
                     duplicates += dups
-                    conflicts = confl if conflicts is None else pa.concat_tables([conflicts, confl])
+                    if confl is not None:   # a retry may find duplicates only (conflicts of an earlier pass stay)
+                        conflicts = confl if conflicts is None else pa.concat_tables([conflicts, confl])
                     if actions is not None:  # written before a concurrent append landed some keys
                         lake.discard(name, [Staged(actions, np.empty(0, np.int64), 0, 0.0)])
                         actions = None
