@@ -408,28 +408,35 @@ def _as_arrow(table) -> pa.Table:
 
 
 def _from_pandas(df) -> pa.Table:
-    """A pandas frame column by column: a column Arrow cannot convert is named in
-    the error. Contract columns are converted to their contract type first (so a
-    map column given as lists of (key, value) tuples converts)."""
+    """A pandas frame column by column, each in the Arrow type pandas' own
+    conversion gives it (what ``df.to_parquet`` writes), so validation applies
+    the rules a file gets: a naive datetime column is a ``naive_timestamp``, a
+    number given as a string a ``wrong_type`` (converting to the contract type
+    first would assume UTC and parse the strings). Only a map column given as
+    lists of (key, value) tuples, which has no Arrow type of its own, is
+    converted to its contract type. A column Arrow cannot convert is named in
+    the error."""
     spec = table_spec("trajectories")
-    known = {c.name: c.arrow_type for c in spec.ingest_columns}
+    maps = {c.name: c.arrow_type for c in spec.ingest_columns if pa.types.is_map(c.arrow_type)}
     names = [str(c) for c in df.columns]
     arrays = []
     for k, name in enumerate(names):
         col = df.iloc[:, k]
         try:
-            arrays.append(pa.array(col, type=known[name], from_pandas=True))
-            continue
-        except (KeyError, pa.ArrowException, ValueError, TypeError):
-            pass    # not a contract column, or not in its type: validation says what is wrong with it
-        try:
             arrays.append(pa.array(col, from_pandas=True))
+            continue
         except (pa.ArrowException, ValueError, TypeError) as exc:
-            kinds = sorted({type(v).__name__ for v in col.tolist() if v is not None})
-            raise InputFileError(f"ingest_table: column {name!r} (pandas dtype {col.dtype}) cannot be converted to "
-                                 f"one Arrow type: it holds {', '.join(kinds)} values ({exc})",
-                                 hint=f"give the column one type, e.g. df[{name!r}].astype(str), or drop it"
-                                 ) from None
+            first = exc
+        if name in maps:
+            try:
+                arrays.append(pa.array(col, type=maps[name], from_pandas=True))
+                continue
+            except (pa.ArrowException, ValueError, TypeError):
+                pass    # not pairs of a string and a number: say what the column holds
+        kinds = sorted({type(v).__name__ for v in col.tolist() if v is not None})
+        raise InputFileError(f"ingest_table: column {name!r} (pandas dtype {col.dtype}) cannot be converted to "
+                             f"one Arrow type: it holds {', '.join(kinds)} values ({first})",
+                             hint=f"give the column one type, e.g. df[{name!r}].astype(str), or drop it") from None
     return pa.Table.from_arrays(arrays, names=names)
 
 

@@ -55,3 +55,49 @@ def test_a_keyed_append_alone_that_loses_its_race_dedupes_on_retry_and_cleans_up
     assert _unreferenced_files(lake, "trajectories") == [], "the lost pass's files were left behind"
     assert _run(lake.uri, ["append", "B", "5", "6", "x-"], NO_GROUP)["landed"] is False   # exactly once
     assert len(_ids(lake)) == 6
+
+
+# -- d) in-memory frames follow the file rules
+
+
+def _codes(lake) -> dict[str, str]:
+    q = lake.read("quarantine", columns=["reason_code", "raw_row"]).to_pylist() if lake.exists("quarantine") else []
+    return {json.loads(r["raw_row"])["trajectory_id"]: r["reason_code"] for r in q}
+
+
+@pytest.mark.parametrize("kind", ["pandas", "arrow"])
+def test_frames_follow_the_file_rules_for_naive_timestamps_and_numbers_as_strings(tmp_path, make_traj, kind):
+    """The same rows as a Parquet file and as an in-memory frame: a naive created_at and a reward given as
+    a string are quarantined alike (naive_timestamp, wrong_type), never landed."""
+    import pyarrow.parquet as pq
+
+    from pipeline.ingest import ingest_files, ingest_table
+    from pipeline.lake.delta import Lake
+
+    t = make_traj(4, seed=21, median_len=4).drop_columns(["content_hash", "reward_components"])
+    df = t.to_pandas()
+    df["created_at"] = df["created_at"].dt.tz_localize(None)             # naive: which zone is unknown
+    bad = t.set_column(t.schema.get_field_index("created_at"), "created_at",
+                       t.column("created_at").cast(pa.timestamp("us")))
+    if kind == "pandas":
+        df2 = t.to_pandas()
+        df2["reward"] = [None if r is None else str(r) for r in df2["reward"]]   # numbers as strings
+        frames = [df, df2]
+    else:
+        strs = pa.array([None if r is None else str(r) for r in t.column("reward").to_pylist()], pa.string())
+        frames = [bad, t.set_column(t.schema.get_field_index("reward"), "reward", strs)]
+    by_file, by_frame = Lake(tmp_path / "files"), Lake(tmp_path / "frames")
+    for k, frame in enumerate(frames):
+        path = tmp_path / f"in{k}.parquet"
+        if kind == "pandas":
+            frame.to_parquet(path)
+        else:
+            pq.write_table(frame, path)
+        f = ingest_files(by_file, [path])
+        m = ingest_table(by_frame, frame)
+        assert m.landed == f.landed == 0 or (k == 1 and m.landed == f.landed), (k, f.as_dict(), m.as_dict())
+        assert m.reasons == f.reasons, (k, f.reasons, m.reasons)
+    assert _codes(by_frame) == _codes(by_file)
+    assert set(_codes(by_frame).values()) >= {"naive_timestamp"}
+    assert (by_frame.read("trajectories").num_rows if by_frame.exists("trajectories") else 0) == \
+        (by_file.read("trajectories").num_rows if by_file.exists("trajectories") else 0)
