@@ -26,6 +26,13 @@ left committed batches current and the rest untouched (its unreferenced files
 go to ``lake maintain``'s age-guarded orphan cleanup); running it again
 continues with what is still outdated.
 
+One migration at a time: a migration holds the lake's ``lake-migrate`` lease
+(pipeline/lake/lease.py; bound to its process, so a killed one on this host
+frees it at once, elsewhere after ``LEASE_TTL_S``) and renews it after every
+commit; a second one is refused with one line naming the holder. (Two at once
+raced on the table's schema and properties, metadata commits Delta refuses to
+rebase.)
+
 Every command opening an old lake fails up front with the instruction to run
 this (``require_current``); only ``lake migrate`` and ``lake info`` open it as is.
 Stop writers (rollout, ingest) while migrating: the rows not yet migrated carry
@@ -40,7 +47,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.errors import NotFoundError, PipelineError
+from pipeline.errors import ConflictError, NotFoundError, PipelineError
 from pipeline.schema import ALL_TABLES, ROW_KEY, table_spec
 
 if TYPE_CHECKING:
@@ -49,6 +56,14 @@ if TYPE_CHECKING:
 BACKFILLED = (ROW_KEY, "oldest_version", "response_len", "prompt_hash")
 BATCH_BYTES = 64 << 20      # input bytes per commit (at least one file)
 BACKFILLED_PROPERTY = "pipeline.backfilled"   # table property: derived columns every live file carries
+
+
+LEASE = "lake-migrate"
+LEASE_TTL_S = 300.0
+
+
+class MigrationRunning(ConflictError):
+    """Another ``pipeline lake migrate`` holds the lake's migration lease."""
 
 
 class OldLayoutError(PipelineError):
@@ -184,6 +199,23 @@ def migrate(lake: Lake, *, dry_run: bool = False, max_attempts: int = 50,
     """Backfill every outdated file of every table that is not current (see the
     module docstring), then record the table as current.
     -> {"tables": {name: {"missing", "outdated_files", "rewritten", "commits"}}, "current": bool}."""
+    if dry_run or not status(lake):     # nothing to write: no lease
+        return _migrate(lake, dry_run=dry_run, max_attempts=max_attempts, batch_bytes=batch_bytes, renew=lambda: None)
+    from pipeline.lake import lease
+
+    held, holder = lease.try_acquire(lake, LEASE, owner=f"lake migrate on {lease.default_owner()}", ttl=LEASE_TTL_S,
+                                     info={"pid_bound": True})
+    if held is None:
+        raise MigrationRunning(f"lake migrate: another migration runs on {lake.uri} "
+                               f"({lease.describe_holder(LEASE, holder)})",
+                               hint="wait for it to finish, then rerun (a no-op if it finished the job)")
+    try:
+        return _migrate(lake, dry_run=False, max_attempts=max_attempts, batch_bytes=batch_bytes, renew=held.renew)
+    finally:
+        held.release()
+
+
+def _migrate(lake: Lake, *, dry_run: bool, max_attempts: int, batch_bytes: int, renew: Any) -> dict[str, Any]:
     report: dict[str, Any] = {"lake": lake.uri, "dry_run": dry_run, "tables": {}}
     for name in tables():
         missing = missing_columns(lake, name)
@@ -205,6 +237,7 @@ def migrate(lake: Lake, *, dry_run: bool = False, max_attempts: int = 50,
                     break          # a compaction or another migration moved first: replan
                 entry["rewritten"] += len(batch)
                 entry["commits"] += 1
+                renew()     # still ours (LeaseLostError if another migration took it over: stop)
         else:
             raise PipelineError(f"lake migrate: {name} still has outdated files after {max_attempts} plans "
                                 "(concurrent compactions kept winning)", hint="rerun pipeline lake migrate")

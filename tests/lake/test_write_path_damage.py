@@ -101,3 +101,38 @@ def test_frames_follow_the_file_rules_for_naive_timestamps_and_numbers_as_string
     assert set(_codes(by_frame).values()) >= {"naive_timestamp"}
     assert (by_frame.read("trajectories").num_rows if by_frame.exists("trajectories") else 0) == \
         (by_file.read("trajectories").num_rows if by_file.exists("trajectories") else 0)
+
+
+# -- c) two migrations at once
+
+
+def test_a_second_migration_is_refused_with_one_line_while_one_runs(tmp_path, capsys):
+    import shutil
+
+    from pipeline.cli import main
+    from pipeline.lake import migrate as mig
+    from pipeline.lake.delta import Lake
+
+    shutil.copytree(Path(__file__).parent / "fixtures" / "old-layout-lake", tmp_path / "old")
+    lake = Lake(tmp_path / "old")
+    marker = tmp_path / "at-written"
+    code = ("import sys\nfrom pipeline.lake.delta import Lake\nfrom pipeline.lake.migrate import migrate\n"
+            "print(migrate(Lake(sys.argv[1]), batch_bytes=1)['current'])\n")
+    p = subprocess.Popen([sys.executable, "-c", code, lake.uri], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=_env({"PIPELINE_TEST_PAUSE_AT": f"rewrite:trajectories:written={marker}"}))
+    try:
+        _parked(p, marker, "rewrite:trajectories:written")
+        rc = main(["lake", "migrate", "--lake", lake.uri])
+        out, err = capsys.readouterr()
+        assert rc == 2, (out, err)
+        first = err.strip().splitlines()[0]
+        assert "another migration runs" in first and f"{p.pid}" in first, err
+        assert "Traceback" not in err and "internal error" not in err
+    finally:
+        Path(f"{marker}.go").write_text("go")
+        out, err = p.communicate(timeout=600)
+    assert p.returncode == 0 and out.strip() == "True", err[-3000:]
+    assert mig.status(Lake(lake.uri)) == {}
+    ids = Lake(lake.uri).read("trajectories", columns=["trajectory_id"]).column(0).to_pylist()
+    assert len(ids) == len(set(ids)) == 16
+    assert main(["lake", "migrate", "--lake", lake.uri]) == 0     # the lease was released: a no-op now
