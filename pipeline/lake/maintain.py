@@ -82,6 +82,7 @@ def maintain_tables(lake: Lake, *, retention_hours: int = 168, dry_run: bool = F
         vac = lake.vacuum(name, retention_hours=retention_hours, keep_versions=kept, dry_run=dry_run)
         orphans = lake.remove_orphans(name, min_age_s=age, dry_run=dry_run)
         swept = lake.sweep_intents(name) if table_spec(name).enforces_key else []
+        aside, dropped = lake.tidy_damaged_intents(name) if table_spec(name).enforces_key else ([], [])
         report["tables"][name] = {
             "files_before": before,
             "files_after": lake.file_count(name),
@@ -90,6 +91,8 @@ def maintain_tables(lake: Lake, *, retention_hours: int = 168, dry_run: bool = F
             "vacuumed": len(vac),
             "orphans_removed": len(orphans),
             "commit_intents_removed": len(swept),
+            "damaged_intents_set_aside": len(aside),
+            "damaged_intents_removed": len(dropped),
             "key_index_version": index_version,
             "kept_versions": kept,
         } | ({"not_compacted": damaged} if damaged else {})

@@ -58,5 +58,27 @@ def verify_tables(lake: Lake, tables: list[str] | None = None) -> dict[str, Any]
             want = a.get("num_records")
             if want is not None and rows != want:
                 problems.append(f"{rel}: {rows} rows, the log says {want}")
+        problems += write_path_problems(lake, name)
         out[name] = {"version": dt.version(), "files": len(adds), "problems": problems}
+    return out
+
+
+def write_path_problems(lake: Lake, name: str) -> list[str]:
+    """What the write path left damaged in table ``name``: group-commit intents that are damaged or
+    were set aside as damaged (docs/write-protocol.md, "Damaged intents")."""
+    from pipeline.schema import table_spec
+
+    if not table_spec(name).enforces_key or not (lake.is_local or lake.uri.startswith("s3://")):
+        return []
+    return damaged_intent_problems(lake, name)
+
+
+def damaged_intent_problems(lake: Lake, name: str) -> list[str]:
+    """One line per damaged group-commit intent of ``name`` (pending, or set aside by a writer)."""
+    from pipeline.lake.delta import damaged
+
+    out = [f"{name}: commit intent {rid} is damaged ({why}); `pipeline lake maintain` sets it aside"
+           for rid, why in damaged.inspect(lake, name)]
+    out += [f"{name}: commit intent {rid.removeprefix(damaged.DAMAGED_PREFIX)} was set aside as damaged "
+            f"({damaged.describe(body)}); `pipeline lake maintain` removes it" for rid, body in damaged.records(lake, name)]
     return out

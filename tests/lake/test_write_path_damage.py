@@ -136,3 +136,86 @@ def test_a_second_migration_is_refused_with_one_line_while_one_runs(tmp_path, ca
     ids = Lake(lake.uri).read("trajectories", columns=["trajectory_id"]).column(0).to_pylist()
     assert len(ids) == len(set(ids)) == 16
     assert main(["lake", "migrate", "--lake", lake.uri]) == 0     # the lease was released: a no-op now
+
+
+# -- b) a damaged intent is set aside after one failed check, reported by verify, removed by maintain
+
+
+def _intent_records(lake, prefix: str = "commit.") -> list[str]:
+    from pipeline.lake import objects
+
+    return sorted(objects.list_names(lake, "_staging", prefix=prefix))
+
+
+def _problems(lake) -> list[str]:
+    from pipeline.maintain import verify
+
+    return verify(lake, ["trajectories"], snapshots=False)["problems"]
+
+
+@pytest.mark.slow
+def test_an_intent_with_a_missing_file_is_set_aside_and_its_live_writer_still_lands(lake, tmp_path):
+    """Writer W (another process) published its intent; one of its files is then deleted. An overlapping
+    append sees W's intent lead, checks it once, sets it aside and lands; W, released, finds some of its
+    keys landed and lands the rest: nothing lost, nothing twice. verify reports the set-aside record,
+    maintain removes it."""
+    from pipeline.lake.delta import group
+
+    lake.ensure("trajectories")
+    marker = tmp_path / "at-staged"
+    p = subprocess.Popen([sys.executable, RACER, lake.uri, "-", "append", "W", "3", "12", "w-"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=_env({"PIPELINE_TEST_PAUSE_AT": f"append:trajectories:staged={marker}"}))
+    _parked(p, marker, "append:trajectories:staged")
+    [w] = group.pending(lake, "trajectories")
+    (Path(lake.uri) / "trajectories" / w.actions[0]["path"]).unlink()      # damage: a file it names is gone
+    assert any("is damaged" in x and "absent" in x for x in _problems(lake))
+    mine = trajectories(3, 12, "w-").slice(0, 6)
+    both = pa.concat_tables([mine, trajectories(4, 6, "x-")])
+    r = lake.append("trajectories", both, command="test: overlapping append", app_id="X")
+    assert r.landed and r.rows == 12
+    assert _intent_records(lake) == [] and _intent_records(lake, "damaged.") == [f"damaged.{w.rid}.json"]
+    Path(f"{marker}.go").write_text("go")
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["landed"] and res["rows"] == 6 and res["duplicates"] == 6, res
+    ids = _ids(lake)
+    assert len(ids) == len(set(ids)) == 18
+    [line] = _problems(lake)
+    assert f"commit intent {w.rid} was set aside as damaged" in line and "absent" in line
+    _run(lake.uri, ["maintain"], env={"ORPHAN_AGE": "0"})
+    assert _intent_records(lake, "damaged.") == [] and _problems(lake) == []
+    assert _unreferenced_files(lake, "trajectories") == []
+
+
+def test_an_intent_record_without_a_size_never_blocks_appends(lake):
+    """A record whose add action lacks ``size`` (its writer gone) is set aside by the first append that
+    reads it; every append lands; verify reports it; maintain removes it."""
+    from pipeline.lake import objects
+    from pipeline.lake.delta import group
+    from pipeline.lake.delta.writes import prepare, write_data_files
+    from pipeline.schema import table_spec
+
+    lake.ensure("trajectories")
+    spec = table_spec("trajectories")
+    a = prepare(lake, spec, trajectories(1, 10, "a-"))
+    ia = group._publish(lake, "trajectories", app_id="ia", txn_version=0, extra=[], meta={},
+                        checked=lake.version("trajectories"), actions=write_data_files(lake, spec, a),
+                        keys=a.column("row_key").to_numpy(), rows=10)
+    rel = f"_staging/{ia.rid}.json"
+    body = json.loads(objects.get(lake, rel))
+    del body["commit"]["actions"][0]["size"]
+    body["pid"], body["pid_start"] = 2 ** 22 + 17, 1      # its writer is gone
+    objects.delete(lake, rel)
+    objects.put_if_absent(lake, rel, json.dumps(body).encode())
+    group._CACHE.clear()                                   # another process: it reads the damaged record
+    assert any(ia.rid in x and "is damaged" in x for x in _problems(lake))
+    for k in range(2):
+        assert lake.append("trajectories", trajectories(10 + k, 5, f"n{k}-"), command="test").landed
+    assert _intent_records(lake) == []
+    [line] = _problems(lake)
+    assert f"{ia.rid} was set aside as damaged" in line and "size" in line
+    report = lake.tidy_damaged_intents("trajectories")
+    assert report == ([], [f"damaged.{ia.rid}"])
+    assert _problems(lake) == [] and len(_ids(lake)) == 10

@@ -54,7 +54,7 @@ from deltalake.exceptions import CommitFailedError
 
 from pipeline.errors import CommitError
 from pipeline.lake import objects, staging
-from pipeline.lake.delta import keyindex, writes
+from pipeline.lake.delta import damaged, keyindex, writes
 from pipeline.lake.delta.common import KEYS_APP, MAX_COMMIT_RETRIES, MAX_KEYED_ATTEMPTS, STAGE_MAX_AGE_S, \
     FilesMissing, _metadata, pause_point
 from pipeline.lake.liveness import identity
@@ -130,39 +130,83 @@ def _publish(lake: Lake, name: str, *, app_id: str, txn_version: int, extra: lis
     return intent
 
 
-_CACHE: dict[tuple[str, str], Intent | None] = {}   # intents are immutable: parse each once per process
+_CACHE: dict[tuple[str, str], Intent] = {}   # intents are immutable: parse each once per process
 
 
-def _parse(rid: str, raw: bytes) -> Intent | None:
+def _parse(rid: str, raw: bytes, name: str | None = None) -> Intent | str:
+    """The intent in record ``rid``, or why it is damaged (a field missing or of the wrong type)."""
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise TypeError(what)
+
     try:
         body = json.loads(raw)
         c = body["commit"]
-        return Intent(rid, str(c["app_id"]), int(c["txn_version"]), tuple(str(t) for t in c["extra"]),
-                      {str(k): str(v) for k, v in c["meta"].items()}, int(c["checked"]),
-                      tuple(c["actions"]), np.frombuffer(base64.b64decode(c["keys"]), "<i8").astype(np.int64),
-                      int(c["rows"]), float(body["created"]))
-    except (ValueError, KeyError, TypeError):
-        return None   # damaged: never committed (its files fall to maintenance)
+        need(isinstance(c, dict) and isinstance(body.get("created"), (int, float)), "no commit section or time")
+        need(name is None or c.get("table") == name, f"its table is {c.get('table')!r}")
+        need(isinstance(c["app_id"], str) and bool(c["app_id"]) and type(c["txn_version"]) is int
+             and type(c["checked"]) is int and type(c["rows"]) is int and c["rows"] >= 0
+             and isinstance(c["extra"], list) and isinstance(c["meta"], dict), "a transaction field is not valid")
+        for a in c["actions"]:
+            need(isinstance(a, dict) and isinstance(a.get("path"), str) and bool(a["path"])
+                 and type(a.get("size")) is int and a["size"] >= 0 and isinstance(a.get("partition_values"), dict)
+                 and type(a.get("modification_time")) is int and isinstance(a.get("data_change"), bool)
+                 and (a.get("stats") is None or isinstance(a.get("stats"), str)),
+                 "an add action lacks path, size, partition values, time, data change or stats")
+        keys = base64.b64decode(c["keys"], validate=True)
+        need(len(keys) == 8 * c["rows"], f"{len(keys)} bytes of keys for {c['rows']} rows")
+        return Intent(rid, c["app_id"], c["txn_version"], tuple(str(t) for t in c["extra"]),
+                      {str(k): str(v) for k, v in c["meta"].items()}, c["checked"],
+                      tuple(c["actions"]), np.frombuffer(keys, "<i8").astype(np.int64),
+                      c["rows"], float(body["created"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"unreadable intent record ({type(exc).__name__}: {exc})"
 
 
-def pending(lake: Lake, name: str) -> list[Intent]:
-    """The published intents of table ``name``, in name (= publication time) order."""
+def records(lake: Lake, name: str) -> list[tuple[str, bytes | None, Intent | str]]:
+    """(record id, its bytes (None when cached), the intent or why it is damaged) of every published
+    intent of table ``name``, in name (= publication time) order."""
     prefix = f"{INTENT_PREFIX}{name}."
-    out = []
+    out: list[tuple[str, bytes | None, Intent | str]] = []
     names = sorted(n for n in objects.list_names(lake, staging.STAGING_DIR, prefix=prefix) if n.endswith(".json"))
     if len(_CACHE) > 10_000:
         _CACHE.clear()
     for n in names:
         rid = n[:-len(".json")]
-        if (lake.uri, rid) not in _CACHE:
-            raw = objects.get(lake, f"{staging.STAGING_DIR}/{n}")
-            if raw is None:
-                continue     # committed and removed meanwhile
-            _CACHE[(lake.uri, rid)] = _parse(rid, raw)
-        intent = _CACHE[(lake.uri, rid)]
-        if intent is not None:
-            out.append(intent)
+        cached = _CACHE.get((lake.uri, rid))
+        if cached is not None:
+            out.append((rid, None, cached))
+            continue
+        raw = objects.get(lake, f"{staging.STAGING_DIR}/{n}")
+        if raw is None:
+            continue     # committed and removed meanwhile
+        intent = _parse(rid, raw, name)
+        if isinstance(intent, Intent):
+            _CACHE[(lake.uri, rid)] = intent
+        out.append((rid, raw, intent))
     return out
+
+
+def pending(lake: Lake, name: str) -> list[Intent]:
+    """The published intents of table ``name``, in name (= publication time) order. A record that does
+    not parse can never be committed: it is set aside (pipeline/lake/delta/damaged.py), never chosen."""
+    out = []
+    for rid, raw, intent in records(lake, name):
+        if isinstance(intent, Intent):
+            out.append(intent)
+        else:
+            damaged.set_aside(lake, rid, raw, kind=damaged.RECORD, reason=intent)
+    return out
+
+
+def missing_files(lake: Lake, name: str, intent: Intent) -> str:
+    """Why the intent's files are not all there as written ("" when they are)."""
+    try:
+        lake.check_files({f"{name}/{a['path']}": int(a["size"]) for a in intent.actions}, what="intent")
+    except FilesMissing as exc:
+        return "; ".join(f"{p}: {'absent' if got is None else f'{got} bytes'}, the intent says {want}"
+                         for p, want, got in exc.missing[:3]) + (" ..." if len(exc.missing) > 3 else "")
+    return ""
 
 
 def _remove(lake: Lake, rid: str) -> None:
@@ -366,15 +410,21 @@ def choose(view: View, intents: list[Intent], *, now: float | None = None
     return out, why
 
 
-def _check_files(lake: Lake, name: str, intents: list[Intent]) -> tuple[list[Intent], list[Intent]]:
-    """(intents whose files are all there as written, those with a file gone)."""
+def _check_files(lake: Lake, name: str, intents: list[Intent], ours: Intent) -> tuple[list[Intent], list[Intent]]:
+    """(intents whose files are all there as written, those with a file gone). Another writer's
+    intent with a file gone can never be committed: it is set aside after this one check."""
     ok, gone = [], []
     for i in intents:
-        try:
-            lake.check_files({f"{name}/{a['path']}": int(a["size"]) for a in i.actions}, what=f"append to {name}")
+        why = missing_files(lake, name, i)
+        if not why:
             ok.append(i)
-        except FilesMissing:
-            gone.append(i)
+            continue
+        gone.append(i)
+        if i.rid != ours.rid:
+            raw = objects.get(lake, f"{staging.STAGING_DIR}/{i.rid}.json")
+            if raw is not None:
+                damaged.set_aside(lake, i.rid, raw, kind=damaged.FILES, reason=f"files not as written: {why}")
+            _CACHE.pop((lake.uri, i.rid), None)
     return ok, gone
 
 
@@ -450,7 +500,8 @@ def append(lake: Lake, name: str, data: pa.Table, *, command: str, config_hash: 
         if outcome == "twin":
             return writes.AppendResult(name, False, 0, None, app_id, txn_version, duplicates, conflicts)
         dt = latest(lake, name)     # "keys": dedupe what landed since `checked`; "gone": write the files again
-    raise CommitError(f"could not append {data.num_rows} rows to {name}: {last}",
+    cause = f"{type(last).__name__}: {last}" if last is not None else "out of attempts"
+    raise CommitError(f"could not append {data.num_rows} rows to {name}: {cause}",
                       hint=f"retry with the same transaction id ({app_id}, {txn_version}); it lands at most once")
 
 
@@ -492,6 +543,10 @@ def _drive(lake: Lake, spec: TableSpec, intent: Intent, meta: dict[str, str], vi
             if why.get(i.rid) == "landed" and i.rid != intent.rid:
                 _remove(lake, i.rid)
         mine = why.get(intent.rid)
+        if mine is not None:
+            last = RuntimeError(f"its intent was left out ({mine}) behind {take[0].rid if take else 'none'}")
+        elif take and take[0].rid != intent.rid:
+            last = RuntimeError(f"the intent {take[0].rid} led and was not committed")
         if mine == "keys":
             return "keys", None, None
         if mine == "stale":
@@ -512,7 +567,7 @@ def _drive(lake: Lake, spec: TableSpec, intent: Intent, meta: dict[str, str], vi
         if dt.version() != view.version or str(dt.metadata().id) != view.tid:
             view = View.of(lake, name, dt)      # the log moved (or the table is another): choose again
             continue
-        take, gone = _check_files(lake, name, take)
+        take, gone = _check_files(lake, name, take, intent)
         if intent in gone:
             return "gone", None, None
         if not take:
@@ -530,7 +585,7 @@ def _drive(lake: Lake, spec: TableSpec, intent: Intent, meta: dict[str, str], vi
             continue        # the next pass finds our transaction in the log (or commits ours, if left out)
         # lost a race: spread the retries of many writers
         time.sleep(random.uniform(0, min(0.002 * 2 ** min(attempt, 8), 0.25)))
-    return "failed", None, last
+    return "failed", None, last or RuntimeError(f"{MAX_KEYED_ATTEMPTS} passes without a commit holding it")
 
 
 def sweep(lake: Lake, name: str, *, dry_run: bool = False) -> list[str]:

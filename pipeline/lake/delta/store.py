@@ -245,6 +245,14 @@ class Lake:
 
         return group.sweep(self, name, dry_run=dry_run)
 
+    def tidy_damaged_intents(self, name: str, *, dry_run: bool = False) -> tuple[list[str], list[str]]:
+        """Set aside the damaged group-commit intents of ``name`` and remove the set-aside records that
+        protect nothing any more (:func:`.damaged.tidy`): (set aside, removed)."""
+        from pipeline.lake.delta import damaged
+
+        live = {p for p, _ in self.live_files(self.table(name))} if self.exists(name) else set()
+        return damaged.tidy(self, name, live=live, dry_run=dry_run)
+
     # -- keys (pipeline/lake/delta/keyindex.py) ----------------------------
     def keys(self, name: str, dt: DeltaTable, *, since: int | None = None) -> KeySet:
         """``row_key`` of every row in ``dt`` (or of the files committed after ``since``)."""

@@ -1,0 +1,146 @@
+"""Damaged group-commit intents are set aside (docs/write-protocol.md, "Damaged intents").
+
+An intent record (``_staging/commit.<table>.<id>.json``, pipeline/lake/delta/group.py) is
+damaged when it does not parse as an intent (a field missing or of the wrong type, keys of
+the wrong length) or when a file it names is gone or has another size than recorded. Such
+an intent can never be committed: no writer takes a record it cannot parse, and every
+committing writer checks the files of what it commits. Left in place it would be chosen
+first (the oldest intent leads) and hold every overlapping intent back as a ``repeat``.
+
+So the first writer that finds one damaged -- while parsing the intents, or in the file
+check right before its commit -- *sets it aside*: it creates
+``_staging/damaged.<record id>.json`` (put-if-absent) and removes the intent record.
+Group commit lists only ``commit.*`` records, so nobody chooses it again. The set-aside
+record is a staging-registry record bound to the original writer's process (its host,
+pid and process identity, its ``created``): it keeps protecting the files the intent
+named while that writer may be alive, because a live writer still holds the intent in
+memory and may commit it itself if its files are whole (or writes them again if not).
+``pipeline lake verify`` reports set-aside records; ``pipeline lake maintain`` removes
+them once they protect nothing (:func:`tidy`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from pipeline.lake import objects, staging
+from pipeline.lake.liveness import holder_is_dead
+
+if TYPE_CHECKING:
+    from pipeline.lake.delta.store import Lake
+
+DAMAGED_PREFIX = "damaged."
+# why an intent was set aside: its files (it can never be committed by anyone) or its record (it cannot be
+# parsed; its live writer may still commit it from memory)
+FILES, RECORD = "files", "record"
+log = logging.getLogger("pipeline.lake")
+
+
+def _rel(rid: str) -> str:
+    return f"{staging.STAGING_DIR}/{rid}.json"
+
+
+def set_aside(lake: Lake, rid: str, raw: bytes | None, *, kind: str, reason: str) -> bool:
+    """Move intent record ``rid`` (whose bytes were ``raw``) aside as ``damaged.<rid>``; False when the
+    record is already gone (committed, given up by its writer, or set aside by another process)."""
+    body: dict[str, Any] = {}
+    try:
+        parsed = json.loads(raw) if raw else {}
+        body = parsed if isinstance(parsed, dict) else {}
+    except ValueError:
+        pass
+    paths = body.get("paths")
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        commit = body.get("commit") if isinstance(body.get("commit"), dict) else {}
+        table = commit.get("table") if isinstance(commit.get("table"), str) else None
+        actions = commit.get("actions") if isinstance(commit.get("actions"), list) else []
+        paths = sorted(f"{table}/{a['path']}" for a in actions
+                       if table and isinstance(a, dict) and isinstance(a.get("path"), str))
+    created = body.get("created") if isinstance(body.get("created"), (int, float)) else time.time()
+    record = {k: body[k] for k in ("host", "pid", "boot_id", "pidns", "pid_start") if k in body}
+    record.update({"paths": paths, "created": created, "pid_bound": True,   # protects only while its writer lives
+                   "set_aside": {"rid": rid, "kind": kind, "reason": reason, "at": time.time(),
+                                 "by": f"{socket.gethostname()}:{os.getpid()}"}})
+    if objects.get(lake, _rel(rid)) is None:
+        return False
+    objects.put_if_absent(lake, _rel(DAMAGED_PREFIX + rid), json.dumps(record, sort_keys=True).encode())
+    staging.release(lake, rid)
+    log.warning("set aside the damaged commit intent %s: %s", rid, reason)
+    return True
+
+
+def records(lake: Lake, name: str) -> list[tuple[str, dict[str, Any]]]:
+    """(set-aside record id, its body) of table ``name``'s set-aside intents, in name order."""
+    prefix = f"{DAMAGED_PREFIX}commit.{name}."
+    out = []
+    for n in sorted(objects.list_names(lake, staging.STAGING_DIR, prefix=prefix)):
+        if not n.endswith(".json"):
+            continue
+        raw = objects.get(lake, f"{staging.STAGING_DIR}/{n}")
+        if raw is None:
+            continue
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = {}
+        out.append((n[:-len(".json")], body if isinstance(body, dict) else {}))
+    return out
+
+
+def describe(body: dict[str, Any]) -> str:
+    info = body.get("set_aside") if isinstance(body.get("set_aside"), dict) else {}
+    return str(info.get("reason", "unreadable set-aside record"))
+
+
+def inspect(lake: Lake, name: str) -> list[tuple[str, str]]:
+    """(intent record id, why) of the pending intents of ``name`` that are damaged now (nothing is changed:
+    what `pipeline lake verify` reports besides the records already set aside)."""
+    from pipeline.lake.delta import group
+
+    out = []
+    for rid, raw, intent in group.records(lake, name):
+        if isinstance(intent, str):
+            out.append((rid, intent))
+            continue
+        missing = group.missing_files(lake, name, intent)
+        if missing and objects.get(lake, _rel(rid)) is not None:   # not committed or given up meanwhile
+            out.append((rid, missing))
+    return out
+
+
+def tidy(lake: Lake, name: str, *, live: set[str] | None = None, dry_run: bool = False
+         ) -> tuple[list[str], list[str]]:
+    """What `pipeline lake maintain` does: set aside the damaged pending intents of ``name``, then remove
+    the set-aside records that protect nothing any more -- set aside for their files (no commit can
+    take them), naming no file, their writer provably dead or the record expired (as any staging
+    record), or every file they name committed (``live``: paths relative to the table) or absent.
+    -> (intents set aside, set-aside records removed)."""
+    import pyarrow.fs as pafs
+
+    aside = []
+    for rid, why in inspect(lake, name):
+        if dry_run or set_aside(lake, rid, objects.get(lake, _rel(rid)),
+                                kind=RECORD if why.startswith("unreadable") else FILES, reason=why):
+            aside.append(rid)
+    removed = []
+    fs, root = lake.filesystem()
+    now = time.time()
+    for rid, body in records(lake, name):
+        info = body.get("set_aside") if isinstance(body.get("set_aside"), dict) else {}
+        paths = [p for p in body.get("paths") or [] if isinstance(p, str)]
+        gone = True
+        if paths and info.get("kind") != FILES and not holder_is_dead(body) \
+                and staging._record_age_s(body, None, now) <= staging.INTENT_MAX_AGE_S:
+            rest = [p for p in paths if p.split("/", 1)[-1] not in (live or set())]
+            infos = fs.get_file_info([f"{root}/{p}" for p in rest]) if rest else []
+            gone = all(i.type == pafs.FileType.NotFound for i in infos)
+        if gone:
+            removed.append(rid)
+            if not dry_run:
+                staging.release(lake, rid)
+    return aside, removed
