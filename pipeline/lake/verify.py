@@ -70,7 +70,7 @@ def write_path_problems(lake: Lake, name: str) -> list[str]:
 
     if not table_spec(name).enforces_key or not (lake.is_local or lake.uri.startswith("s3://")):
         return []
-    return damaged_intent_problems(lake, name)
+    return damaged_intent_problems(lake, name) + key_index_problems(lake, name)
 
 
 def damaged_intent_problems(lake: Lake, name: str) -> list[str]:
@@ -81,4 +81,46 @@ def damaged_intent_problems(lake: Lake, name: str) -> list[str]:
            for rid, why in damaged.inspect(lake, name)]
     out += [f"{name}: commit intent {rid.removeprefix(damaged.DAMAGED_PREFIX)} was set aside as damaged "
             f"({damaged.describe(body)}); `pipeline lake maintain` removes it" for rid, body in damaged.records(lake, name)]
+    return out
+
+
+def key_index_problems(lake: Lake, name: str) -> list[str]:
+    """One line per key index of ``name`` an append would not trust (forged, damaged, of another table
+    or history: docs/write-protocol.md, "The key index can only cost time"), or whose keys are not those
+    the table's files hold at its version (recomputed from the files)."""
+    import hashlib
+
+    import numpy as np
+    import pyarrow.fs as pafs
+
+    from pipeline.lake.delta import keyindex
+
+    fs, _ = lake.filesystem()
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(keyindex.index_base(lake, name), allow_not_found=True))
+    except OSError:
+        return []
+    dt = lake.table(name)
+    out = []
+    for info in sorted(infos, key=lambda i: i.path):
+        fname = info.path.rsplit("/", 1)[-1]
+        stem, _, ext = fname.partition(".")
+        if not (fname.startswith("keys-") and stem[len("keys-"):].isdigit() and ext in ("idx", "npy")):
+            continue
+        v = int(stem[len("keys-"):])
+        try:
+            if ext != "idx" or v > dt.version():
+                raise ValueError("an older format" if ext != "idx" else f"version {v} is not in the table")
+            with fs.open_input_stream(info.path) as f:
+                raw = f.read()
+            entry = keyindex._commit_file(lake, name, v)
+            keys = keyindex.decode_index(raw, table=name, table_id=str(dt.metadata().id), version=v,
+                                         commit=None if entry is None else hashlib.sha256(entry).hexdigest(),
+                                         anchor=keyindex._anchor(entry))
+            at = lake.table(name, version=v)
+            if not np.array_equal(keys, np.sort(keyindex.read_keys(lake, name, lake.live_files(at)))):
+                raise ValueError(f"its keys are not the keys the table's files hold at version {v}")
+        except (ValueError, OSError) as exc:
+            out.append(f"{name}: key index {fname} is not trusted ({exc}); appends read the keys from the table "
+                       "and `pipeline lake maintain` writes a new index")
     return out

@@ -219,3 +219,44 @@ def test_an_intent_record_without_a_size_never_blocks_appends(lake):
     report = lake.tidy_damaged_intents("trajectories")
     assert report == ([], [f"damaged.{ia.rid}"])
     assert _problems(lake) == [] and len(_ids(lake)) == 10
+
+
+# -- f) a forged key index with a recomputed checksum is refused
+
+
+def test_a_forged_key_index_with_a_recomputed_checksum_is_refused(lake, make_traj, caplog):
+    """Keys removed from the index and its header's checksum recomputed: an append does not trust it (a
+    duplicate never lands), and `lake verify` refuses it with one line."""
+    import hashlib
+
+    import numpy as np
+    import pyarrow.fs as pafs
+
+    import pipeline.lake.delta as delta
+    from pipeline.ingest import ingest_table
+    from pipeline.maintain import maintain
+
+    a = make_traj(40, seed=1, median_len=6, sigma=0.2, id_prefix="a-")
+    assert ingest_table(lake, a).landed == 40
+    iv = maintain(lake, tables=["trajectories"], orphan_min_age_s=0)["tables"]["trajectories"]["key_index_version"]
+    assert iv == lake.version("trajectories") and _problems(lake) == []
+    fs, root = lake.filesystem()
+    [path] = [i.path for i in fs.get_file_info(pafs.FileSelector(f"{root}/_index/trajectories"))]
+    raw = Path(path).read_bytes()
+    nl = raw.index(b"\n")
+    head, keys = json.loads(raw[:nl]), np.frombuffer(raw[nl + 1:], "<i8")
+    landed = delta.row_keys(__import__("pipeline.schema", fromlist=["table_spec"]).table_spec("trajectories"),
+                            a.slice(0, 10)).to_numpy()
+    forged = np.ascontiguousarray(keys[~np.isin(keys, landed)], "<i8").tobytes()     # forget 10 landed keys
+    head.update(rows=len(forged) // 8, sha256=hashlib.sha256(forged).hexdigest())
+    line = json.dumps(head, sort_keys=True).encode()
+    Path(path).write_bytes(line + b" " * (-(len(line) + 1) % 8) + b"\n" + forged)
+    problems = _problems(lake)
+    assert len(problems) == 1 and "key index" in problems[0] and "forged" in problems[0], problems
+    delta._KEY_CACHE.clear()                                  # a fresh process reads _index/
+    with caplog.at_level("WARNING", logger="pipeline.lake"):
+        r = ingest_table(lake, pa.concat_tables([a.slice(0, 10), make_traj(3, seed=2, median_len=6, id_prefix="n-")]))
+    assert (r.landed, r.duplicates) == (3, 10)
+    ids = _ids(lake)
+    assert len(ids) == len(set(ids)) == 43
+    assert any("ignoring the key index" in m for m in caplog.messages)

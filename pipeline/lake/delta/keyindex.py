@@ -111,6 +111,8 @@ def index_base(lake: Lake, name: str) -> str:
 
 
 INDEX_FORMAT = "pipeline.key-index/1"
+ANCHOR_META = "pipeline.key_index"    # commit metadata: the digest of the keys of the version that commit creates
+INDEX_ATTEMPTS = 20
 log = logging.getLogger("pipeline.lake")
 
 
@@ -118,15 +120,33 @@ def _index_name(version: int) -> str:
     return f"keys-{version:020d}.idx"
 
 
-def _commit_sha(lake: Lake, name: str, version: int) -> str | None:
-    """sha256 of the log entry of ``version``: names that commit in this history of the table."""
+def _commit_file(lake: Lake, name: str, version: int) -> bytes | None:
     fs, _ = lake.filesystem()
     base = lake.table_uri(name) if lake.is_local else lake.table_uri(name).split("://", 1)[1]
     try:
         with fs.open_input_stream(f"{base}/_delta_log/{version:020d}.json") as f:
-            return hashlib.sha256(f.read()).hexdigest()
+            return f.read()
     except (FileNotFoundError, OSError):
         return None
+
+
+def _commit_sha(lake: Lake, name: str, version: int) -> str | None:
+    """sha256 of the log entry of ``version``: names that commit in this history of the table."""
+    raw = _commit_file(lake, name, version)
+    return None if raw is None else hashlib.sha256(raw).hexdigest()
+
+
+def _anchor(raw: bytes | None) -> dict[str, Any] | None:
+    """The key-index record (``pipeline.key_index`` in the commit's metadata) of a commit's log entry."""
+    for line in (raw or b"").splitlines():
+        try:
+            info = json.loads(line).get("commitInfo")
+            if isinstance(info, dict) and isinstance(info.get(ANCHOR_META), str):
+                found = json.loads(info[ANCHOR_META])
+                return found if isinstance(found, dict) else None
+        except (ValueError, AttributeError):
+            return None
+    return None
 
 
 def encode_index(header: dict[str, Any], keys: np.ndarray) -> bytes:
@@ -138,8 +158,11 @@ def encode_index(header: dict[str, Any], keys: np.ndarray) -> bytes:
     return head + body
 
 
-def decode_index(raw: bytes, *, table: str, table_id: str, version: int, commit: str | None) -> np.ndarray:
-    """The sorted keys of an index file, or ValueError saying why it cannot be trusted."""
+def decode_index(raw: bytes, *, table: str, table_id: str, version: int, commit: str | None,
+                 anchor: dict[str, Any] | None = None) -> np.ndarray:
+    """The sorted keys of an index file, or ValueError saying why it cannot be trusted. ``anchor``:
+    the key-index record committed in the log at ``version`` (the digest of that version's keys, as
+    the writer of the index read them from the table's files)."""
     nl = raw.find(b"\n")
     if nl < 0:
         raise ValueError("no header (empty, truncated or an older format)")
@@ -159,28 +182,74 @@ def decode_index(raw: bytes, *, table: str, table_id: str, version: int, commit:
     rows = head.get("rows")
     if not isinstance(rows, int) or len(body) != 8 * rows:
         raise ValueError(f"{len(body)} bytes of keys where the header says {rows!r} rows")
-    if hashlib.sha256(body).hexdigest() != head.get("sha256"):
+    digest = hashlib.sha256(body).hexdigest()
+    if digest != head.get("sha256"):
         raise ValueError("its checksum does not match its keys")
+    if anchor is None:
+        raise ValueError(f"version {version}'s commit records no key digest (an older format, or not an index "
+                         "commit)")
+    if anchor.get("sha256") != digest or anchor.get("rows") != rows or anchor.get("table_id") != table_id:
+        raise ValueError(f"its keys are not the keys version {version} committed (digest "
+                         f"{str(anchor.get('sha256'))[:12]}..., {anchor.get('rows')} rows in the log): forged or "
+                         "damaged")
     keys = np.frombuffer(body, dtype="<i8").astype(np.int64, copy=False)
     if len(keys) > 1 and not bool(np.all(keys[1:] >= keys[:-1])):
         raise ValueError("its keys are not sorted")
     return keys
 
 
-def write_key_index(lake: Lake, name: str, *, dt: DeltaTable | None = None, keys: np.ndarray | None = None) -> int:
-    """Write the sorted ``row_key`` of every row of ``name``'s latest version (or
-    of ``dt``, whose keys are ``keys`` when given) as ``_index/<name>/keys-<version>.idx``
-    (one atomic put) and delete older indexes. The file records the table's id,
-    the version and the sha256 of that version's commit, and a checksum of the
-    keys: a reader trusts it only when all of them match (:func:`decode_index`).
-    Any valid index stays valid: readers add the keys of files committed after
-    its version."""
-    import pyarrow.fs as pafs
+def write_key_index(lake: Lake, name: str, *, dt: DeltaTable | None = None, keys: np.ndarray | None = None
+                    ) -> int | None:
+    """Write the sorted ``row_key`` of every row of ``name``'s latest version (or of ``dt``, whose
+    keys are ``keys`` when given) and delete older indexes; returns the version the index is of.
 
+    First a commit without files records the keys' digest (``pipeline.key_index`` in its metadata:
+    sha256 and row count of the sorted keys, the table id). It carries ``pipeline.keys`` at the next
+    version, so it lands only if no keyed append landed after the version read: the table then holds
+    exactly those keys at the version it creates. The index is written as
+    ``_index/<name>/keys-<that version>.idx`` (one atomic put). A reader trusts it only when its keys
+    hash to the digest that commit records (:func:`decode_index`): the digest is in the table's own
+    log, so an index rewritten with other keys and a recomputed checksum does not match. None when
+    keyed appends kept landing first (no index is written; readers read the table's keys)."""
+    import random
+    import time
+
+    import pyarrow.fs as pafs
+    from deltalake import CommitProperties, Transaction
+    from deltalake.exceptions import CommitFailedError
+
+    from pipeline.lake.delta.common import KEYS_APP, MAX_COMMIT_RETRIES, _metadata
+    from pipeline.schema import table_spec
+
+    spec = table_spec(name)
     dt = dt or lake.table(name)
-    version = dt.version()
-    keys = np.sort(read_keys(lake, name, lake.live_files(dt)) if keys is None else keys)
-    data = encode_index({"table": name, "table_id": str(dt.metadata().id), "version": version,
+    version = None
+    for attempt in range(INDEX_ATTEMPTS):
+        if attempt:
+            time.sleep(random.uniform(0, min(0.02 * 2 ** attempt, 1.0)))
+            dt, keys = lake.table(name), None
+        keys = np.sort(read_keys(lake, name, lake.live_files(dt)) if keys is None else keys)
+        tid = str(dt.metadata().id)
+        body = np.ascontiguousarray(keys, dtype="<i8").tobytes()
+        anchor = {"sha256": hashlib.sha256(body).hexdigest(), "rows": int(len(keys)), "table_id": tid,
+                  "read_version": dt.version()}
+        n = (dt.transaction_version(KEYS_APP) or 0) + 1
+        try:
+            dt.create_write_transaction(
+                [], mode="append", schema=spec.arrow_schema(), partition_by=list(spec.partition_by) or None,
+                commit_properties=CommitProperties(
+                    custom_metadata=dict(_metadata("lake maintain: key index", None),
+                                         **{ANCHOR_META: json.dumps(anchor, sort_keys=True)}),
+                    max_commit_retries=MAX_COMMIT_RETRIES,
+                    app_transactions=[Transaction(KEYS_APP, n, int(time.time() * 1000))]))
+        except CommitFailedError:
+            continue    # a keyed append landed after our read: read the keys again
+        version = _carrying(lake, name, KEYS_APP, n, dt.version())
+        if version is not None:
+            break
+    if version is None:
+        return None
+    data = encode_index({"table": name, "table_id": tid, "version": version,
                          "commit": _commit_sha(lake, name, version)}, keys)
     fs, _ = lake.filesystem()
     base = index_base(lake, name)
@@ -200,6 +269,17 @@ def write_key_index(lake: Lake, name: str, *, dt: DeltaTable | None = None, keys
             except (FileNotFoundError, OSError):
                 pass
     return version
+
+
+def _carrying(lake: Lake, name: str, app: str, txn_version: int, after: int) -> int | None:
+    """The version of the commit after ``after`` that carries ``(app, txn_version)`` (each is committed once)."""
+    latest = lake.version(name)
+    for v in range(latest if latest is not None else after, after, -1):
+        for e in lake.log_entries(name, v) or []:
+            t = e.get("txn")
+            if t and t.get("appId") == app and int(t.get("version", -1)) == txn_version:
+                return v
+    return None
 
 
 def load_key_index(lake: Lake, name: str, version: int, *, dt: DeltaTable | None = None
@@ -246,8 +326,10 @@ def _load_key_index(lake: Lake, name: str, version: int, *, dt: DeltaTable | Non
         try:
             if ext != "idx":
                 raise ValueError("an older format without table identity or checksum")
+            entry = _commit_file(lake, name, v)
             return (v, decode_index(raw, table=name, table_id=table_id, version=v,
-                                    commit=_commit_sha(lake, name, v))), rejected
+                                    commit=None if entry is None else hashlib.sha256(entry).hexdigest(),
+                                    anchor=_anchor(entry))), rejected
         except ValueError as exc:
             rejected = True
             log.warning("ignoring the key index %s of table %s: %s; reading the keys from the table "

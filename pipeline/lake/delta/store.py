@@ -260,8 +260,9 @@ class Lake:
 
         return keyindex.keys(self, name, dt, since=since)
 
-    def write_key_index(self, name: str) -> int:
-        """Write the sorted key index of ``name``'s latest version; returns that version."""
+    def write_key_index(self, name: str) -> int | None:
+        """Write the sorted key index of ``name``'s latest version; returns the version it is of
+        (None when keyed appends kept landing first)."""
         from pipeline.lake.delta import keyindex
 
         return keyindex.write_key_index(self, name)
