@@ -80,7 +80,8 @@ def maintain_tables(lake: Lake, *, retention_hours: int = 168, dry_run: bool = F
             damaged = f"{type(exc).__name__}: {exc}"
         kept = sorted(keep.get(name, ()))
         vac = lake.vacuum(name, retention_hours=retention_hours, keep_versions=kept, dry_run=dry_run)
-        orphans = lake.remove_orphans(name, min_age_s=age, dry_run=dry_run)
+        future: list[str] = []    # unreferenced files dated in the future: aged from their first sighting
+        orphans = lake.remove_orphans(name, min_age_s=age, dry_run=dry_run, future=future)
         swept = lake.sweep_intents(name) if table_spec(name).enforces_key else []
         aside, dropped = lake.tidy_damaged_intents(name) if table_spec(name).enforces_key else ([], [])
         report["tables"][name] = {
@@ -90,6 +91,7 @@ def maintain_tables(lake: Lake, *, retention_hours: int = 168, dry_run: bool = F
             "version": lake.version(name),
             "vacuumed": len(vac),
             "orphans_removed": len(orphans),
+            "future_dated_orphans_waiting": len(future),
             "commit_intents_removed": len(swept),
             "damaged_intents_set_aside": len(aside),
             "damaged_intents_removed": len(dropped),

@@ -260,3 +260,29 @@ def test_a_forged_key_index_with_a_recomputed_checksum_is_refused(lake, make_tra
     ids = _ids(lake)
     assert len(ids) == len(set(ids)) == 43
     assert any("ignoring the key index" in m for m in caplog.messages)
+
+
+# -- e) an orphan dated in the future is removed, its age counted from its first sighting
+
+
+def test_an_orphan_with_a_future_mtime_is_removed_after_the_age_guard_from_its_first_sighting(lake, make_traj):
+    import os
+
+    from pipeline.maintain import maintain
+
+    assert lake.append("trajectories", trajectories(1, 4, "a-"), command="test").landed
+    live = {p for p, _ in lake.live_files(lake.table("trajectories"))}
+    src = Path(lake.uri) / "trajectories" / sorted(live)[0]
+    orphan = src.with_name("part-00000-orphan-from-the-future-c000.zstd.parquet")
+    orphan.write_bytes(src.read_bytes())                     # no commit references it, no writer declared it
+    future = time.time() + 10 * 86400
+    os.utime(orphan, (future, future))                       # a writer whose clock is ten days ahead
+    r = maintain(lake, tables=["trajectories"], orphan_min_age_s=1.0)["tables"]["trajectories"]
+    assert orphan.exists() and r["orphans_removed"] == 0 and r["future_dated_orphans_waiting"] == 1
+    time.sleep(1.2)
+    r = maintain(lake, tables=["trajectories"], orphan_min_age_s=1.0)["tables"]["trajectories"]
+    assert not orphan.exists() and r["orphans_removed"] == 1 and r["future_dated_orphans_waiting"] == 0
+    maintain(lake, tables=["trajectories"], orphan_min_age_s=1.0)
+    assert not (Path(lake.uri) / "_maintain" / "first-seen" / "trajectories").exists() or \
+        not any((Path(lake.uri) / "_maintain" / "first-seen" / "trajectories").iterdir())   # markers tidied
+    assert len(_ids(lake)) == 4

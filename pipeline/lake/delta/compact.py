@@ -131,7 +131,7 @@ def rewrite(lake: Lake, name: str, files: list[tuple[str, dict[str, str | None],
 
 
 def remove_orphans(lake: Lake, name: str, *, min_age_s: float = ORPHAN_MIN_AGE_S,
-                   dry_run: bool = False) -> list[str]:
+                   dry_run: bool = False, future: list[str] | None = None) -> list[str]:
     """Delete data files under table ``name`` that no commit ever referenced
     (staged by a writer that died before committing, or that lost a race), that
     no live writer declared in the staging registry, and that are older than
@@ -142,7 +142,12 @@ def remove_orphans(lake: Lake, name: str, *, min_age_s: float = ORPHAN_MIN_AGE_S
     log. A writer declares a file before writing it and withdraws the
     declaration only after its commit landed, so a listed file is either still
     declared when the declarations are read, or referenced by the log read
-    after them. No clock is involved."""
+    after them. No clock is involved.
+
+    The age guard reads the store's modification time, except for a file dated more than
+    ``FUTURE_SKEW_S`` ahead of this clock: its age counts from when maintenance first saw it
+    (a marker under ``_maintain/``; ``future`` lists those still waiting), so a future-dated
+    orphan goes like any other instead of never."""
     import pyarrow.fs as pafs
     from urllib.parse import unquote
 
@@ -157,15 +162,22 @@ def remove_orphans(lake: Lake, name: str, *, min_age_s: float = ORPHAN_MIN_AGE_S
             for kind in ("add", "remove"):
                 if kind in e:
                     referenced.add(unquote(e[kind]["path"]))
-    cutoff = time.time() - min_age_s
+    now = time.time()
+    cutoff = now - min_age_s
     out = []
+    seen = _FirstSeen(lake, name, now, dry_run=dry_run)
     for info in listed:
         rel = info.path[len(base) + 1:]
         if rel.startswith("_delta_log/") or rel in referenced or not rel.endswith(".parquet") \
                 or declared.covers(f"{name}/{rel}"):
             continue
-        mtime = info.mtime.timestamp() if info.mtime is not None else time.time()
-        if mtime > cutoff:
+        mtime = info.mtime.timestamp() if info.mtime is not None else now
+        if mtime > now + FUTURE_SKEW_S:     # dated ahead of any sane skew: age from our first sighting
+            if now - seen.first(rel) < min_age_s:
+                if future is not None:
+                    future.append(rel)
+                continue
+        elif mtime > cutoff:
             continue
         out.append(rel)
         if not dry_run:
@@ -173,7 +185,55 @@ def remove_orphans(lake: Lake, name: str, *, min_age_s: float = ORPHAN_MIN_AGE_S
                 fs.delete_file(info.path)
             except (FileNotFoundError, OSError):
                 pass  # a concurrent maintain removed it first
+    seen.forget_others()
     return out
+
+
+FUTURE_SKEW_S = 10 * 60
+SEEN_DIR = "_maintain/first-seen"
+
+
+class _FirstSeen:
+    """When maintenance first saw each future-dated orphan of a table (by its own clock): one marker
+    object per file, created put-if-absent (the first sighting wins), removed once the file is gone."""
+
+    def __init__(self, lake: Lake, name: str, now: float, *, dry_run: bool) -> None:
+        self.lake, self.name, self.now, self.dry_run = lake, name, now, dry_run
+        self.touched: set[str] = set()
+        self.ok = lake.is_local or lake.uri.startswith("s3://")   # plain objects: local and S3 only
+
+    def _rel(self, path: str) -> str:
+        import hashlib
+
+        return f"{SEEN_DIR}/{self.name}/{hashlib.sha256(path.encode()).hexdigest()[:32]}.json"
+
+    def first(self, path: str) -> float:
+        import json
+
+        from pipeline.lake import objects
+
+        if not self.ok:
+            return self.now       # nowhere to remember it: such a file waits (reported) as before
+        rel = self._rel(path)
+        self.touched.add(rel.rsplit("/", 1)[-1])
+        raw = objects.get(self.lake, rel)
+        if raw is None and not self.dry_run:
+            objects.put_if_absent(self.lake, rel, json.dumps({"path": path, "first_seen": self.now}).encode())
+            raw = objects.get(self.lake, rel)
+        try:
+            return float(json.loads(raw)["first_seen"]) if raw else self.now
+        except (ValueError, KeyError, TypeError):
+            return self.now
+
+    def forget_others(self) -> None:
+        """Remove the markers of files that are no longer future-dated orphans (deleted, or committed)."""
+        from pipeline.lake import objects
+
+        if not self.ok or self.dry_run:
+            return
+        for n in objects.list_names(self.lake, f"{SEEN_DIR}/{self.name}"):
+            if n not in self.touched:
+                objects.delete(self.lake, f"{SEEN_DIR}/{self.name}/{n}")
 
 
 

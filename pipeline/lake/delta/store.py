@@ -374,11 +374,12 @@ class Lake:
         return compact.rewrite(self, name, files, transform, command=command)
 
     def remove_orphans(self, name: str, *, min_age_s: float = ORPHAN_MIN_AGE_S,
-                       dry_run: bool = False) -> list[str]:
-        """Delete data files of ``name`` no commit ever referenced, older than ``min_age_s``."""
+                       dry_run: bool = False, future: list[str] | None = None) -> list[str]:
+        """Delete data files of ``name`` no commit ever referenced, older than ``min_age_s``
+        (``future``: filled with the future-dated ones still waiting)."""
         from pipeline.lake.delta import compact
 
-        return compact.remove_orphans(self, name, min_age_s=min_age_s, dry_run=dry_run)
+        return compact.remove_orphans(self, name, min_age_s=min_age_s, dry_run=dry_run, future=future)
 
     def checkpoint(self, name: str) -> None:
         self.table(name).create_checkpoint()
