@@ -75,10 +75,10 @@ def write_path_problems(lake: Lake, name: str) -> list[str]:
 
 def damaged_intent_problems(lake: Lake, name: str) -> list[str]:
     """One line per damaged group-commit intent of ``name`` (pending, or set aside by a writer)."""
-    from pipeline.lake.delta import damaged
+    from pipeline.lake.delta import damaged, group
 
     out = [f"{name}: commit intent {rid} is damaged ({why}); `pipeline lake maintain` sets it aside"
-           for rid, why in damaged.inspect(lake, name)]
+           for rid, why in group.inspect_damaged(lake, name)]
     out += [f"{name}: commit intent {rid.removeprefix(damaged.DAMAGED_PREFIX)} was set aside as damaged "
             f"({damaged.describe(body)}); `pipeline lake maintain` removes it" for rid, body in damaged.records(lake, name)]
     return out

@@ -16,7 +16,7 @@ pid and process identity, its ``created``): it keeps protecting the files the in
 named while that writer may be alive, because a live writer still holds the intent in
 memory and may commit it itself if its files are whole (or writes them again if not).
 ``pipeline lake verify`` reports set-aside records; ``pipeline lake maintain`` removes
-them once they protect nothing (:func:`tidy`).
+them once they protect nothing (:func:`prune`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ FILES, RECORD = "files", "record"
 log = logging.getLogger("pipeline.lake")
 
 
+def _dict(x: Any) -> dict[str, Any]:
+    return x if isinstance(x, dict) else {}
+
+
 def _rel(rid: str) -> str:
     return f"{staging.STAGING_DIR}/{rid}.json"
 
@@ -54,15 +58,15 @@ def set_aside(lake: Lake, rid: str, raw: bytes | None, *, kind: str, reason: str
         body = parsed if isinstance(parsed, dict) else {}
     except ValueError:
         pass
-    paths = body.get("paths")
+    paths: Any = body.get("paths")
     if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
-        commit = body.get("commit") if isinstance(body.get("commit"), dict) else {}
+        commit: dict[str, Any] = _dict(body.get("commit"))
         table = commit.get("table") if isinstance(commit.get("table"), str) else None
-        actions = commit.get("actions") if isinstance(commit.get("actions"), list) else []
+        actions: Any = commit.get("actions") if isinstance(commit.get("actions"), list) else []
         paths = sorted(f"{table}/{a['path']}" for a in actions
                        if table and isinstance(a, dict) and isinstance(a.get("path"), str))
     created = body.get("created") if isinstance(body.get("created"), (int, float)) else time.time()
-    record = {k: body[k] for k in ("host", "pid", "boot_id", "pidns", "pid_start") if k in body}
+    record: dict[str, Any] = {k: body[k] for k in ("host", "pid", "boot_id", "pidns", "pid_start") if k in body}
     record.update({"paths": paths, "created": created, "pid_bound": True,   # protects only while its writer lives
                    "set_aside": {"rid": rid, "kind": kind, "reason": reason, "at": time.time(),
                                  "by": f"{socket.gethostname()}:{os.getpid()}"}})
@@ -93,54 +97,30 @@ def records(lake: Lake, name: str) -> list[tuple[str, dict[str, Any]]]:
 
 
 def describe(body: dict[str, Any]) -> str:
-    info = body.get("set_aside") if isinstance(body.get("set_aside"), dict) else {}
-    return str(info.get("reason", "unreadable set-aside record"))
+    return str(_dict(body.get("set_aside")).get("reason", "unreadable set-aside record"))
 
 
-def inspect(lake: Lake, name: str) -> list[tuple[str, str]]:
-    """(intent record id, why) of the pending intents of ``name`` that are damaged now (nothing is changed:
-    what `pipeline lake verify` reports besides the records already set aside)."""
-    from pipeline.lake.delta import group
-
-    out = []
-    for rid, raw, intent in group.records(lake, name):
-        if isinstance(intent, str):
-            out.append((rid, intent))
-            continue
-        missing = group.missing_files(lake, name, intent)
-        if missing and objects.get(lake, _rel(rid)) is not None:   # not committed or given up meanwhile
-            out.append((rid, missing))
-    return out
-
-
-def tidy(lake: Lake, name: str, *, live: set[str] | None = None, dry_run: bool = False
-         ) -> tuple[list[str], list[str]]:
-    """What `pipeline lake maintain` does: set aside the damaged pending intents of ``name``, then remove
-    the set-aside records that protect nothing any more -- set aside for their files (no commit can
-    take them), naming no file, their writer provably dead or the record expired (as any staging
-    record), or every file they name committed (``live``: paths relative to the table) or absent.
-    -> (intents set aside, set-aside records removed)."""
+def prune(lake: Lake, name: str, *, live: set[str], dry_run: bool = False) -> list[str]:
+    """Remove the set-aside records of table ``name`` that protect nothing any more: set aside for their
+    files (no commit can take them), naming no file, their writer provably dead or the record expired
+    (as any staging record), or every file they name committed (``live``: paths relative to the table)
+    or absent. -> the records removed."""
     import pyarrow.fs as pafs
 
-    aside = []
-    for rid, why in inspect(lake, name):
-        if dry_run or set_aside(lake, rid, objects.get(lake, _rel(rid)),
-                                kind=RECORD if why.startswith("unreadable") else FILES, reason=why):
-            aside.append(rid)
     removed = []
     fs, root = lake.filesystem()
     now = time.time()
     for rid, body in records(lake, name):
-        info = body.get("set_aside") if isinstance(body.get("set_aside"), dict) else {}
+        info = _dict(body.get("set_aside"))
         paths = [p for p in body.get("paths") or [] if isinstance(p, str)]
         gone = True
         if paths and info.get("kind") != FILES and not holder_is_dead(body) \
                 and staging._record_age_s(body, None, now) <= staging.INTENT_MAX_AGE_S:
-            rest = [p for p in paths if p.split("/", 1)[-1] not in (live or set())]
+            rest = [p for p in paths if p.split("/", 1)[-1] not in live]
             infos = fs.get_file_info([f"{root}/{p}" for p in rest]) if rest else []
             gone = all(i.type == pafs.FileType.NotFound for i in infos)
         if gone:
             removed.append(rid)
             if not dry_run:
                 staging.release(lake, rid)
-    return aside, removed
+    return removed

@@ -603,3 +603,29 @@ def sweep(lake: Lake, name: str, *, dry_run: bool = False) -> list[str]:
             if not dry_run:
                 _remove(lake, i.rid)
     return out
+
+
+def inspect_damaged(lake: Lake, name: str) -> list[tuple[str, str]]:
+    """(intent record id, why) of the pending intents of ``name`` that are damaged now: a record that
+    does not parse, or a file gone (nothing is changed: `pipeline lake verify` reports them)."""
+    out = []
+    for rid, _raw, intent in records(lake, name):
+        if isinstance(intent, str):
+            out.append((rid, intent))
+            continue
+        missing = missing_files(lake, name, intent)
+        if missing and objects.get(lake, f"{staging.STAGING_DIR}/{rid}.json") is not None:   # not just given up
+            out.append((rid, f"files not as written: {missing}"))
+    return out
+
+
+def tidy_damaged(lake: Lake, name: str, *, live: set[str], dry_run: bool = False) -> tuple[list[str], list[str]]:
+    """What `pipeline lake maintain` does: set aside the damaged pending intents of ``name``, then remove
+    the set-aside records that protect nothing any more (:func:`.damaged.prune`). -> (set aside, removed)."""
+    aside = []
+    for rid, why in inspect_damaged(lake, name):
+        raw = objects.get(lake, f"{staging.STAGING_DIR}/{rid}.json")
+        kind = damaged.RECORD if why.startswith("unreadable") else damaged.FILES
+        if dry_run or damaged.set_aside(lake, rid, raw, kind=kind, reason=why):
+            aside.append(rid)
+    return aside, damaged.prune(lake, name, live=live, dry_run=dry_run)

@@ -247,7 +247,7 @@ def write_key_index(lake: Lake, name: str, *, dt: DeltaTable | None = None, keys
         version = _carrying(lake, name, KEYS_APP, n, dt.version())
         if version is not None:
             break
-    if version is None:
+    if version is None or keys is None:
         return None
     data = encode_index({"table": name, "table_id": tid, "version": version,
                          "commit": _commit_sha(lake, name, version)}, keys)

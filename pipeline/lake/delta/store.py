@@ -247,11 +247,11 @@ class Lake:
 
     def tidy_damaged_intents(self, name: str, *, dry_run: bool = False) -> tuple[list[str], list[str]]:
         """Set aside the damaged group-commit intents of ``name`` and remove the set-aside records that
-        protect nothing any more (:func:`.damaged.tidy`): (set aside, removed)."""
-        from pipeline.lake.delta import damaged
+        protect nothing any more (:func:`.group.tidy_damaged`): (set aside, removed)."""
+        from pipeline.lake.delta import group
 
         live = {p for p, _ in self.live_files(self.table(name))} if self.exists(name) else set()
-        return damaged.tidy(self, name, live=live, dry_run=dry_run)
+        return group.tidy_damaged(self, name, live=live, dry_run=dry_run)
 
     # -- keys (pipeline/lake/delta/keyindex.py) ----------------------------
     def keys(self, name: str, dt: DeltaTable, *, since: int | None = None) -> KeySet:
