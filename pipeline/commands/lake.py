@@ -104,6 +104,18 @@ def _verify_text(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _write_path_text(v: dict[str, Any]) -> str:
+    """What maintenance found of the write path's damage (docs/write-protocol.md), if anything."""
+    out = ""
+    if v.get("future_dated_orphans_waiting"):
+        out += (f"; {v['future_dated_orphans_waiting']} orphan file(s) dated in the future wait out the age guard "
+                "from their first sighting")
+    if v.get("damaged_intents_set_aside") or v.get("damaged_intents_removed"):
+        out += (f"; damaged commit intents: {v.get('damaged_intents_set_aside', 0)} set aside, "
+                f"{v.get('damaged_intents_removed', 0)} removed")
+    return out
+
+
 def _maintain_text(r: dict[str, Any]) -> str:
     lines = []
     for t, v in r["tables"].items():
@@ -116,7 +128,7 @@ def _maintain_text(r: dict[str, Any]) -> str:
         else:
             lines.append(f"{t}: files {v['files_before']} -> {v['files_after']}, checkpoint at version "
                          f"{v['version']}, vacuum deleted {v['vacuumed']} file(s), removed {v['orphans_removed']} "
-                         f"orphan file(s){kept}")
+                         f"orphan file(s){kept}{_write_path_text(v)}")
     temps = r.get("snapshot_temp_dirs_removed") or []
     if temps:
         lines.append(f"_snapshots: {'would remove' if r.get('dry_run') else 'removed'} {len(temps)} temporary "
