@@ -126,8 +126,12 @@ def remove_snapshot_temps(lake: Lake, *, min_age_s: float, dry_run: bool = False
         entries = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True, recursive=False))
     except (FileNotFoundError, OSError):
         return []
+    from pipeline.lake.delta.compact import FUTURE_SKEW_S, _FirstSeen
+
     declared = staging.declared(lake)   # after the listing (docs/write-protocol.md, "Cleanup")
-    cutoff = time.time() - min_age_s
+    now = time.time()
+    cutoff = now - min_age_s
+    seen = _FirstSeen(lake, "_snapshots", now, dry_run=dry_run)
     out = []
     for info in entries:
         name = info.path.rsplit("/", 1)[-1]
@@ -138,7 +142,10 @@ def remove_snapshot_temps(lake: Lake, *, min_age_s: float, dry_run: bool = False
             inner = fs.get_file_info(pafs.FileSelector(info.path, allow_not_found=True, recursive=True))
             times = [i.mtime.timestamp() for i in inner if i.mtime is not None]
             newest = max(times + ([newest] if newest is not None else []), default=None)
-        if newest is not None and newest > cutoff:
+        if newest is not None and newest > now + FUTURE_SKEW_S:    # dated ahead: age from our first sighting
+            if now - seen.first(f"_snapshots/{name}") < min_age_s:
+                continue
+        elif newest is not None and newest > cutoff:
             continue  # a live admission may still be writing it
         out.append(name)
         if not dry_run:
@@ -149,6 +156,7 @@ def remove_snapshot_temps(lake: Lake, *, min_age_s: float, dry_run: bool = False
                     fs.delete_file(info.path)
             except (FileNotFoundError, OSError):
                 pass  # removed by a concurrent maintain
+    seen.forget_others()
     return out
 
 

@@ -277,12 +277,20 @@ def test_an_orphan_with_a_future_mtime_is_removed_after_the_age_guard_from_its_f
     orphan.write_bytes(src.read_bytes())                     # no commit references it, no writer declared it
     future = time.time() + 10 * 86400
     os.utime(orphan, (future, future))                       # a writer whose clock is ten days ahead
-    r = maintain(lake, tables=["trajectories"], orphan_min_age_s=1.0)["tables"]["trajectories"]
+    temp = Path(lake.uri) / "_snapshots" / ".tmp-from-the-future"
+    temp.mkdir(parents=True)
+    (temp / "payload.parquet").write_bytes(b"x")
+    os.utime(temp / "payload.parquet", (future, future))     # an admission killed on that host
+    os.utime(temp, (future, future))
+    out = maintain(lake, tables=["trajectories"], orphan_min_age_s=1.0)
+    r = out["tables"]["trajectories"]
     assert orphan.exists() and r["orphans_removed"] == 0 and r["future_dated_orphans_waiting"] == 1
+    assert temp.exists() and out["snapshot_temp_dirs_removed"] == []
     time.sleep(1.2)
-    r = maintain(lake, tables=["trajectories"], orphan_min_age_s=1.0)["tables"]["trajectories"]
+    out = maintain(lake, tables=["trajectories"], orphan_min_age_s=1.0)
+    r = out["tables"]["trajectories"]
     assert not orphan.exists() and r["orphans_removed"] == 1 and r["future_dated_orphans_waiting"] == 0
+    assert not temp.exists() and out["snapshot_temp_dirs_removed"] == [temp.name]
     maintain(lake, tables=["trajectories"], orphan_min_age_s=1.0)
-    assert not (Path(lake.uri) / "_maintain" / "first-seen" / "trajectories").exists() or \
-        not any((Path(lake.uri) / "_maintain" / "first-seen" / "trajectories").iterdir())   # markers tidied
+    assert not any(p.is_file() for p in (Path(lake.uri) / "_maintain").rglob("*"))   # markers tidied
     assert len(_ids(lake)) == 4
