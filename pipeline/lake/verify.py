@@ -3,7 +3,9 @@ versions reference there and readable?
 
 For every table, each data file of its latest version must exist with the
 size its add action records and have a readable Parquet footer whose row
-count matches the action's statistics (when it has them). The snapshot half
+count matches the action's statistics (when it has them). On keyed tables no
+damaged or set-aside group-commit intent and no untrusted key index may be
+left (:func:`write_path_problems`). The snapshot half
 (every registered snapshot verifies) and the whole check are
 :func:`pipeline.maintain.verify`, a layer above storage; `lake maintain` runs
 it after compaction, checking snapshot files by size instead of rehashing them.

@@ -30,6 +30,10 @@ commit, and they are never deleted under that commit. It expires like any
 record (``INTENT_MAX_AGE_S``); a writer never adopts an intent older than
 ``STAGE_MAX_AGE_S``.
 
+A damaged intent (a record that does not parse, a file gone) can never be
+committed; the first writer that finds it sets it aside
+(pipeline/lake/delta/damaged.py) so it never holds the others back.
+
 ``PIPELINE_GROUP_COMMIT=0`` turns it off (each append commits alone, as
 before): the baseline of the group-commit benchmark.
 """
