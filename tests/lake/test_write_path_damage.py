@@ -189,14 +189,20 @@ def test_an_intent_with_a_missing_file_is_set_aside_and_its_live_writer_still_la
     assert _unreferenced_files(lake, "trajectories") == []
 
 
-def test_an_intent_record_without_a_size_never_blocks_appends(lake):
+@pytest.fixture(params=["local", "s3"])
+def any_lake(request, lake):
+    return lake if request.param == "local" else request.getfixturevalue("s3_lake")
+
+
+def test_an_intent_record_without_a_size_never_blocks_appends(any_lake):
     """A record whose add action lacks ``size`` (its writer gone) is set aside by the first append that
-    reads it; every append lands; verify reports it; maintain removes it."""
+    reads it; every append lands; verify reports it; maintain removes it. Local and S3."""
     from pipeline.lake import objects
     from pipeline.lake.delta import group
     from pipeline.lake.delta.writes import prepare, write_data_files
     from pipeline.schema import table_spec
 
+    lake = any_lake
     lake.ensure("trajectories")
     spec = table_spec("trajectories")
     a = prepare(lake, spec, trajectories(1, 10, "a-"))
