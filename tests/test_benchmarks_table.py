@@ -216,3 +216,40 @@ def test_a_physically_impossible_ratio_fails_the_run_and_writes_nothing(tiny_rep
     p = _run_tiny(tiny_repo, TINY_LATENCY_S="1.0")
     assert p.returncode == 3 and "outside the range a real measurement can fall in" in p.stderr
     assert (tiny_repo / "benchmarks" / "results" / "tiny.json").read_bytes() == before
+
+
+def test_loop_figures_count_every_version_and_show_the_prepass_apart():
+    """bench_loop.derive on hand-made raw measurements: version 1 (with the trainer's start-up in its
+    train wait) counts, the steady state is beside it, the pre-pass is neither useful nor overhead."""
+    had = set(sys.modules)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_loop_t", ROOT / "benchmarks" / "bench_loop.py")
+        loop = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loop)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+        for name in {"run", "provenance"} - had:   # benchmarks/run.py is no module of the project
+            sys.modules.pop(name, None)
+
+    def version(rollout, admit, train, full=False):   # (wall, useful) pairs; train: (wall, steps, prepass)
+        return {"load_1m": 2.0, "rollout": {"wall": rollout[0], "useful": rollout[1]},
+                "admit": {"wall": admit[0], "useful": admit[1]},
+                "train": {"wall": train[0], "steps_s": train[1], "prepass_s": train[2], "bytes": 300 if full else 110,
+                          "full_state": full}}
+
+    # resident v1: wall 10+4+20 = 34, useful 6+1+5 = 12, pre-pass 2, overhead 4+3+13 = 20
+    # resident v2: wall 8+2+10 = 20,  useful 12, pre-pass 2, overhead 2+1+3 = 6
+    resident = [version((10, 6), (4, 1), (20, 5, 2)), version((8, 6), (2, 1), (10, 5, 2), full=True)]
+    old = [version((20, 6), (10, 1), (24, 5, 2), full=True)] * 2                     # 54 s each
+    raw = {"models": {"smollm2": {"spec": {"kind": "smollm2", "weights_bytes": 100}, "k": 2,
+                                  "order": ["resident-v1", "old-v1", "old-v2", "resident-v2"], "old": old,
+                                  "resident": resident, "resident_info": {"startup_s": 9.0},
+                                  "full_checkpoint_every": 2}}}
+    wall, overhead, prepass, bytes_ = loop.derive(raw)
+    assert wall.ratio == pytest.approx(27 / 54)
+    assert overhead.ratio == pytest.approx(13 / 27) and overhead.target == 0.15 and overhead.ok is False
+    assert "steady state (versions 2..2): 30%" in overhead.measured          # 6 / 20
+    assert "pre-pass counted as overhead: 56%" in overhead.measured          # (13 + 2) / 27
+    assert prepass.ratio == pytest.approx(2 / 27)
+    assert bytes_.ratio == pytest.approx((110 + 300) / 2 / 100)             # one weights-only, one full, every 2
