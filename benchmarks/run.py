@@ -14,7 +14,7 @@ rule that turns them into figures: this runner calls it after the run, and
 tests/test_benchmarks_table.py calls the same function (as committed) on the
 recorded raw measurements to check every ratio and every "met". A module whose
 ``run`` still returns ``list[Result]`` (no ``derive``) can only make ``--quick``
-smoke runs.
+smoke runs (a full-size run skips it and exits 2).
 
 A full-size run of benchmark ``bench_NAME.py`` overwrites the committed
 ``benchmarks/results/NAME.json`` with its provenance (benchmarks/provenance.py):
@@ -76,6 +76,10 @@ class Result:
 
 class ImpossibleFigure(RuntimeError):
     """A figure no real measurement can produce: the benchmark is wrong, not the code it measures."""
+
+
+class NoDerive(RuntimeError):
+    """A benchmark whose figures cannot be recomputed from its raw measurements (quick runs only)."""
 
 
 def best_of(fn, repeat: int = 3) -> float:
@@ -204,8 +208,8 @@ def run_one(path: Path, *, quick: bool, command: str) -> list[Result]:
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
     derive = getattr(mod, "derive", None)
     if derive is None and not quick:
-        raise SystemExit(f"{path.name} has no derive(raw): its figures could not be checked from its raw "
-                         "measurements, so it makes --quick smoke runs only (split run/derive as bench_sim.py does)")
+        raise NoDerive(f"{path.name} has no derive(raw): its figures could not be checked from its raw "
+                       "measurements, so it makes --quick smoke runs only (split run/derive as bench_sim.py does)")
     print(f"== {path.stem} ...", flush=True)
     machine = machine_info()  # before the run: the commit and the load average it started under
     before = benchmark_sources(path)
@@ -247,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command = shlex.join(sys.orig_argv if argv is None else [sys.executable, __file__, *argv])
     results: list[Result] = []
+    not_run: list[str] = []
     for path in sorted(HERE.glob("bench_*.py")):
         if args.only and not any(o in path.stem for o in args.only):
             continue
@@ -255,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         except ImpossibleFigure as exc:
             print(f"\n{path.stem}: {exc}", file=sys.stderr)
             return 3
+        except NoDerive as exc:
+            print(f"== {path.stem}: not run: {exc}", file=sys.stderr, flush=True)
+            not_run.append(path.stem)
     print()
     w = max([len(r.name) for r in results] + [9])
     print(f"{'benchmark'.ljust(w)}  {'ratio':>7}  {'target':>8}  ok    measured | baseline")
@@ -267,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     if missed:
         print(f"\n{len(missed)} target(s) missed: {', '.join(missed)}", file=sys.stderr)
         return 1
+    if not_run:
+        print(f"\nnot run (no derive): {', '.join(not_run)}", file=sys.stderr)
+        return 2
     return 0
 
 

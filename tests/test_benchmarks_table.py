@@ -218,6 +218,15 @@ def test_a_physically_impossible_ratio_fails_the_run_and_writes_nothing(tiny_rep
     assert (tiny_repo / "benchmarks" / "results" / "tiny.json").read_bytes() == before
 
 
+def test_a_benchmark_without_derive_makes_no_full_size_results_file(tiny_repo):
+    (tiny_repo / "benchmarks" / "bench_noderive.py").write_text(
+        "from run import Result\n\n\ndef run(quick):\n    return [Result('n: a / b', 1.0, None, 'a', 'b')]\n")
+    p = subprocess.run([sys.executable, "benchmarks/run.py", "--only", "noderive"], cwd=tiny_repo,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "has no derive(raw)" in p.stderr, p.stderr
+    assert not (tiny_repo / "benchmarks" / "results" / "noderive.json").exists()
+
+
 def test_loop_figures_count_every_version_and_show_the_prepass_apart():
     """bench_loop.derive on hand-made raw measurements: version 1 (with the trainer's start-up in its
     train wait) counts, the steady state is beside it, the pre-pass is neither useful nor overhead."""
