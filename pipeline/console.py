@@ -96,3 +96,25 @@ class _LevelGate(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.levelno >= self.level
+
+
+def pipeline_command() -> str:
+    """How to type ``pipeline`` in the shell this process was started from: ``pipeline``
+    when that name on PATH is this interpreter's, else the script beside the interpreter
+    (``.venv/bin/pipeline`` relative to the working directory when it is under it), else
+    ``python -m pipeline``. A hint that prints bare ``pipeline`` to a shell without the
+    venv activated gives "command not found"."""
+    import shutil
+    from pathlib import Path
+
+    bindir = Path(sys.executable).parent
+    script = bindir / "pipeline"
+    on_path = shutil.which("pipeline")
+    if on_path and script.exists() and Path(on_path).resolve() == script.resolve():
+        return "pipeline"
+    if script.exists():
+        try:
+            return str(Path(os.path.abspath(script)).relative_to(Path.cwd()))
+        except ValueError:
+            return str(script)
+    return f"{sys.executable} -m pipeline"

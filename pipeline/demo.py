@@ -209,15 +209,26 @@ def run_demo(lake: Lake, cfg: DemoConfig, *, out=print) -> dict[str, Any]:
             out(f"health report: {path}")
         except ImportError:
             pass
-    flag = f" --lake {lake.uri}"
     last_ckpt = next((it.checkpoint_id for it in reversed(lines) if it.checkpoint_id), None)
-    out("next, try:\n"
-        f"  pipeline sql{flag} \"SELECT decision, count(*) FROM receipts GROUP BY 1\"\n"
-        f"  pipeline sql{flag} \"SELECT policy_version, avg(reward), count(*) FROM trajectories GROUP BY 1 ORDER BY 1\"\n"
-        f"  pipeline sql{flag} --file bucket_rates\n"
-        + (f"  pipeline lineage {last_ckpt}{flag}\n" if last_ckpt else "")
-        + f"  pipeline snapshots list{flag}")
+    out(next_steps(lake.uri, last_ckpt))
     return summary
+
+
+def next_steps(lake_uri: str, last_ckpt: str | None) -> str:
+    """The demo's closing "next, try:" lines, spelled so that they run in the user's shell
+    (``.venv/bin/pipeline`` when the venv is not activated: bare ``pipeline`` is "command not found")."""
+    from pipeline.console import pipeline_command
+
+    cmd, flag = pipeline_command(), f" --lake {lake_uri}"
+    head = "next, try:" if cmd == "pipeline" else (
+        f"next, try (or `. {Path(cmd).parent}/activate` first, then type `pipeline`):"
+        if cmd.endswith("/pipeline") else "next, try:")
+    return (f"{head}\n"
+            f"  {cmd} sql{flag} \"SELECT decision, count(*) FROM receipts GROUP BY 1\"\n"
+            f"  {cmd} sql{flag} \"SELECT policy_version, avg(reward), count(*) FROM trajectories GROUP BY 1 ORDER BY 1\"\n"
+            f"  {cmd} sql{flag} --file bucket_rates\n"
+            + (f"  {cmd} lineage {last_ckpt}{flag}\n" if last_ckpt else "")
+            + f"  {cmd} snapshots list{flag}")
 
 
 def _run_sync(lake: Lake, cfg: DemoConfig, lines: list[IterationLine], out) -> dict[str, Any]:

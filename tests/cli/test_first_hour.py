@@ -58,3 +58,39 @@ def test_missing_extra_hint_is_a_command_that_exists(extra):
     declared = (ROOT / "pyproject.toml").read_text()
     for e in extras:
         assert re.search(rf"^{e} = \[", declared, re.M), f"pyproject.toml declares no [{e}] extra"
+
+
+def _next_steps(env_path: str, cwd: Path) -> str:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PATH": env_path, "PYTHONPATH": str(ROOT)}
+    code = "from pipeline.demo import next_steps; print(next_steps('lake/demo-x', 'ckpt-1'))"
+    return subprocess.run([sys.executable, "-P", "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                          check=True).stdout
+
+
+def test_demo_next_steps_run_in_a_shell_without_the_venv_activated(tmp_path):
+    """Bare `pipeline` is "command not found" until the venv is activated: the demo's
+    closing hints name the venv's script, and how to activate it."""
+    import shutil
+    import sys
+
+    venv_bin = Path(sys.executable).parent
+    if not (venv_bin / "pipeline").exists():
+        pytest.skip("not run from a virtual environment with the pipeline script installed")
+    bare_path = "/usr/bin:/bin"
+    assert shutil.which("pipeline", path=bare_path) is None
+    text = _next_steps(bare_path, venv_bin.parent.parent)     # the checkout: `.venv/bin/pipeline`
+    head, *cmds = text.strip().splitlines()
+    assert f"`. {venv_bin.parent.name}/{venv_bin.name}/activate`" in head
+    for line in cmds:
+        exe = line.split()[0]
+        assert exe != "pipeline" and (venv_bin.parent.parent / exe).resolve() == (venv_bin / "pipeline").resolve()
+    # elsewhere: the absolute path
+    exe = _next_steps(bare_path, tmp_path).strip().splitlines()[1].split()[0]
+    assert Path(exe).is_absolute() and Path(exe).resolve() == (venv_bin / "pipeline").resolve()
+    # activated (the venv's bin first on PATH): plain `pipeline`
+    text = _next_steps(f"{venv_bin}:{bare_path}", tmp_path)
+    assert text.startswith("next, try:\n") and all(ln.split()[0] == "pipeline" for ln in text.strip().splitlines()[1:])
