@@ -169,6 +169,10 @@ def run_demo(lake: Lake, cfg: DemoConfig, *, out=print) -> dict[str, Any]:
     """Run the demo; returns a summary (per-iteration lines, held-out curve, timings)."""
     from pipeline.rollout.policy import init_policy
 
+    if cfg.engine == "vllm":   # missing vLLM is one line before the warm start
+        from pipeline.rollout.vllm_engine import require_vllm
+
+        require_vllm()
     t_start = time.perf_counter()
     out(f"lake: {lake.uri}   mode: {cfg.mode}   engine: {cfg.engine}   env: {cfg.env}")
     t0 = time.perf_counter()

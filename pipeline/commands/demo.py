@@ -48,6 +48,10 @@ def _demo(args: argparse.Namespace):
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)
     cfg = load_config(DemoConfig, args.config, overrides)
+    if cfg.engine == "vllm":    # before the warm start and the lake, not after them
+        from pipeline.rollout.vllm_engine import require_vllm
+
+        require_vllm()
     lake = Lake(args.lake or default_lake_uri())
     if lake.exists("checkpoints"):
         from pipeline.errors import PipelineError

@@ -43,6 +43,10 @@ def _rollout(args: argparse.Namespace) -> None:
     if not args.json:
         over.setdefault("progress", True)
     cfg = load_config(RolloutConfig, args.config, over)
+    if cfg.engine == "vllm":    # one line before any work, not "a rollout worker died" from each worker
+        from pipeline.rollout.vllm_engine import require_vllm
+
+        require_vllm()
     s = run_rollout(open_lake(args, create=True), cfg).as_dict()
     emit(s, args, lambda r: (
         f"rollout {r['run_id']}: {r['trajectories']} trajectories on {r['env']} ({r['engine']}, "

@@ -46,6 +46,13 @@ def _import_vllm():
     return vllm
 
 
+def require_vllm() -> None:
+    """Raise MissingExtraError now when vllm does not import: a command that would use the
+    vLLM engine calls it before any work (no warm start, no lake created, no worker spawned
+    only to die). Importing it costs a few seconds that the engine would spend anyway."""
+    _import_vllm()
+
+
 class VLLMEngine:
     name = "vllm"
 

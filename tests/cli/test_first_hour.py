@@ -94,3 +94,36 @@ def test_demo_next_steps_run_in_a_shell_without_the_venv_activated(tmp_path):
     # activated (the venv's bin first on PATH): plain `pipeline`
     text = _next_steps(f"{venv_bin}:{bare_path}", tmp_path)
     assert text.startswith("next, try:\n") and all(ln.split()[0] == "pipeline" for ln in text.strip().splitlines()[1:])
+
+
+def _run_cli(args: list[str], *, cwd: Path, extra_path: Path | None = None, timeout: float = 300):
+    import os
+    import subprocess
+    import sys
+
+    pp = ([str(extra_path)] if extra_path else []) + [str(ROOT)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(pp)}
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture
+def no_vllm(tmp_path) -> Path:
+    """A PYTHONPATH entry whose `vllm` raises ImportError on import: vLLM as a default setup has it (missing)."""
+    shim = tmp_path / "shim" / "vllm"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError(\"No module named 'vllm' (simulated by the test)\")\n")
+    return shim.parent
+
+
+@pytest.mark.parametrize("argv", [["rollout", "--engine", "vllm", "--workers", "2", "--groups", "2"],
+                                  ["demo", "--engine", "vllm", "--iterations", "1"]], ids=["rollout", "demo"])
+def test_missing_vllm_is_one_line_before_any_work(tmp_path, no_vllm, argv):
+    lake = tmp_path / "lk"
+    r = _run_cli([*argv, "--lake", str(lake)], cwd=tmp_path, extra_path=no_vllm)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert lines[0].startswith("error: vllm") and "is not installed" in lines[0], r.stderr
+    assert len(lines) == 2 and "setup-env.sh --vllm" in lines[1], "the error and its hint, nothing else: " + r.stderr
+    assert "died" not in r.stderr and "warm start" not in r.stderr + r.stdout
+    assert not lake.exists(), "no lake is created before the missing engine is reported"
