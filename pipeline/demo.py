@@ -205,17 +205,29 @@ def run_demo(lake: Lake, cfg: DemoConfig, *, out=print) -> dict[str, Any]:
         f"{extra['lag_distribution']}")
     if cfg.report:
         try:
-            from pipeline.report.build import write_report
-
-            path = Path(lake.uri) / "report.html" if lake.is_local else Path("report.html")
-            write_report(lake, path)
-            summary["report"] = str(path)
-            out(f"health report: {path}")
+            summary.update(write_demo_report(lake, out))
         except ImportError:
             pass
     last_ckpt = next((it.checkpoint_id for it in reversed(lines) if it.checkpoint_id), None)
     out(next_steps(lake.uri, last_ckpt))
     return summary
+
+
+def write_demo_report(lake: Lake, out=print) -> dict[str, Any]:
+    """Write the health report beside the lake and print its path and every alert it raised,
+    each with its reason (an alert only in the HTML is one nobody reads)."""
+    from pipeline.report.build import write_report
+
+    path = Path(lake.uri) / "report.html" if lake.is_local else Path("report.html")
+    rep = write_report(lake, path)
+    checks = rep.get("alert_checks", [])
+    out(f"health report: {path}" + ("" if checks else " (no alerts)"))
+    if checks:
+        out(f"the report raised {len(checks)} alert{'s' if len(checks) > 1 else ''} "
+            f"(its Alerts section; `pipeline report --check` exits non-zero on them):")
+        for a in checks:
+            out(f"  {a['check']}: {a['message']}")
+    return {"report": str(path), "alerts": checks}
 
 
 def next_steps(lake_uri: str, last_ckpt: str | None) -> str:

@@ -127,3 +127,32 @@ def test_missing_vllm_is_one_line_before_any_work(tmp_path, no_vllm, argv):
     assert len(lines) == 2 and "setup-env.sh --vllm" in lines[1], "the error and its hint, nothing else: " + r.stderr
     assert "died" not in r.stderr and "warm start" not in r.stderr + r.stdout
     assert not lake.exists(), "no lake is created before the missing engine is reported"
+
+
+def test_the_demo_prints_the_alerts_its_report_raised(tmp_path):
+    """The default demo's report raises off-policy alerts (ESS/n, ratio p99): the demo's own
+    output names each alert and why, not only the HTML."""
+    import pyarrow as pa
+
+    from pipeline.demo import write_demo_report
+    from pipeline.lake.delta import Lake
+    from pipeline.schema import table_spec
+    from pipeline.testing.health_lake import HealthLakeSpec, build_health_lake
+
+    lake = Lake(tmp_path / "lake")
+    build_health_lake(lake, HealthLakeSpec(trajectories_per_version=20, versions=2, event_episodes=4))
+    lines: list[str] = []
+    clean = write_demo_report(lake, lines.append)
+    assert (tmp_path / "lake" / "report.html").exists() and clean["report"].endswith("report.html")
+    assert not {"ess_seq_frac", "behav_ratio_p99"} & {a["check"] for a in clean["alerts"]}
+    m = max(lake.read("metrics").to_pylist(), key=lambda r: r["global_step"])
+    lake.append("metrics", pa.Table.from_pylist([dict(m, global_step=500, ess_seq_frac=0.483, behav_ratio_p99=2.31)],
+                                                 schema=table_spec("metrics").arrow_schema()), command="t")
+    lines.clear()
+    res = write_demo_report(lake, lines.append)
+    text = "\n".join(lines)
+    assert lines[0].startswith("health report: ") and "alert" in lines[1]
+    assert {"ess_seq_frac", "behav_ratio_p99"} <= {a["check"] for a in res["alerts"]}
+    assert "ess_seq_frac: Training data is far off-policy" in text and "fell to 0.483 (bound 0.5)" in text
+    assert "behav_ratio_p99: " in text and "p99 of pi/mu reached 2.31 (bound 2)" in text
+    assert len([ln for ln in lines if ln.startswith("  ")]) == len(res["alerts"]), "one line per alert"
