@@ -167,9 +167,13 @@ def test_report_cli_and_run_filter(full_lake, tmp_path, capsys):
     assert main(["report", "--lake", full_lake.uri, "--out", str(out), "--run-id", "run-0", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["out"] == str(out.resolve()) and res["plots"] == PLOTS and out.exists()
-    assert main(["report", "--lake", full_lake.uri, "--out", str(tmp_path / "none.html"), "--run-id", "nope"]) == 0
-    text_out = capsys.readouterr().out
-    assert "no data: trajectories: no data yet." in text_out
+    # a mistyped --run-id is an error (not an empty report and exit 0), naming the close one
+    assert main(["report", "--lake", full_lake.uri, "--out", str(tmp_path / "none.html"), "--run-id", "run-O"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: run run-O has no trajectories in ") and "did you mean `run-0`" in err
+    assert not (tmp_path / "none.html").exists()
+    assert main(["report", "--lake", full_lake.uri, "--out", str(tmp_path / "none.html"), "--run-id", "zzz"]) == 2
+    assert "the lake's runs: run-0" in capsys.readouterr().err
 
 
 def test_alerts_say_in_words_what_is_wrong(tmp_path):
