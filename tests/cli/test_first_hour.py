@@ -156,3 +156,15 @@ def test_the_demo_prints_the_alerts_its_report_raised(tmp_path):
     assert "ess_seq_frac: Training data is far off-policy" in text and "fell to 0.483 (bound 0.5)" in text
     assert "behav_ratio_p99: " in text and "p99 of pi/mu reached 2.31 (bound 2)" in text
     assert len([ln for ln in lines if ln.startswith("  ")]) == len(res["alerts"]), "one line per alert"
+
+
+def test_admit_target_line_never_prints_none():
+    from pipeline.admission.run import _target_report
+    from pipeline.commands.admit import _target_text
+
+    none_decided = _target_text(_target_report(8, 0, 0))
+    assert "None" not in none_decided and "admit rate unknown (no group decided" in none_decided
+    nothing_admitted = _target_text(_target_report(8, 0, 5))
+    assert "None" not in nothing_admitted and "admit rate 0.0%" in nothing_admitted
+    assert _target_text(_target_report(8, 2, 4)) == "target 8 groups: 6 missing, admit rate 50.0%, sample ~12 more groups"
+    assert _target_text(_target_report(2, 3, 4)).endswith("target met")
