@@ -168,3 +168,17 @@ def test_admit_target_line_never_prints_none():
     assert "None" not in nothing_admitted and "admit rate 0.0%" in nothing_admitted
     assert _target_text(_target_report(8, 2, 4)) == "target 8 groups: 6 missing, admit rate 50.0%, sample ~12 more groups"
     assert _target_text(_target_report(2, 3, 4)).endswith("target met")
+
+
+def test_rollout_with_a_mistyped_lake_refuses_before_creating_it(tmp_path, capsys):
+    from pipeline.cli import main
+
+    (tmp_path / "lake").mkdir()
+    typo = tmp_path / "lkae"
+    assert main(["rollout", "--lake", str(typo), "--groups", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: lake {typo} does not exist") and f"did you mean --lake {tmp_path / 'lake'}?" in err
+    assert not typo.exists(), "nothing is created under a mistyped --lake"
+    # an existing lake without a published policy: refused before any spool, lock or lineage file
+    assert main(["rollout", "--lake", str(tmp_path / "lake"), "--groups", "1"]) == 2
+    assert "no published policy" in capsys.readouterr().err and list((tmp_path / "lake").iterdir()) == []
