@@ -100,6 +100,9 @@ def follow(lake: Lake, cfg: TrainConfig | None = None, *, from_checkpoint: str |
             os.environ.pop(k, None)
 
 
+WAIT_NOTE_EVERY_S = 60.0   # a waiting resident trainer says so this often
+
+
 class _Follower:
     """The state kept between versions: engine, model, head, counters."""
 
@@ -126,8 +129,11 @@ class _Follower:
         torch.set_num_threads(self.cfg.threads)
         previous = self._install_sigterm()
         try:
+            self._say("starting: loading the policy and building the training engine")
             self._start()
             self.out.startup_seconds = time.perf_counter() - t0
+            self._say(f"ready in {self.out.startup_seconds:.1f}s at policy v{self.head.policy_version} "
+                      f"({self.head.checkpoint_id})")
             self._loop()
             self._shutdown()
         finally:
@@ -136,6 +142,12 @@ class _Follower:
         self.out.head_checkpoint_id, self.out.head_policy_version = self.head.checkpoint_id, self.head.policy_version
         self.out.seconds = time.perf_counter() - t0
         return self.out
+
+    def _say(self, msg: str) -> None:
+        """A progress line on stderr (rank 0; off with progress=False, i.e. --no-progress): plain
+        lines, so a piped or logged run (CI, a job's log) shows the start-up and the waits too."""
+        if self.rank == 0 and self.progress is not False:
+            print(f"resident trainer: {msg}", file=sys.stderr, flush=True)
 
     def _install_sigterm(self) -> Any:
         """SIGTERM: finish the current version, write the full state, exit 0. Under a
@@ -355,12 +367,21 @@ class _Follower:
 
     def _loop(self) -> None:
         idle_since = time.monotonic()
+        said = None      # when the last waiting line was printed (None: not waiting yet)
         while True:
             action, arg = self._broadcast(self._decide(idle_since) if self.rank == 0 else None)
             if action == "stop":
                 self.out.stopped_by = str(arg)
+                self._say(f"stopping ({arg})")
                 return
             if action == "wait":
+                now = time.monotonic()
+                if said is None or now - said >= WAIT_NOTE_EVERY_S:
+                    self._say(("waiting for an admitted snapshot (pipeline admit cuts one)" if said is None
+                               else f"still waiting: no snapshot for {now - idle_since:.0f}s")
+                              + (f"; stops after {self.idle_timeout_s:g}s idle" if self.idle_timeout_s is not None
+                                 else "; SIGTERM or Ctrl-C stops it"))
+                    said = now
                 # every rank waits here, between two broadcasts: a collective never waits
                 # longer than a poll (process-group timeouts stay out of reach)
                 time.sleep(self.cfg.follow_poll_s)
@@ -369,8 +390,9 @@ class _Follower:
                 self._skip(arg[0], "superseded", arg[1])
                 continue
             assert arg is not None
+            self._say(f"training snapshot {arg}")
             self._version(arg)
-            idle_since = time.monotonic()
+            idle_since, said = time.monotonic(), None
 
     def _shutdown(self) -> None:
         """The full state of the head at exit, unless it already has one: the next

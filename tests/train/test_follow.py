@@ -110,7 +110,7 @@ def test_follow_equals_the_chain_and_publishes_weights_only_between_full_states(
     assert _chain(lake2, [s4])[0][2] == nxt.weight_sha256["hf/model.safetensors"]
 
 
-def test_stale_snapshot_is_skipped_and_recorded_never_silently(tlake):
+def test_stale_snapshot_is_skipped_and_recorded_never_silently(tlake, capfd):
     from pipeline.testing.train_fixtures import publish_payload_snapshot, synthetic_payload
 
     lake, s1 = tlake
@@ -129,6 +129,12 @@ def test_stale_snapshot_is_skipped_and_recorded_never_silently(tlake):
     assert pending_snapshots(lake) == [stale]          # never consumed; the line's lineage says why
     again = follow(lake, cfg, idle_timeout_s=0.1, progress=False)     # recorded: not re-decided
     assert again.skipped == [] and again.versions == [] and again.stopped_by == "idle_timeout"
+    capfd.readouterr()
+    follow(lake, cfg, idle_timeout_s=0.1)   # progress lines by default, whether or not stderr is a terminal
+    err = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("resident trainer: ")]
+    assert err[0].startswith("resident trainer: starting") and err[1].startswith("resident trainer: ready in ")
+    assert "waiting for an admitted snapshot" in err[2] and "stops after 0.1s idle" in err[2]
+    assert err[-1] == "resident trainer: stopping (idle_timeout)"
 
 
 def test_follow_refuses_what_it_cannot_do_exactly(tlake):
