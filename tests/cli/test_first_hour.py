@@ -182,3 +182,23 @@ def test_rollout_with_a_mistyped_lake_refuses_before_creating_it(tmp_path, capsy
     # an existing lake without a published policy: refused before any spool, lock or lineage file
     assert main(["rollout", "--lake", str(tmp_path / "lake"), "--groups", "1"]) == 2
     assert "no published policy" in capsys.readouterr().err and list((tmp_path / "lake").iterdir()) == []
+
+
+def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(capsys, monkeypatch):
+    """The warm start under CI or a job's log (stderr piped) says where it is, without a tqdm bar."""
+    import pipeline.console as console
+
+    clock = iter([0.0, 4.0, 11.0, 12.0, 22.0, 24.0, 30.0])   # start, 5 steps, end
+    monkeypatch.setattr("time.monotonic", lambda: next(clock))
+    with console.progress_bar(5, "policy v0 warm start", enabled=False) as bar:
+        assert bar is not None
+        for _ in range(5):
+            bar(1)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "policy v0 warm start: 0/5 steps"
+    assert err[1] == "policy v0 warm start: 2/5 steps (40%, 11s)"     # at most one line per 10 s
+    assert err[2] == "policy v0 warm start: 4/5 steps (80%, 22s)"
+    assert err[3] == "policy v0 warm start: 5/5 steps in 30.0s" and len(err) == 4
+    with console.progress_bar(5, "quiet", enabled=False, lines_every_s=None) as bar:
+        assert bar is None
+    assert capsys.readouterr().err == ""
