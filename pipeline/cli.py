@@ -342,9 +342,26 @@ def _disk_full(exc: BaseException, args: argparse.Namespace) -> int:
     return EXIT_TRANSIENT
 
 
+# A Hydra-style override typed as a bare argument: `pipeline train train.lr=5e-5` (verl's and Hydra's
+# habit) is `--set train.lr=5e-5`; KEY is a config key or SECTION.KEY.
+_OVERRIDE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*=.*", re.S)
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parse_args``, except that on a command with config options (``--set``) the bare
+    ``KEY=VALUE`` / ``SECTION.KEY=VALUE`` arguments are ``--set`` overrides, in order."""
+    args, rest = parser.parse_known_args(argv)
+    if rest and isinstance(getattr(args, "set", None), list):
+        args.set += [a for a in rest if _OVERRIDE.fullmatch(a)]
+        rest = [a for a in rest if not _OVERRIDE.fullmatch(a)]
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     if not getattr(args, "handler", None):
         parser.print_help()
         return EXIT_OK

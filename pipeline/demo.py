@@ -67,6 +67,13 @@ class DemoConfig:
     async_min_groups: int = field(default=16, metadata={"ge": 1, "help": "async: admitted groups to wait for per step"})
     async_timeout_s: float = field(default=120.0, metadata={"gt": 0, "help": "async: give up waiting for fresh groups"})
     report: bool = field(default=True, metadata={"help": "write the HTML health report at the end"})
+    trackers: str = field(default="", metadata={"help": "mirror the training metrics to trackers: comma-separated "
+                                                       "subset of tensorboard, mlflow, wandb (train's `trackers`)"})
+
+    def __post_init__(self) -> None:
+        from pipeline.train.config import parse_trackers
+
+        parse_trackers(self.trackers)   # refused before any work, not at the first training run
 
 
 @dataclass
@@ -123,7 +130,8 @@ def _train_cfg(cfg: DemoConfig, iteration: int):
     from pipeline.config import load_config
     from pipeline.train.config import TrainConfig
 
-    return load_config(TrainConfig, None, {"lr": cfg.lr, "epochs": cfg.epochs, "seed": cfg.seed + iteration})
+    return load_config(TrainConfig, None, {"lr": cfg.lr, "epochs": cfg.epochs, "seed": cfg.seed + iteration,
+                                           **({"trackers": cfg.trackers} if cfg.trackers else {})})
 
 
 def _admission_cfg(cfg: DemoConfig):
@@ -415,7 +423,8 @@ def _run_async(lake: Lake, cfg: DemoConfig, lines: list[IterationLine], out) -> 
 def _resident_train_sets(cfg: DemoConfig) -> dict[str, Any]:
     """The resident trainer's config: one seed for every version (a config is the
     trainer's, not the version's), polling twice a second."""
-    return {"lr": cfg.lr, "epochs": cfg.epochs, "seed": cfg.seed, "follow_poll_s": 0.5}
+    return {"lr": cfg.lr, "epochs": cfg.epochs, "seed": cfg.seed, "follow_poll_s": 0.5,
+            **({"trackers": cfg.trackers} if cfg.trackers else {})}
 
 
 def _checkpoint_of(lake: Lake, snapshot_id: str) -> Any:

@@ -202,3 +202,52 @@ def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(capsys, monkeypat
     with console.progress_bar(5, "quiet", enabled=False, lines_every_s=None) as bar:
         assert bar is None
     assert capsys.readouterr().err == ""
+
+
+def test_hydra_style_positional_overrides_are_set_overrides(tmp_path, capsys):
+    """verl/Hydra users type `pipeline train train.lr=5e-5`: the same as `--set train.lr=5e-5`."""
+    import json
+
+    from pipeline.cli import main
+
+    lake = str(tmp_path / "lake")
+    assert main(["train", "train.lr=5e-5", "--follow", "epochs=3", "--lake", lake, "--print-config", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)["train"]
+    assert doc["lr"] == 5e-5 and doc["epochs"] == 3
+    # later wins, as with --set; a typo is the config's own error, with did-you-mean
+    assert main(["admit", "--set", "max_policy_lag=2", "admission.max_policy_lag=4", "--lake", lake,
+                 "--print-config", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["admission"]["max_policy_lag"] == 4
+    assert main(["train", "--follow", "train.lrr=1", "--lake", lake, "--print-config"]) == 2
+    assert "did you mean `lr`?" in capsys.readouterr().err
+    # a command without config options still refuses a stray argument
+    with pytest.raises(SystemExit) as e:
+        main(["snapshots", "list", "a=b", "--lake", lake])
+    assert e.value.code == 2 and "unrecognized arguments: a=b" in capsys.readouterr().err
+
+
+def test_demo_refuses_experiment_sections_it_would_ignore_and_accepts_trackers(tmp_path, capsys):
+    import json
+
+    from pipeline.cli import main
+
+    exp = tmp_path / "exp.yaml"
+    exp.write_text("demo:\n  iterations: 2\ntrain:\n  lr: 1.0e-4\nrollout:\n  groups: 4\n")
+    lake = tmp_path / "lake"
+    assert main(["demo", "--config", str(exp), "--lake", str(lake)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: config file {exp}: pipeline demo reads only its `demo:` section and would "
+                          "ignore `rollout:`, `train:`") and len(err.strip().splitlines()) == 2
+    assert not lake.exists()
+    exp.write_text("demo:\n  iterations: 2\n  lr: 1.0e-4\n")
+    assert main(["demo", "--config", str(exp), "--set", "trackers=tensorboard,mlflow", "--print-config", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)["demo"]
+    assert doc["trackers"] == "tensorboard,mlflow" and doc["lr"] == 1e-4 and doc["iterations"] == 2
+    assert main(["demo", "--set", "trackers=tensorbord", "--print-config"]) == 2
+    assert "unknown tracker(s) ['tensorbord']" in capsys.readouterr().err
+    # the demo's training runs mirror to the trackers it was given (sync: each run; async: the resident trainer)
+    from pipeline.demo import DemoConfig, _resident_train_sets, _train_cfg
+
+    cfg = DemoConfig(trackers="tensorboard")
+    assert _train_cfg(cfg, 1).trackers == "tensorboard" and _resident_train_sets(cfg)["trackers"] == "tensorboard"
+    assert "trackers" not in _resident_train_sets(DemoConfig())
