@@ -120,6 +120,7 @@ class _Follower:
         self.unrecorded_skips: list[dict[str, Any]] = []   # skips not yet in a published version's lineage
         self.since_full = 0                                # versions since the head last had a full state
         self.trained = False
+        self.trackers: Any = None                          # rank 0: the tracker run of every version (trackers=)
 
     # -- start-up ----------------------------------------------------------------------
     def run(self) -> FollowResult:
@@ -134,14 +135,31 @@ class _Follower:
             self.out.startup_seconds = time.perf_counter() - t0
             self._say(f"ready in {self.out.startup_seconds:.1f}s at policy v{self.head.policy_version} "
                       f"({self.head.checkpoint_id})")
+            self._open_trackers()
             self._loop()
             self._shutdown()
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
+            if self.trackers is not None:
+                self.trackers.finish()
         self.out.head_checkpoint_id, self.out.head_policy_version = self.head.checkpoint_id, self.head.policy_version
         self.out.seconds = time.perf_counter() - t0
         return self.out
+
+    def _open_trackers(self) -> None:
+        """One tracker run for this resident trainer (rank 0, with ``trackers`` set): named after the
+        head it started from and the start time, every version it publishes logged into it."""
+        if self.rank != 0 or not self.cfg.trackers:
+            return
+        from datetime import datetime, timezone
+
+        from pipeline.config import config_dict
+        from pipeline.train.live import Trackers
+
+        name = f"follow-{self.head.checkpoint_id}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}"
+        self.trackers = Trackers(self.lake, self.cfg, checkpoint_id=name, config=config_dict(self.cfg),
+                                 run_name=name, resident=True)
 
     def _say(self, msg: str) -> None:
         """A progress line on stderr (rank 0; off with progress=False, i.e. --no-progress): plain
@@ -292,6 +310,11 @@ class _Follower:
         except OffPolicySnapshotError as exc:   # measured against the head's weights: refused like a stale one
             self._skip(sid, "off_policy", exc.message)
             return
+        if self.trackers is not None:    # rank 0: this version's steps follow the previous version's
+            run.trackers = self.trackers
+            from pipeline.policy_store import next_policy_version
+
+            self.trackers.begin(run.checkpoint_id, next_policy_version(self.lake))   # the version it will publish
         if self.rank == 0:
             lineage.emit_run_event(self.lake, event_type="START", run_id=run.lineage_run_id, job_name=JOB_NAME,
                                    inputs=run.inputs, outputs=[lineage.checkpoint(self.lake, run.checkpoint_id)],
