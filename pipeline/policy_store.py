@@ -497,6 +497,22 @@ def import_policy(lake: Lake | str | os.PathLike[str], hf_dir: str | Path, *, ch
             "already_present": bool(prior)}
 
 
+@contextmanager
+def _gguf_progress_bar_off() -> Iterator[None]:
+    """transformers' GGUF reader draws its own ``tqdm.auto`` bar, which no transformers or hub switch
+    turns off (it reached stderr under --json): its module's ``tqdm`` gets ``disable=True`` for the load."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 def gguf_to_hf_dir(gguf_file: str | Path, out_dir: str | Path, *, dtype: str = "float32") -> Path:
     """Write a GGUF model file as a safetensors Hugging Face directory (``out_dir``):
     transformers loads the file (``gguf_file=``, which needs the ``gguf`` and
@@ -526,8 +542,9 @@ def gguf_to_hf_dir(gguf_file: str | Path, out_dir: str | Path, *, dtype: str = "
 
         raise ConfigError(f"dtype {dtype!r}: use float32 or bfloat16 (the trainer's precisions)")
     try:
-        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-        gmodel = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch_dtype)
+        with _gguf_progress_bar_off():
+            tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+            gmodel = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch_dtype)
     except Exception as exc:  # noqa: BLE001 - an unreadable / unsupported file is bad input
         raise InputFileError(f"{src}: transformers cannot load this GGUF file: {type(exc).__name__}: "
                              f"{str(exc)[:300]}", hint="transformers reads GGUF files of the architectures its "

@@ -159,9 +159,7 @@ def _admit_text(d: dict[str, Any]) -> str:
     else:
         lines.append(f"decided {d['decided_groups']} group(s): {_counts(d['counts'])}")
     if d.get("target"):
-        t = d["target"]
-        lines.append(f"target {t['target_groups']} groups: {t['missing_groups']} missing, admit rate "
-                     f"{t['observed_admit_rate']}, sample ~{t['groups_to_sample']} more groups")
+        lines.append(_target_text(d["target"]))
     for rev, n in sorted(((d.get("quality") or {}).get("deferred_groups") or {}).items()):
         lines.append(f"{n} group(s) of tokenizer {rev} left undecided: they wait for a policy of that tokenizer "
                      f"(pipeline policy import), and the next admission scans them again")
@@ -172,6 +170,20 @@ def _admit_text(d: dict[str, Any]) -> str:
     else:
         lines.append("no snapshot (nothing admitted)")
     return "\n".join(lines)
+
+
+def _target_text(t: dict[str, Any]) -> str:
+    """The --target-groups line; no decided group (rate None) or none admitted (rate 0) says so in words."""
+    rate = t["observed_admit_rate"]
+    head = f"target {t['target_groups']} groups: {t['missing_groups']} missing"
+    if rate is None:
+        return head + ", admit rate unknown (no group decided in this run): sample and admit again"
+    head += f", admit rate {rate:.1%}"
+    if not t["missing_groups"]:
+        return head + ", target met"
+    if t["groups_to_sample"] is None:
+        return head + ": nothing admitted to size the next rollout by; sample more groups"
+    return head + f", sample ~{t['groups_to_sample']} more groups"
 
 
 def _counts(counts: dict[str, int]) -> str:

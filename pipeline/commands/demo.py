@@ -39,7 +39,7 @@ def _demo(args: argparse.Namespace):
     import json
 
     from pipeline.cli import out
-    from pipeline.config import load_config, parse_set
+    from pipeline.config import load_config, parse_set, refuse_other_sections
     from pipeline.demo import DemoConfig, default_lake_uri, run_demo
     from pipeline.lake.delta import Lake
 
@@ -47,7 +47,14 @@ def _demo(args: argparse.Namespace):
     for key in ("iterations", "engine", "mode", "groups", "seed", "target_groups"):
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)
+    refuse_other_sections(args.config, "demo", command="pipeline demo", hint=(
+        "put the demo's keys under `demo:` (lr, epochs, max_policy_lag, groups, group_size, trackers, ...: "
+        "`pipeline demo --help`), or run the stages with `pipeline rollout|admit|train --config FILE`"))
     cfg = load_config(DemoConfig, args.config, overrides)
+    if cfg.engine == "vllm":    # before the warm start and the lake, not after them
+        from pipeline.rollout.vllm_engine import require_vllm
+
+        require_vllm()
     lake = Lake(args.lake or default_lake_uri())
     if lake.exists("checkpoints"):
         from pipeline.errors import PipelineError

@@ -24,9 +24,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--only", action="append", default=None, help="schedule only these jobs (repeatable)")
     s.add_argument("--for-seconds", type=float, default=None, help="stop after this long (default: until Ctrl-C)")
     s.set_defaults(handler=_schedule)
-    k = common(jsub.add_parser("render-k8s", help="write the Kubernetes CronJobs of the jobs (cronjobs.yaml)"))
+    k = common(jsub.add_parser("render-k8s", help="write the Kubernetes CronJobs and Deployments of the jobs "
+                                                   "(cronjobs.yaml, services.yaml)"))
     k.add_argument("--out", default=None, metavar="DIR",
-                   help="directory to write cronjobs.yaml into (default: ./infra/k8s when run from a checkout)")
+                   help="directory to write cronjobs.yaml and services.yaml into "
+                        "(default: ./infra/k8s when run from a checkout)")
     k.add_argument("--image", default=None,
                    help="container image of every job (default: trajectory-lakehouse:VERSION-cpu)")
     k.add_argument("--jobs-dir", default=None, help=jobs_dir_help)
@@ -35,22 +37,29 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _render_k8s(args):
+    """The same two files as ``python -m pipeline.jobs --render-k8s``: the scheduled jobs'
+    CronJobs and the services' (the resident trainer's) Deployments; both rendered before
+    either is written."""
     from pathlib import Path
 
     from pipeline.cli import emit
     from pipeline.errors import ConfigError
-    from pipeline.jobs import load_jobs, render_cronjobs
+    from pipeline.jobs import load_jobs, render_cronjobs, render_services
 
     if args.out is None:
         if not Path("infra/k8s").is_dir():
-            raise ConfigError("no ./infra/k8s here to write cronjobs.yaml into", hint="pass --out DIR")
+            raise ConfigError("no ./infra/k8s here to write cronjobs.yaml and services.yaml into", hint="pass --out DIR")
         args.out = "infra/k8s"
-    out = Path(args.out) / "cronjobs.yaml"
-    text = render_cronjobs(load_jobs(args.jobs_dir), image=args.image)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    emit({"path": str(out), "cronjobs": text.count("kind: CronJob")}, args,
-         lambda r: f"wrote {r['path']} ({r['cronjobs']} CronJobs)")
+    jobs = load_jobs(args.jobs_dir)
+    texts = {Path(args.out) / "cronjobs.yaml": render_cronjobs(jobs, image=args.image),
+             Path(args.out) / "services.yaml": render_services(jobs, image=args.image)}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    for path, text in texts.items():
+        path.write_text(text)
+    cron, services = texts.values()
+    emit({"path": str(Path(args.out) / "cronjobs.yaml"), "paths": [str(p) for p in texts],
+          "cronjobs": cron.count("kind: CronJob"), "deployments": services.count("kind: Deployment")}, args,
+         lambda r: f"wrote {' and '.join(r['paths'])} ({r['cronjobs']} CronJobs, {r['deployments']} Deployments)")
 
 
 def _list(args):

@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_report)
 
 
-EXIT_ALERT = 4   # `report --check`: the report was written and at least one alert fired (README "Exit codes")
+EXIT_ALERT = 4   # `report --check`: the report was written and at least one alert fired (README "Output and exit codes")
 
 
 def _report(args: argparse.Namespace) -> int | None:
@@ -49,7 +49,10 @@ def _report(args: argparse.Namespace) -> int | None:
 
     if args.pass_k < 1 or args.receipts < 1:
         raise PipelineError("--pass-k and --receipts must be >= 1")
-    result = write_report(open_lake(args), args.out, ReportOptions(
+    lake = open_lake(args)
+    if args.run_id is not None:
+        _require_run(lake, args.run_id)
+    result = write_report(lake, args.out, ReportOptions(
         run_id=args.run_id, bucket=args.bucket, pass_k=args.pass_k, receipts=args.receipts, train_x=args.train_x))
     emit(result, args, text=_text)
     if args.check and result.get("alerts"):
@@ -58,6 +61,28 @@ def _report(args: argparse.Namespace) -> int | None:
         note(f"{len(result['alerts'])} alert(s) fired (report --check exits {EXIT_ALERT})")
         return EXIT_ALERT
     return None
+
+
+def _require_run(lake, run_id: str) -> None:
+    """A --run-id the lake has no trajectory of is a typo, not an empty report (exit 0 on nothing)."""
+    from pipeline.config import did_you_mean
+    from pipeline.errors import NotFoundError
+    from pipeline.query.duck import query
+
+    runs: list[str] = []
+    if lake.exists("trajectories"):
+        runs = [r for r in query(lake, "SELECT DISTINCT run_id FROM trajectories ORDER BY 1").column(0).to_pylist() if r]
+    if run_id in runs:
+        return
+    close = did_you_mean(run_id, runs)
+    listed = ", ".join(runs[:5]) + (f" (and {len(runs) - 5} more)" if len(runs) > 5 else "")
+    if close:
+        hint = close
+    elif runs:
+        hint = f"the lake's runs: {listed}"
+    else:
+        hint = "the lake has no trajectories yet"
+    raise NotFoundError(f"run {run_id} has no trajectories in {lake.uri}", hint=hint)
 
 
 def _text(r: dict[str, Any]) -> str:

@@ -43,6 +43,11 @@ def _rollout(args: argparse.Namespace) -> None:
     if not args.json:
         over.setdefault("progress", True)
     cfg = load_config(RolloutConfig, args.config, over)
+    if cfg.engine == "vllm":    # one line before any work, not "a rollout worker died" from each worker
+        from pipeline.rollout.vllm_engine import require_vllm
+
+        require_vllm()
+    _require_a_policy(args.lake, str(cfg.policy))
     s = run_rollout(open_lake(args, create=True), cfg).as_dict()
     emit(s, args, lambda r: (
         f"rollout {r['run_id']}: {r['trajectories']} trajectories on {r['env']} ({r['engine']}, "
@@ -63,6 +68,29 @@ def _rollout(args: argparse.Namespace) -> None:
                   for w in r["weight_switches"])
         + (f"\n  retries: {r['retries']} run, {r['retries_denied']} denied (budget spent or policy moved on)"
            if r["retries"] or r["retries_denied"] else "")))
+
+
+def _require_a_policy(lake_arg: str | None, policy: str) -> None:
+    """A lake with no published policy can only be rolled out from an HF directory (--policy DIR):
+    refuse before the lake is created, so a mistyped --lake leaves nothing behind."""
+    import difflib
+    from pathlib import Path
+
+    from pipeline.errors import NotFoundError
+    from pipeline.lake.delta import Lake, resolve_lake_uri
+
+    if Path(policy).is_dir():
+        return
+    uri = resolve_lake_uri(lake_arg)
+    hint = f"pipeline policy init --lake {uri} publishes version 0 (or pass --policy HF_DIR)"
+    path = Path(uri)
+    if "://" not in uri and not path.exists():     # checked before Lake(), which makes the directory
+        near = [p.name for p in path.parent.iterdir() if p.is_dir()] if path.parent.is_dir() else []
+        close = difflib.get_close_matches(path.name, near, n=1, cutoff=0.6)
+        hint = (f"did you mean --lake {path.parent / close[0]}? " if close else "check --lake; ") + "or " + hint
+        raise NotFoundError(f"lake {uri} does not exist, so it holds no policy to roll out", hint=hint)
+    if not Lake(uri).exists("checkpoints"):
+        raise NotFoundError(f"no published policy in lake {uri}", hint=hint)
 
 
 def _fmt(x: float | None) -> str:

@@ -81,12 +81,11 @@ def _show_text(d: dict) -> str:
         lines += [f"  created:     {row.get('created_at')}",
                   f"  policy:      current version {row.get('current_policy_version')} at admission",
                   f"  config:      {row.get('config_hash')}",
-                  "  sources:     " + (", ".join(f"{k}@v{v}" for k, v in sorted(row.get("source_versions", {}).items()))
+                  "  sources:     " + (", ".join(_source(k, v) for k, v in sorted(row.get("source_versions", {}).items()))
                                       or "-")]
-        quality = row.get("quality")
-        if isinstance(quality, dict) and quality:
-            lines.append("  quality:     " + ", ".join(f"{k}={v}" for k, v in sorted(quality.items())
-                                                        if not isinstance(v, (dict, list))))
+        quality = _flat_quality(row.get("quality"))
+        if quality:
+            lines.append("  quality:     " + ", ".join(f"{k}={v}" for k, v in quality))
     files = m.get("files", {})
     sizes = [f"{name} ({meta['rows']} rows, {meta['bytes']:,} bytes)" if "bytes" in meta else name
              for name, meta in files.items()]
@@ -94,6 +93,27 @@ def _show_text(d: dict) -> str:
     lines.append(f"  manifest:    sha256 {d['manifest_sha256']}")
     lines.append("(--json prints the whole manifest and row)")
     return "\n".join(lines)
+
+
+def _source(table: str, version: int) -> str:
+    """``trajectories@v3``; version -1 is a table that did not exist yet when the snapshot was cut."""
+    return f"{table}@v{version}" if version >= 0 else f"{table} (not yet created)"
+
+
+def _flat_quality(quality) -> list[tuple[str, object]]:
+    """The quality summary's scalars, nested ones as ``outer.inner``; empty ones left out."""
+    if not isinstance(quality, dict):
+        return []
+    out: list[tuple[str, object]] = []
+    for k, v in sorted(quality.items()):
+        if isinstance(v, dict):
+            out += [(f"{k}.{ik}", iv) for ik, iv in sorted(v.items()) if not isinstance(iv, (dict, list))]
+        elif isinstance(v, list):
+            if v:
+                out.append((k, len(v)))
+        elif v is not None:
+            out.append((k, v))
+    return out
 
 
 def _verify(args: argparse.Namespace) -> None:

@@ -73,6 +73,16 @@ def detect_format(path: Path, head: bytes) -> str:
     if suffix in (".arrow", ".ipc", ".feather", ".arrows"):
         return "ipc"
     if suffix in (".jsonl", ".ndjson", ".json"):
+        # binary bytes under a JSON name would quarantine one binary "line" per newline byte
+        real = "Parquet" if head.startswith(b"PAR1") else "Arrow IPC" if (
+            head.startswith(b"ARROW1") or head[:4] == b"\xff\xff\xff\xff") else None
+        if real:
+            raise InputFileError(f"{path}: named {suffix} but holds {real} bytes (it starts with {head[:6]!r})",
+                                 hint=f"rename it *.{'parquet' if real == 'Parquet' else 'arrow'}")
+        if b"\x00" in head:
+            raise InputFileError(f"{path}: named {suffix} but holds binary bytes (NUL in its first bytes), "
+                                 f"not JSON lines", hint="write one JSON object per line in UTF-8, "
+                                 "or name a Parquet / Arrow file *.parquet / *.arrow")
         return "jsonl"
     if head.startswith(b"PAR1"):
         return "parquet"

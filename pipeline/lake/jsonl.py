@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline.lake.validate import Reject
+from pipeline.lake.validate import Reject, unknown_columns_message
 from pipeline.schema import ColumnSpec, table_spec
 
 
@@ -128,6 +128,14 @@ def _split_lines(data: bytes) -> tuple[list[str], dict[int, str]]:
     return lines, bad
 
 
+def _is_unicode(k: str) -> bool:
+    try:
+        _unicode(k, "a column name")
+    except _Bad:
+        return False
+    return True
+
+
 def parse_jsonl(data: bytes, path: Path | str, table: str = "trajectories") -> tuple[pa.Table, list[str], list[Reject]]:
     spec = table_spec(table)
     cols: list[ColumnSpec] = spec.ingest_columns
@@ -137,6 +145,8 @@ def parse_jsonl(data: bytes, path: Path | str, table: str = "trajectories") -> t
     values: dict[str, list[Any]] = {c.name: [] for c in cols}
     present: dict[str, np.ndarray] = {c.name: np.zeros(len(lines), bool) for c in cols}
     rejects: list[Reject] = []
+    extras: list[set[str] | None] = []     # per line: its keys the contract lacks (None: not an object)
+    row_problems: list[tuple[list[tuple[str, str]], list[str]]] = []
     for i, line in enumerate(lines):
         problems: list[tuple[str, str]] = []
         broken: list[str] = []
@@ -149,18 +159,16 @@ def parse_jsonl(data: bytes, path: Path | str, table: str = "trajectories") -> t
                 raise _Bad("bad_json", f"line {i + 1} is a JSON {type(obj).__name__}, expected an object")
         except json.JSONDecodeError as exc:
             obj = {}
-            problems.append(("bad_json", f"line {i + 1} is not valid JSON: {exc.msg} at column {exc.colno}"))
+            # json's own messages may end in "at" ("Unterminated string starting at"): no "at at column"
+            where = f"{exc.msg} column {exc.colno}" if exc.msg.endswith(" at") else f"{exc.msg} at column {exc.colno}"
+            problems.append(("bad_json", f"line {i + 1} is not valid JSON: {where}"))
             broken.append("*")
         except _Bad as b:
             obj = {}
             problems.append((b.code, b.message))
             broken.append("*")
         extra = sorted(set(obj) - names)
-        if extra:
-            code = "derived_column" if set(extra) <= derived else "unknown_column"
-            problems.append((code, f"unknown column(s) {extra}; the {table} contract has no such column "
-                                   f"(see README, Ingest contract): drop or rename them"
-                             if code == "unknown_column" else f"column(s) {extra} are computed by the lake; drop them"))
+        extras.append(None if "*" in broken else set(extra))
         for k in extra:
             try:
                 _unicode(k, "a column name")
@@ -180,6 +188,18 @@ def parse_jsonl(data: bytes, path: Path | str, table: str = "trajectories") -> t
             if missing:
                 problems.append(("missing_column", f"required field(s) {missing} are missing"))
                 broken.extend(missing)
+        row_problems.append((problems, broken))
+    # a key every line carries is a column of the file: one quarantine entry for the file, as for
+    # Parquet (validate_table sees it as a column); a key only some lines carry rejects those lines
+    parsed = [e for e in extras if e is not None]
+    file_extra = sorted(k for k in (set.intersection(*parsed) if parsed and len(parsed) == len(lines) else ())
+                        if _is_unicode(k))
+    for i, (problems, broken) in enumerate(row_problems):
+        extra = sorted((extras[i] or set()) - set(file_extra))
+        if extra:
+            code = "derived_column" if set(extra) <= derived else "unknown_column"
+            problems.insert(0, (code, unknown_columns_message(extra, table) if code == "unknown_column"
+                                else f"column(s) {extra} are computed by the lake; drop them"))
         if problems:
             rejects.append(Reject(i, problems[0][0], problems[0][1], columns=tuple(broken),
                                   problems=tuple(problems)))
@@ -190,4 +210,6 @@ def parse_jsonl(data: bytes, path: Path | str, table: str = "trajectories") -> t
             vals = [float("nan") if isinstance(v, float) and math.isnan(v) else v for v in vals]
         arrays[c.name] = pa.array(vals, type=c.arrow_type)
     t = pa.table(arrays, schema=pa.schema([c.arrow_field().with_nullable(True) for c in cols]))
+    for name in file_extra:     # its values are not read: the file is refused for the column's presence
+        t = t.append_column(pa.field(name, pa.null()), pa.nulls(len(lines)))
     return t, lines, rejects

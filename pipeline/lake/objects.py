@@ -60,7 +60,7 @@ def s3_client(lake: Lake):
         from botocore.config import Config
     except ImportError as exc:  # pragma: no cover - boto3 is a dependency
         raise PipelineError("boto3 is not installed (needed for leases and snapshots on S3)",
-                            hint="pip install boto3 (a dependency of trajectory-lakehouse)") from exc
+                            hint="boto3 is a core dependency: bash scripts/setup-env.sh installs it into .venv") from exc
     opts = lake.storage_options or {}
     key = (os.getpid(), tuple(sorted(opts.items())))
     with _CLIENTS_LOCK:

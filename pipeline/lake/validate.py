@@ -432,6 +432,19 @@ def pandas_index_columns(raw: pa.Table) -> list[str]:
             and c in raw.column_names]
 
 
+def unknown_columns_message(unknown: list[str], table: str = "trajectories") -> str:
+    """The reason for columns the contract lacks, with "did you mean" for a close name (Parquet, IPC, JSONL)."""
+    import difflib
+
+    spec = table_spec(table)
+    ingestable = [c.name for c in spec.ingest_columns]
+    close = {u: m[0] for u in unknown if isinstance(u, str)
+             and (m := difflib.get_close_matches(u, ingestable, n=1, cutoff=0.6))}
+    mean = ", ".join(f"{m!r} for {u!r}" for u, m in close.items())
+    return (f"unknown column(s) {unknown}; the {table} contract has no such column "
+            f"(see README, Ingest contract): drop or rename them" + (f" (did you mean {mean}?)" if mean else ""))
+
+
 def validate_table(raw: pa.Table, *, table: str = "trajectories",
                    pre_rejected: list[Reject] | None = None) -> Validated:
     """Validate ``raw`` against ``schemas/<table>.yaml``.
@@ -460,9 +473,7 @@ def validate_table(raw: pa.Table, *, table: str = "trajectories",
                   f"column(s) {derived} are computed by the lake; drop them from the input")
     unknown = [c for c in dict.fromkeys(names) if c not in known]
     if unknown:
-        fails.add_file("unknown_column",
-                  f"unknown column(s) {unknown}; the {table} contract has no such column "
-                  f"(see README, Ingest contract): drop or rename them")
+        fails.add_file("unknown_column", unknown_columns_message(unknown, table))
     cols: dict[str, pa.Array] = {}
     for c in spec.ingest_columns:
         if c.name not in names:

@@ -560,9 +560,16 @@ def time_breakdown(lake: Lake) -> dict[str, dict[str, Any]]:
     return dict(sorted(out.items()))
 
 
+BUCKETS = ("second", "minute", "hour", "day", "week")
+MIN_PER_BUCKET = 20     # trajectories a typical time bucket holds at least, or the next coarser one is used
+
+
 def choose_bucket(lake: Lake) -> str:
     """The time bucket that gives the over-time plots a usable number of points
-    for the span of the data (finished_at of the trajectories)."""
+    for the span of the data (finished_at of the trajectories), coarser while the
+    median bucket holds fewer than ``MIN_PER_BUCKET`` trajectories and the coarser
+    one still gives two points or more: a short run's per-second buckets of a few
+    trajectories each drew success rates zig-zagging to 0."""
     from pipeline.query.duck import query
 
     try:
@@ -573,10 +580,21 @@ def choose_bucket(lake: Lake) -> str:
     if span is None:
         return "hour"
     if span <= 15 * 60:
-        return "second" if span <= 120 else "minute"
-    if span <= 2 * 86400:
-        return "minute" if span <= 3 * 3600 else "hour"
-    return "day" if span <= 120 * 86400 else "week"
+        bucket = "second" if span <= 120 else "minute"
+    elif span <= 2 * 86400:
+        bucket = "minute" if span <= 3 * 3600 else "hour"
+    else:
+        bucket = "day" if span <= 120 * 86400 else "week"
+    parts = " UNION ALL ".join(
+        f"SELECT '{b}' AS b, date_trunc('{b}', finished_at) AS k, count(*) AS n FROM trajectories "
+        f"WHERE finished_at IS NOT NULL GROUP BY 2" for b in BUCKETS[BUCKETS.index(bucket):])
+    stats = {row["b"]: (row["buckets"], row["med"]) for row in query(
+        lake, f"SELECT b, count(*) AS buckets, median(n) AS med FROM ({parts}) GROUP BY b").to_pylist()}
+    i = BUCKETS.index(bucket)
+    while (i + 1 < len(BUCKETS) and stats.get(BUCKETS[i], (0, 0))[1] < MIN_PER_BUCKET
+           and stats.get(BUCKETS[i + 1], (0, 0))[0] >= 2):
+        i += 1
+    return BUCKETS[i]
 
 
 SECTIONS: tuple[Callable[[_Queries], Section], ...] = (

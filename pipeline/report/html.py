@@ -50,7 +50,7 @@ body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;c
 h1{font-size:22px;margin:0 0 4px}h2{font-size:18px;margin:28px 0 6px;border-bottom:1px solid #ddd;padding-bottom:4px}
 .meta{color:#666;font-size:13px}.intro{color:#444;font-size:13px;max-width:980px}
 .grid{display:flex;flex-wrap:wrap;gap:12px}.fig{background:#fff;border:1px solid #e2e2e2;border-radius:4px;padding:6px}
-.fig .plot{width:640px;height:330px}
+.fig .plot{width:640px;height:350px}
 table{border-collapse:collapse;font-size:12px;margin:8px 0;background:#fff}
 th,td{border:1px solid #e2e2e2;padding:3px 6px;text-align:left;vertical-align:top}th{background:#f0f0f0}
 td.num{text-align:right;font-variant-numeric:tabular-nums}caption{text-align:left;font-size:12px;color:#555;padding:4px 0}

@@ -23,7 +23,10 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-HEIGHT, WIDTH = 330, 640
+HEIGHT, WIDTH = 350, 640
+# plotly's toolbar (modebar) is drawn over the top right of the figure, about 26 px high: the title
+# sits below that row, left-aligned, and the plot area starts below the title
+TOOLBAR_PX, TITLE_TOP_PX, PLOT_TOP_PX = 26, 30, 62
 VISIBLE_RUNS = 6
 # 24 distinguishable colours (plotly's Dark24): colours repeat only past 24 runs
 PALETTE = ("#2E91E5", "#E15F99", "#1CA71C", "#FB0D0D", "#DA16FF", "#222A2A", "#B68100", "#750D86", "#EB663B",
@@ -41,8 +44,10 @@ def library_js() -> str:
 
 
 def _layout(title: str, xlabel: str, ylabel: str, legend: bool) -> dict[str, Any]:
-    return dict(title=dict(text=title, font=dict(size=14)), height=HEIGHT, width=WIDTH,
-                margin=dict(l=60, r=20, t=40, b=50), template="plotly_white", showlegend=legend,
+    return dict(title=dict(text=title, font=dict(size=14), x=0.01, xref="container", xanchor="left",
+                           y=1 - TITLE_TOP_PX / HEIGHT, yref="container", yanchor="top"),
+                height=HEIGHT, width=WIDTH,
+                margin=dict(l=60, r=20, t=PLOT_TOP_PX, b=50), template="plotly_white", showlegend=legend,
                 legend=dict(font=dict(size=10), groupclick="togglegroup"),
                 xaxis=dict(title=dict(text=xlabel)), yaxis=dict(title=dict(text=ylabel)), hovermode="closest")
 
@@ -57,6 +62,20 @@ def _num(v: Any) -> float | None:
         return None
     f = float(v)
     return None if f != f else f         # NaN leaves a gap, like None
+
+
+def _constant_range(ys: list[float | None]) -> dict[str, Any]:
+    """Axis settings for a series that never changes (a constant learning rate): plotly's own
+    range for one value v is v +- 1, where 3e-4 sits on the tick labelled 0; give it v +- 50%
+    with ticks in v's own magnitude instead."""
+    vals = {v for v in ys if v is not None}
+    if len(vals) != 1:
+        return {}
+    (v,) = vals
+    if v == 0:
+        return {}
+    half = abs(v) / 2
+    return {"range": [v - half, v + half], "tickformat": ".3~g"}
 
 
 def lines(series: Mapping[str, tuple[Sequence, Sequence]], *, title: str, xlabel: str, ylabel: str,
@@ -87,6 +106,8 @@ def lines(series: Mapping[str, tuple[Sequence, Sequence]], *, title: str, xlabel
         layout["xaxis"]["tickformat"] = "d"
     if ylim:
         layout["yaxis"]["range"] = list(ylim)
+    else:
+        layout["yaxis"].update(_constant_range([_num(v) for _, y in series.values() for v in y]))
     layout["shapes"] = [dict(type="line", xref="x", yref="paper", x0=bx, x1=bx, y0=0, y1=1,
                              line=dict(color="#999", width=1, dash="dot")) for bx, _ in boundaries]
     layout["annotations"] = [dict(x=bx, y=1, xref="x", yref="paper", text=text, showarrow=False, xanchor="left",

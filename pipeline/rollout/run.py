@@ -132,6 +132,10 @@ def run_rollout(lake: Lake | str | os.PathLike[str], cfg: RolloutConfig | None =
     elif overrides:
         cfg = dataclasses.replace(cfg, **overrides)
     _check(cfg)
+    if cfg.engine == "vllm":   # one error here, not one per spawned worker
+        from pipeline.rollout.vllm_engine import require_vllm
+
+        require_vllm()
     if not cfg.run_id:
         cfg = dataclasses.replace(cfg, run_id=f"rollout-{cfg.seed}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}")
     from pipeline import lineage

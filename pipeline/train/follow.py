@@ -100,6 +100,9 @@ def follow(lake: Lake, cfg: TrainConfig | None = None, *, from_checkpoint: str |
             os.environ.pop(k, None)
 
 
+WAIT_NOTE_EVERY_S = 60.0   # a waiting resident trainer says so this often
+
+
 class _Follower:
     """The state kept between versions: engine, model, head, counters."""
 
@@ -117,6 +120,7 @@ class _Follower:
         self.unrecorded_skips: list[dict[str, Any]] = []   # skips not yet in a published version's lineage
         self.since_full = 0                                # versions since the head last had a full state
         self.trained = False
+        self.trackers: Any = None                          # rank 0: the tracker run of every version (trackers=)
 
     # -- start-up ----------------------------------------------------------------------
     def run(self) -> FollowResult:
@@ -126,16 +130,42 @@ class _Follower:
         torch.set_num_threads(self.cfg.threads)
         previous = self._install_sigterm()
         try:
+            self._say("starting: loading the policy and building the training engine")
             self._start()
             self.out.startup_seconds = time.perf_counter() - t0
+            self._say(f"ready in {self.out.startup_seconds:.1f}s at policy v{self.head.policy_version} "
+                      f"({self.head.checkpoint_id})")
+            self._open_trackers()
             self._loop()
             self._shutdown()
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
+            if self.trackers is not None:
+                self.trackers.finish()
         self.out.head_checkpoint_id, self.out.head_policy_version = self.head.checkpoint_id, self.head.policy_version
         self.out.seconds = time.perf_counter() - t0
         return self.out
+
+    def _open_trackers(self) -> None:
+        """One tracker run for this resident trainer (rank 0, with ``trackers`` set): named after the
+        head it started from and the start time, every version it publishes logged into it."""
+        if self.rank != 0 or not self.cfg.trackers:
+            return
+        from datetime import datetime, timezone
+
+        from pipeline.config import config_dict
+        from pipeline.train.live import Trackers
+
+        name = f"follow-{self.head.checkpoint_id}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}"
+        self.trackers = Trackers(self.lake, self.cfg, checkpoint_id=name, config=config_dict(self.cfg),
+                                 run_name=name, resident=True)
+
+    def _say(self, msg: str) -> None:
+        """A progress line on stderr (rank 0; off with progress=False, i.e. --no-progress): plain
+        lines, so a piped or logged run (CI, a job's log) shows the start-up and the waits too."""
+        if self.rank == 0 and self.progress is not False:
+            print(f"resident trainer: {msg}", file=sys.stderr, flush=True)
 
     def _install_sigterm(self) -> Any:
         """SIGTERM: finish the current version, write the full state, exit 0. Under a
@@ -280,6 +310,11 @@ class _Follower:
         except OffPolicySnapshotError as exc:   # measured against the head's weights: refused like a stale one
             self._skip(sid, "off_policy", exc.message)
             return
+        if self.trackers is not None:    # rank 0: this version's steps follow the previous version's
+            run.trackers = self.trackers
+            from pipeline.policy_store import next_policy_version
+
+            self.trackers.begin(run.checkpoint_id, next_policy_version(self.lake))   # the version it will publish
         if self.rank == 0:
             lineage.emit_run_event(self.lake, event_type="START", run_id=run.lineage_run_id, job_name=JOB_NAME,
                                    inputs=run.inputs, outputs=[lineage.checkpoint(self.lake, run.checkpoint_id)],
@@ -355,12 +390,21 @@ class _Follower:
 
     def _loop(self) -> None:
         idle_since = time.monotonic()
+        said = None      # when the last waiting line was printed (None: not waiting yet)
         while True:
             action, arg = self._broadcast(self._decide(idle_since) if self.rank == 0 else None)
             if action == "stop":
                 self.out.stopped_by = str(arg)
+                self._say(f"stopping ({arg})")
                 return
             if action == "wait":
+                now = time.monotonic()
+                if said is None or now - said >= WAIT_NOTE_EVERY_S:
+                    self._say(("waiting for an admitted snapshot (pipeline admit cuts one)" if said is None
+                               else f"still waiting: no snapshot for {now - idle_since:.0f}s")
+                              + (f"; stops after {self.idle_timeout_s:g}s idle" if self.idle_timeout_s is not None
+                                 else "; SIGTERM or Ctrl-C stops it"))
+                    said = now
                 # every rank waits here, between two broadcasts: a collective never waits
                 # longer than a poll (process-group timeouts stay out of reach)
                 time.sleep(self.cfg.follow_poll_s)
@@ -369,8 +413,9 @@ class _Follower:
                 self._skip(arg[0], "superseded", arg[1])
                 continue
             assert arg is not None
+            self._say(f"training snapshot {arg}")
             self._version(arg)
-            idle_since = time.monotonic()
+            idle_since, said = time.monotonic(), None
 
     def _shutdown(self) -> None:
         """The full state of the head at exit, unless it already has one: the next

@@ -17,6 +17,9 @@ verl's ``trainer.logger``) receive the same rows right after they land, with
 or a local file store ``<tracker_dir>/mlruns`` (experiment
 ``trajectory-lakehouse``, run name = checkpoint id); wandb in offline mode
 unless ``WANDB_MODE`` says otherwise, files under ``<tracker_dir>/wandb``.
+The resident trainer opens one tracker run for all its versions
+(``Trackers(resident=True)``: ``follow-<head>-<start>``, steps monotonic
+across versions, the version a scalar and a tag).
 ``tracker_dir`` defaults to ``<lake>/_trackers`` (a cache directory for an
 object-store lake).
 """
@@ -58,23 +61,45 @@ def tracker_dir(lake: Lake, cfg: TrainConfig) -> Path:
 
 
 class Trackers:
-    """The configured trackers of one training run (rank 0)."""
+    """The configured trackers of one training run (rank 0), or of a resident trainer
+    (``resident=True``, named ``run_name``): one tracker run over every version it
+    publishes, its step monotonic across versions (each version's steps follow the
+    previous one's), the version a scalar (``train/policy_version``) and a tag per
+    version (``v<N>`` = checkpoint id); ``close`` after a version keeps it open,
+    ``finish`` ends it."""
 
-    def __init__(self, lake: Lake, cfg: TrainConfig, *, checkpoint_id: str, config: dict[str, Any]) -> None:
+    def __init__(self, lake: Lake, cfg: TrainConfig, *, checkpoint_id: str, config: dict[str, Any],
+                 run_name: str | None = None, resident: bool = False) -> None:
         self.names = parse_trackers(getattr(cfg, "trackers", ""))
         self.sinks: list[Any] = []
+        self.resident = resident
+        self.offset = self.next_step = 0
+        self.version: int | None = None
         if not self.names:
             return
         root = tracker_dir(lake, cfg)
         for name in self.names:
-            self.sinks.append(_OPEN[name](root, checkpoint_id, config))
+            self.sinks.append(_OPEN[name](root, run_name or checkpoint_id, config))
+
+    def begin(self, checkpoint_id: str, policy_version: int) -> None:
+        """A resident trainer's next version: its steps start after the last one logged."""
+        self.offset, self.version = self.next_step, policy_version
+        for sink in self.sinks:
+            sink.tag(f"v{policy_version}", checkpoint_id, self.offset)
 
     def log(self, rows: list[dict[str, Any]]) -> None:
-        for sink in self.sinks:
-            for r in rows:
-                sink.log(scalars(r), int(r["global_step"]))
+        for r in rows:
+            step = self.offset + int(r["global_step"])
+            values = scalars(r) | ({} if self.version is None else {"policy_version": float(self.version)})
+            for sink in self.sinks:
+                sink.log(values, step)
+            self.next_step = max(self.next_step, step + 1)
 
     def close(self) -> None:
+        if not self.resident:
+            self.finish()
+
+    def finish(self) -> None:
         for sink in self.sinks:
             try:
                 sink.close()
@@ -97,6 +122,9 @@ class _TensorBoard:
         for k, v in values.items():
             self.w.add_scalar(f"train/{k}", v, step)
         self.w.flush()
+
+    def tag(self, key: str, value: str, step: int) -> None:
+        self.w.add_text(f"versions/{key}", value, step)
 
     def close(self) -> None:
         self.w.close()
@@ -134,6 +162,9 @@ class _MLflow:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(f"train/{k}", v, now, step) for k, v in values.items()])
 
+    def tag(self, key: str, value: str, step: int) -> None:
+        self.client.set_tag(self.run_id, key, value)
+
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
 
@@ -162,6 +193,9 @@ class _Wandb:
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log({f"train/{k}": v for k, v in values.items()}, step=step)
+
+    def tag(self, key: str, value: str, step: int) -> None:
+        self.run.tags = (*(self.run.tags or ()), f"{key}={value}")
 
     def close(self) -> None:
         self.run.finish()

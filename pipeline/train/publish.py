@@ -98,11 +98,14 @@ def publish(lake: Lake, *, checkpoint_id: str, parent: PolicyRef, snapshot_id: s
                        time.perf_counter() - t_start, lineage_run_id)
 
 
-def live_metrics(lake: Lake, cfg: TrainConfig, checkpoint_id: str, *, with_trackers: bool = True):
+def live_metrics(lake: Lake, cfg: TrainConfig, checkpoint_id: str, *, with_trackers: bool = True,
+                 trackers: Any = None):
+    """``trackers``: an open (resident) Trackers to log to instead of opening one for this checkpoint."""
     from pipeline.train.live import LiveMetrics, Trackers
 
-    trackers = (Trackers(lake, cfg, checkpoint_id=checkpoint_id, config=config_dict(cfg))
-                if with_trackers and cfg.trackers else None)
+    if trackers is None:
+        trackers = (Trackers(lake, cfg, checkpoint_id=checkpoint_id, config=config_dict(cfg))
+                    if with_trackers and cfg.trackers else None)
     return LiveMetrics(lake, cfg, checkpoint_id=checkpoint_id, command="pipeline train",
                        config_hash=config_hash(cfg), trackers=trackers)
 

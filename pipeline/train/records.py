@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from pipeline.policy_store import PolicyRef
     from pipeline.train.config import TrainConfig
     from pipeline.train.data import Members
-    from pipeline.train.live import LiveMetrics
+    from pipeline.train.live import LiveMetrics, Trackers
     from pipeline.train.packing import Step
 
 
@@ -65,6 +65,7 @@ class Run:
     inputs: list[Any]               # OpenLineage input datasets
     ol: dict[str, Any]              # the other OpenLineage run-event arguments
     live: LiveMetrics | None = None  # rank 0, once the step loop starts
+    trackers: Trackers | None = None  # a resident trainer's tracker run, shared by its versions (rank 0)
 
 
 @dataclass

@@ -152,7 +152,8 @@ def step_loop(run: Run, strategy: DeepSpeedStrategy, members: Members, plan: Pla
     from pipeline.train import checkpoint as ck
 
     steps = plan.steps
-    run.live = live_metrics(run.lake, run.cfg, run.checkpoint_id) if run.rank == 0 and live else None
+    run.live = live_metrics(run.lake, run.cfg, run.checkpoint_id, trackers=run.trackers) \
+        if run.rank == 0 and live else None
     bar = None
     show = (progress if progress is not None else sys.stderr.isatty()) and run.rank == 0
     if show:

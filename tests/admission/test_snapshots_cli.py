@@ -98,6 +98,14 @@ def test_cli_admit_dry_run_then_admit_then_list_and_show(tmp_path, make_traj, ca
     assert main(["snapshots", "show", dry["snapshot_id"], "--lake", uri, "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["registered"] and shown["receipted_groups"] == dry["counts"]["admit"]
+    # as a person reads it: the receipts table that did not exist yet is not "receipts@v-1", and a
+    # quality line has values or is left out
+    assert shown["row"]["source_versions"]["receipts"] == -1
+    assert main(["snapshots", "show", dry["snapshot_id"], "--lake", uri]) == 0
+    text = capsys.readouterr().out
+    assert "@v-1" not in text and "receipts (not yet created)" in text
+    assert f"trajectories@v{shown['row']['source_versions']['trajectories']}" in text
+    assert all(ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.strip().startswith("quality:"))
     assert main(["admit", "--lake", uri, "--set", "nope=1"]) == 2  # unknown config keys are errors
 
 

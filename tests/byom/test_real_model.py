@@ -309,7 +309,9 @@ def test_real_model_import_rollout_hf_and_vllm_admit_train_reload(lake, smollm2_
     from pipeline.train.config import TrainConfig
     from pipeline.train.run import train_snapshot
 
-    imp = json.loads(cli("policy", "import", "--gguf", str(smollm2_gguf), "--lake", str(lake.uri), "--json").stdout)
+    done = cli("policy", "import", "--gguf", str(smollm2_gguf), "--lake", str(lake.uri), "--json")
+    imp = json.loads(done.stdout)
+    assert "GGUF tensors" not in done.stderr and "it/s]" not in done.stderr, "transformers' bar leaked: " + done.stderr[-500:]
     assert imp["policy_version"] == 0 and imp["model_type"] == "llama"
     hf_dir = resolve_policy(lake, 0).hf_dir
     assert (hf_dir / "chat_template.jinja").is_file() or "chat_template" in (hf_dir / "tokenizer_config.json").read_text()

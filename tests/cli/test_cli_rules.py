@@ -381,6 +381,20 @@ def test_jobs_render_k8s_is_a_verb(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "k8s" / "cronjobs.yaml").read_text() == render_cronjobs(load_jobs())
 
 
+def test_jobs_render_k8s_writes_services_too(tmp_path, capsys):
+    """`pipeline jobs render-k8s` writes the same two files as `python -m pipeline.jobs --render-k8s`
+    (the resident trainer runs as a Deployment in services.yaml)."""
+    from pipeline.jobs import load_jobs, render_main, render_services
+
+    assert main(["jobs", "render-k8s", "--out", str(tmp_path / "cli"), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["deployments"] >= 1 and len(res["paths"]) == 2
+    assert (tmp_path / "cli" / "services.yaml").read_text() == render_services(load_jobs())
+    assert render_main(["--render-k8s", "--out", str(tmp_path / "module")]) == 0
+    for name in ("cronjobs.yaml", "services.yaml"):
+        assert (tmp_path / "cli" / name).read_text() == (tmp_path / "module" / name).read_text()
+
+
 def test_hints_carry_the_lake_the_operator_gave(tmp_path, capsys):
     from pipeline.cli import with_lake
 

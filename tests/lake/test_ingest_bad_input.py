@@ -446,3 +446,51 @@ def test_odd_frames_land_or_get_one_clear_error(lake, make_traj):
         ingest_table(lake, mixed)
     ids = lake.read("trajectories", columns=["trajectory_id"]).column(0).to_pylist()
     assert len(ids) == len(set(ids)) == 12
+
+
+def test_jsonl_unknown_column_of_every_line_is_one_file_entry_with_did_you_mean(lake, tmp_path, make_traj):
+    """As for Parquet: a key every line carries is a column of the file, quarantined once for the
+    file (not once per row), and a close contract name is suggested; a key only some lines carry
+    rejects those lines."""
+    rows = _json_rows(make_traj(4, seed=31))
+    for r in rows:
+        r["rewrd"] = r["reward"]
+    r = ingest_files(lake, [_jsonl(tmp_path / "typo.jsonl", rows)])
+    assert (r.landed, r.quarantined) == (0, 1) and r.rejected_rows == 4
+    (q,) = _quarantine(lake)
+    assert q["source_row"] == -1 and q["reason_code"] == "unknown_column"
+    assert "['rewrd']" in q["reason"] and "did you mean 'reward' for 'rewrd'?" in q["reason"]
+    rows = _json_rows(make_traj(3, seed=32))
+    rows[1]["rewrd"] = 1.0
+    r = ingest_files(lake, [_jsonl(tmp_path / "one.jsonl", rows)])
+    assert (r.landed, r.quarantined) == (2, 1)
+    row = [q for q in _quarantine(lake) if q["source_file"].endswith("one.jsonl")]
+    assert [(q["source_row"], q["reason_code"]) for q in row] == [(1, "unknown_column")]
+    assert "did you mean 'reward'" in row[0]["reason"]
+
+
+def test_jsonl_reason_reads_as_a_sentence(lake, tmp_path):
+    """json's "Unterminated string starting at" + " at column N" read "at at column"."""
+    (tmp_path / "u.jsonl").write_text('{"trajectory_id": "abc\n{"a": 1,}\n')
+    ingest_files(lake, [tmp_path / "u.jsonl"])
+    reasons = [q["reason"] for q in _quarantine(lake)]
+    assert reasons[0] == "line 1 is not valid JSON: Unterminated string starting at column 19"
+    assert reasons[1].endswith("enclosed in double quotes at column 9")
+    assert not any("at at" in x for x in reasons)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "ipc", "binary"])
+def test_binary_bytes_named_jsonl_are_one_clear_reason(lake, tmp_path, good, kind):
+    path = tmp_path / "rows.jsonl"
+    if kind == "parquet":
+        _write(path, good)
+    elif kind == "ipc":
+        with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, good.schema) as w:
+            w.write_table(good)
+    else:
+        path.write_bytes(b"\x1f\x8b\x08\x00\x00\x00\x00\x00" + bytes(range(256)) * 4)
+    with pytest.raises(InputFileError) as e:
+        ingest_files(lake, [path])
+    assert "named .jsonl but holds" in str(e.value)
+    assert ("rename it *.parquet" in e.value.hint) if kind == "parquet" else True
+    assert not lake.exists("quarantine") or lake.read("quarantine").num_rows == 0

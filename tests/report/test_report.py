@@ -167,9 +167,13 @@ def test_report_cli_and_run_filter(full_lake, tmp_path, capsys):
     assert main(["report", "--lake", full_lake.uri, "--out", str(out), "--run-id", "run-0", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["out"] == str(out.resolve()) and res["plots"] == PLOTS and out.exists()
-    assert main(["report", "--lake", full_lake.uri, "--out", str(tmp_path / "none.html"), "--run-id", "nope"]) == 0
-    text_out = capsys.readouterr().out
-    assert "no data: trajectories: no data yet." in text_out
+    # a mistyped --run-id is an error (not an empty report and exit 0), naming the close one
+    assert main(["report", "--lake", full_lake.uri, "--out", str(tmp_path / "none.html"), "--run-id", "run-O"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: run run-O has no trajectories in ") and "did you mean `run-0`" in err
+    assert not (tmp_path / "none.html").exists()
+    assert main(["report", "--lake", full_lake.uri, "--out", str(tmp_path / "none.html"), "--run-id", "zzz"]) == 2
+    assert "the lake's runs: run-0" in capsys.readouterr().err
 
 
 def test_alerts_say_in_words_what_is_wrong(tmp_path):
@@ -240,6 +244,35 @@ def test_bucket_follows_the_span_of_the_data(lake):
         t = t.set_column(t.schema.get_field_index(col), col, pa_array(times, t.schema.field(col).type))
     assert ingest_table(lake, t.drop_columns(["content_hash"])).landed == 8   # the hash is recomputed
     assert choose_bucket(lake) == "minute"
+
+
+def test_a_short_run_is_not_drawn_in_buckets_of_a_few_trajectories(lake):
+    """90 s of trajectories, one every 1.5 s: per-second buckets of one trajectory each would draw
+    success rates jumping between 0 and 1; the bucket is the minute (2 points of 40), and a run
+    whose seconds hold enough trajectories keeps per-second buckets."""
+    from datetime import datetime, timedelta, timezone
+
+    from pipeline.ingest import ingest_table
+    from pipeline.report.build import MIN_PER_BUCKET, choose_bucket
+    from pipeline.testing.trajectories import make_trajectories
+
+    t = make_trajectories(60, seed=5).drop_columns(["content_hash"])
+    t0 = datetime(2026, 1, 1, 0, 0, 15, tzinfo=timezone.utc)
+    when = [t0 + timedelta(seconds=1.5 * i) for i in range(60)]
+    for col in ("created_at", "finished_at"):
+        t = t.set_column(t.schema.get_field_index(col), col, pa_array(when, t.schema.field(col).type))
+    assert ingest_table(lake, t).landed == 60
+    assert choose_bucket(lake) == "minute"
+    # waves of MIN_PER_BUCKET trajectories finishing in the same second, 20 s apart: per second
+    from pipeline.lake.delta import Lake
+
+    waves = Lake(lake.uri + "-waves")
+    burst = make_trajectories(3 * MIN_PER_BUCKET, seed=6).drop_columns(["content_hash"])
+    when = [t0 + timedelta(seconds=20 * (i // MIN_PER_BUCKET)) for i in range(burst.num_rows)]
+    for col in ("created_at", "finished_at"):
+        burst = burst.set_column(burst.schema.get_field_index(col), col, pa_array(when, burst.schema.field(col).type))
+    assert ingest_table(waves, burst).landed == burst.num_rows
+    assert choose_bucket(waves) == "second"
 
 
 def pa_array(values, typ):

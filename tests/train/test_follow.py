@@ -72,13 +72,18 @@ def _kill_marked(proc, marker: Path, timeout: float = 900) -> int:
     return pid
 
 
-def test_follow_equals_the_chain_and_publishes_weights_only_between_full_states(tlake, tlake2):
+def test_follow_equals_the_chain_and_publishes_weights_only_between_full_states(tlake, tlake2, tmp_path):
+    import dataclasses
+
     lake, s1 = tlake
     more = _more_snapshots(lake, 2)
     assert pending_snapshots(lake) == [s1] + more                  # admission order
-    res = follow(lake, CFG, stop_after=3, progress=False)
+    # trackers are observability: the same ids and bytes as the chain without them (checked below)
+    tracked = dataclasses.replace(CFG, trackers="tensorboard", tracker_dir=str(tmp_path / "trk"))
+    res = follow(lake, tracked, stop_after=3, progress=False)
     assert res.stopped_by == "stop_after" and [v["policy_version"] for v in res.versions] == [1, 2, 3]
     assert res.replayed == [] and pending_snapshots(lake) == []
+    _one_tracker_run_over_every_version(tmp_path / "trk" / "tensorboard", lake, res)
 
     lake2, _ = tlake2
     assert _more_snapshots(lake2, 2) == more
@@ -110,7 +115,28 @@ def test_follow_equals_the_chain_and_publishes_weights_only_between_full_states(
     assert _chain(lake2, [s4])[0][2] == nxt.weight_sha256["hf/model.safetensors"]
 
 
-def test_stale_snapshot_is_skipped_and_recorded_never_silently(tlake):
+def _one_tracker_run_over_every_version(tb_root: Path, lake, res) -> None:
+    """One TensorBoard run for the resident trainer (not one per version), its steps monotonic
+    across versions, each step's policy version a scalar, each version a tag naming its checkpoint."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run_dir,) = list(tb_root.iterdir())
+    start = min(lake.read("checkpoints").to_pylist(), key=lambda r: r["policy_version"])   # the head it started at
+    assert run_dir.name.startswith(f"follow-{start['checkpoint_id']}-")
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    loss = [e.step for e in acc.Scalars("train/loss")]
+    per_version = {v["checkpoint_id"]: v for v in res.versions}
+    n_rows = sum(1 for r in lake.read("metrics").to_pylist() if r["checkpoint_id"] in per_version)
+    assert loss == list(range(n_rows)), "one step axis over the versions, no restart at 0"
+    versions = [int(e.value) for e in acc.Scalars("train/policy_version")]
+    assert versions == sorted(versions) and set(versions) == {1, 2, 3}
+    tags = {t.split("/", 1)[1] for t in acc.Tags()["tensors"] if t.startswith("versions/")}
+    assert {t.split("/")[0] for t in tags} == {"v1", "v2", "v3"}
+
+
+def test_stale_snapshot_is_skipped_and_recorded_never_silently(tlake, capfd):
     from pipeline.testing.train_fixtures import publish_payload_snapshot, synthetic_payload
 
     lake, s1 = tlake
@@ -129,6 +155,12 @@ def test_stale_snapshot_is_skipped_and_recorded_never_silently(tlake):
     assert pending_snapshots(lake) == [stale]          # never consumed; the line's lineage says why
     again = follow(lake, cfg, idle_timeout_s=0.1, progress=False)     # recorded: not re-decided
     assert again.skipped == [] and again.versions == [] and again.stopped_by == "idle_timeout"
+    capfd.readouterr()
+    follow(lake, cfg, idle_timeout_s=0.1)   # progress lines by default, whether or not stderr is a terminal
+    err = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("resident trainer: ")]
+    assert err[0].startswith("resident trainer: starting") and err[1].startswith("resident trainer: ready in ")
+    assert "waiting for an admitted snapshot" in err[2] and "stops after 0.1s idle" in err[2]
+    assert err[-1] == "resident trainer: stopping (idle_timeout)"
 
 
 def test_follow_refuses_what_it_cannot_do_exactly(tlake):
