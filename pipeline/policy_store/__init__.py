@@ -263,7 +263,7 @@ def published_by(row: dict[str, Any]) -> str:
     except ValueError:
         who = {}
     at = row.get("created_at")
-    at_s = at.isoformat(timespec="seconds") if hasattr(at, "isoformat") else str(at or "?")
+    at_s = at.isoformat(timespec="seconds") if isinstance(at, datetime) else str(at or "?")
     if not who:
         return f"an earlier run (at {at_s})"
     return f"{who.get('command', '?')} on {who.get('host', '?')} pid {who.get('pid', '?')} (run {who.get('run', '?')}, at {at_s})"
