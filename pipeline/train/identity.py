@@ -28,7 +28,7 @@ def snapshot_consumers(lake: Lake, snapshot_id: str) -> list[dict[str, Any]]:
     if not lake.exists("checkpoints"):
         return []
     rows = lake.read("checkpoints", columns=["checkpoint_id", "snapshot_ids", "policy_version",
-                                             "parent_checkpoint_id"]).to_pylist()
+                                             "parent_checkpoint_id", "train_config_json", "created_at"]).to_pylist()
     return [r for r in rows if snapshot_id in (r["snapshot_ids"] or [])]
 
 
@@ -85,9 +85,11 @@ def identify(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint:
                 if rank == 0:   # killed after the publishing commit, before the cleanup
                     shutil.rmtree(local_checkpoint_dir(lake, f"_runs/{key[:24]}"), ignore_errors=True)
                 return published_result(lake, cid, snapshot_id)
+        from pipeline.policy_store import published_by
+
         c = consumers[0]
         raise ConflictError(f"snapshot {snapshot_id} was already consumed by checkpoint {c['checkpoint_id']} "
-                            f"(policy version {c['policy_version']})",
+                            f"(policy version {c['policy_version']}, published by {published_by(c)})",
                             hint="a snapshot trains once; pass --force to train on it again")
     run = new_run(lake, snapshot_id, cfg, parent, world_size=world_size, rank=rank, generation=generation)
     if resume and not (run.work / "run.json").is_file():
