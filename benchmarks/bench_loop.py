@@ -157,12 +157,12 @@ def _synthetic_snapshot(lake, spec: dict, version: int, k: int) -> str:
 
 def _train_figures(lake, checkpoint_id: str) -> dict:
     """Steps and pre-pass seconds of a version (metrics table, checkpoints row), and its bytes on disk."""
-    from pipeline.policy_store import local_checkpoint_dir
+    from pipeline.policy_store import published_dir
 
     m = [r for r in lake.read("metrics").to_pylist() if r["checkpoint_id"] == checkpoint_id]
     row = [r for r in lake.read("checkpoints").to_pylist() if r["checkpoint_id"] == checkpoint_id][0]
     summary = json.loads(row["metrics_json"] or "{}")
-    root = local_checkpoint_dir(lake, checkpoint_id)
+    root = published_dir(lake, checkpoint_id)
     files = [p for p in root.rglob("*") if p.is_file()]
     return {"steps_s": sum(r["step_seconds"] for r in m), "prepass_s": float(summary.get("prepass_seconds") or 0.0),
             "bytes": sum(p.stat().st_size for p in files),

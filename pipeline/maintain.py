@@ -55,6 +55,10 @@ def maintain(lake: Lake | str | os.PathLike[str], *, retention_hours: int = 168,
 
         report["snapshot_temp_dirs_removed"] += remove_unpublished_payloads(
             lake, min_age_s=orphan_age(orphan_min_age_s), dry_run=dry_run)
+        from pipeline.policy_store.care import remove_unpublished_checkpoints   # runs killed before publishing
+
+        report["checkpoint_dirs_removed"] = remove_unpublished_checkpoints(
+            lake, min_age_s=orphan_age(orphan_min_age_s), dry_run=dry_run)
         if keep_checkpoints:
             from pipeline.policy_store import retire_checkpoints
 
@@ -94,14 +98,20 @@ def verify_snapshots(lake: Lake, *, rehash: bool = True) -> dict[str, Any]:
 
 
 def verify(lake: Lake | str | os.PathLike[str], tables: list[str] | None = None, *, snapshots: bool = True,
-           rehash: bool = True) -> dict[str, Any]:
+           rehash: bool = True, checkpoints: bool = True) -> dict[str, Any]:
     """The whole check: ``ok`` is False when anything is missing or unreadable;
     ``problems`` lists each finding as one line. ``rehash=False`` checks snapshot
-    files by size instead of rehashing them (what ``lake maintain`` runs)."""
+    files by size instead of rehashing them (what ``lake maintain`` runs).
+    ``checkpoints``: every published checkpoint's files against the sha256 in its
+    row, as rollout and the trainer check them before loading (with
+    ``rehash=False``: the newest version's only)."""
     from pipeline.lake.verify import verify_tables
+    from pipeline.policy_store.care import verify_checkpoints
 
     lake = as_lake(lake)
     t = verify_tables(lake, tables)
     s: dict[str, Any] = verify_snapshots(lake, rehash=rehash) if snapshots else {"checked": 0, "problems": []}
-    problems = [p for v in t.values() for p in v["problems"]] + s["problems"]
-    return {"ok": not problems, "tables": t, "snapshots": s, "problems": problems}
+    c: dict[str, Any] = verify_checkpoints(lake, newest_only=not rehash) if checkpoints and \
+        (tables is None or "checkpoints" in tables) else {"checked": 0, "problems": []}
+    problems = [p for v in t.values() for p in v["problems"]] + s["problems"] + c["problems"]
+    return {"ok": not problems, "tables": t, "snapshots": s, "checkpoints": c, "problems": problems}

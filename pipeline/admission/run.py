@@ -364,10 +364,10 @@ def resolve_vocab_size(lake: Lake, cfg: AdmissionConfig, current: int) -> int | 
         return int(cfg.vocab_size)
     try:
         from pipeline.lake import objects
-        from pipeline.policy_store import HF_SUBDIR, checkpoint_rel, policy_info
+        from pipeline.policy_store import HF_SUBDIR, policy_info
 
         info = policy_info(lake, current)
-        raw = objects.get(lake, f"{checkpoint_rel(info['checkpoint_id'])}/{HF_SUBDIR}/config.json") if info else None
+        raw = objects.get(lake, f"{info['path']}/{HF_SUBDIR}/config.json") if info else None
         conf = json.loads(raw) if raw else {}
     except Exception:  # noqa: BLE001 - a lake without (readable) checkpoints: nothing to check against
         return None

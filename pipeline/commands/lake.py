@@ -28,7 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_options(m)
     m.set_defaults(handler=_maintain)
     v = common(lsub.add_parser("verify", help="check that every file of every table's current version exists and "
-                                              "reads, and that every snapshot verifies (exit 1 otherwise)"))
+                                              "reads, that every snapshot verifies and that every published "
+                                              "checkpoint's files match their sha256 (exit 1 otherwise)"))
     v.add_argument("--table", action="append", default=None, metavar="NAME",
                    help="only these tables (repeatable; default: every table)")
     v.add_argument("--no-snapshots", action="store_true", help="skip rehashing the snapshots' files")
@@ -98,9 +99,13 @@ def _verify_text(r: dict[str, Any]) -> str:
              + ("ok" if not v["problems"] else f"{len(v['problems'])} problem(s)") for t, v in r["tables"].items()]
     lines.append(f"snapshots: {r['snapshots']['checked']} checked, "
                  + ("ok" if not r["snapshots"]["problems"] else f"{len(r['snapshots']['problems'])} problem(s)"))
+    ck = r.get("checkpoints") or {"checked": 0, "problems": []}
+    lines.append(f"checkpoints: {ck['checked']} published version(s) rehashed, "
+                 + ("ok" if not ck["problems"] else f"{len(ck['problems'])} problem(s)"))
     lines += [f"  {p}" for p in r["problems"]]
     lines.append("ok: every referenced file is there and reads" if r["ok"] else
-                 "FAILED: restore the files listed from a copy (or time-travel to a version that has them)")
+                 "FAILED: restore the files listed from a copy (or time-travel to a version that has them)"
+                 + ("; damaged checkpoints: pipeline policy repair" if ck["problems"] else ""))
     return "\n".join(lines)
 
 
@@ -133,6 +138,10 @@ def _maintain_text(r: dict[str, Any]) -> str:
     if temps:
         lines.append(f"_snapshots: {'would remove' if r.get('dry_run') else 'removed'} {len(temps)} temporary "
                      f"director{'y' if len(temps) == 1 else 'ies'}")
+    dirs = r.get("checkpoint_dirs_removed") or []
+    if dirs:
+        lines.append(f"_checkpoints: {'would remove' if r.get('dry_run') else 'removed'} {len(dirs)} unpublished "
+                     f"run director{'y' if len(dirs) == 1 else 'ies'}")
     ck = r.get("checkpoints")
     if ck:
         verb = "would remove" if r.get("dry_run") else "removed"

@@ -1,4 +1,4 @@
-"""`pipeline policy init | import | list | eval`: policy versions."""
+"""`pipeline policy init | import | list | eval | repair`: policy versions."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import argparse
 def register(sub: argparse._SubParsersAction) -> None:
     from pipeline.cli import add_config_options, common, config_keys_epilog
 
-    pol = sub.add_parser("policy", help="policy versions: init (version 0), import, list, eval")
+    pol = sub.add_parser("policy", help="policy versions: init (version 0), import, list, eval, repair")
     psub = pol.add_subparsers(dest="policy_command", metavar="ACTION")
     i = common(psub.add_parser(
         "init", help="build the tokenizer + tiny Llama, warm-start it, publish policy version 0",
@@ -43,6 +43,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     im.set_defaults(handler=_import)
     ls = common(psub.add_parser("list", help="published versions: origin (init/import/train) and tokenizer_rev"))
     ls.set_defaults(handler=_list)
+    r = common(psub.add_parser(
+        "repair", help="make damaged published versions load again (retire their damaged DeepSpeed state)",
+        description="Rehash every published version's files against its checkpoints row (what rollout and the\n"
+                    "trainer check before loading; `pipeline lake verify` reports the same). A version whose\n"
+                    "damaged or missing files are all DeepSpeed state (ds/, rng/) gets that state retired, as\n"
+                    "`lake maintain --keep-checkpoints` does (recorded in its retired.json with the reason): its\n"
+                    "hf/ model verifies again, rollout loads it, and `train --follow` rebuilds the optimizer by\n"
+                    "replay (or starts a fresh one). A version whose hf/ model is damaged cannot be repaired\n"
+                    "here (exit 1): restore its files from a copy.",
+        formatter_class=argparse.RawDescriptionHelpFormatter))
+    r.add_argument("--dry-run", action="store_true", help="report what would be retired; change nothing")
+    r.set_defaults(handler=_repair)
     e = common(psub.add_parser(
         "eval", help="greedy success on the environment's fixed held-out set",
         description="Greedy (temperature 0) episodes on the first N tasks of the environment's held-out split,\n"
@@ -160,3 +172,19 @@ def _list(args: argparse.Namespace) -> None:
         [f"{'version':>7}  {'origin':<6}  {'model':<8}  {'tokenizer_rev':<22}  checkpoint"]
         + [f"{x['policy_version']:>7}  {x['origin']:<6}  {str(x['model_type']):<8}  {str(x['tokenizer_rev']):<22}  "
            f"{x['checkpoint_id']}" for x in r["policies"]]))
+
+
+def _repair(args: argparse.Namespace) -> int | None:
+    from pipeline.cli import EXIT_NOTHING_DONE, emit, open_lake
+    from pipeline.policy_store.care import repair_checkpoints
+
+    r = repair_checkpoints(open_lake(args), dry_run=args.dry_run)
+    verb = "would retire" if args.dry_run else "retired"
+    emit(r, args, lambda r: "\n".join(
+        [f"policy version {x['policy_version']} ({x['checkpoint_id']}): {verb} its DeepSpeed state "
+         f"({len(x['retired'])} files; damaged: {x['files'][:3]}); its hf/ model verifies" for x in r["repaired"]]
+        + [f"policy version {x['policy_version']}: cannot repair: {x['reason']} (its model is damaged: restore "
+           "the files from a copy)" for x in r["unrepairable"]]
+        + ([f"ok: {r['checked']} published version(s), none damaged"] if not r["repaired"] and not r["unrepairable"]
+           else [])))
+    return EXIT_NOTHING_DONE if r["unrepairable"] else None

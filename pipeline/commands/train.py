@@ -92,7 +92,8 @@ EXIT_WORKER_EXIT = 3   # published, but a training process did not exit cleanly 
 
 def _text(r: dict) -> str:
     if r["already_published"]:
-        head = f"already published: checkpoint {r['checkpoint_id']} (policy version {r['policy_version']})"
+        head = (f"already published: checkpoint {r['checkpoint_id']} (policy version {r['policy_version']}) by "
+                f"{r.get('published_by') or 'an earlier run'}")
     else:
         head = (f"checkpoint {r['checkpoint_id']} published as policy version {r['policy_version']} "
                 f"({r['global_step']} step{'' if r['global_step'] == 1 else 's'}, {r['samples_seen']} samples, "

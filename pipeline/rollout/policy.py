@@ -2,7 +2,7 @@
 
 Builds the char tokenizer and a tiny Llama from a config, runs a short
 supervised warm start on synthetic demonstrations of the built-in tasks, saves
-the Hugging Face directory under ``<lake>/_checkpoints/<id>/hf/`` and publishes
+the Hugging Face directory under ``<lake>/_checkpoints/<id>.<run tag>/hf/`` and publishes
 it as policy version 0 (pipeline.policy_store).
 
 Why a warm start with *mixed* demonstrations: GRPO learns only from groups
@@ -20,14 +20,13 @@ about as often as it chooses the tool (measured: ~30% of samples at T=1,
 from __future__ import annotations
 
 import random
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pipeline.config import config_dict, config_hash
 from pipeline.errors import ConflictError
-from pipeline.policy_store import HF_SUBDIR, PolicyRef, local_checkpoint_dir, publish_checkpoint, resolve_policy
+from pipeline.policy_store import HF_SUBDIR, PolicyRef, local_dir, publish_checkpoint, resolve_policy, run_checkpoint_rel
 from pipeline import vocab
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
@@ -131,9 +130,8 @@ def init_policy(lake: Lake, cfg: PolicyInitConfig | None = None, *, progress=Non
         seqs, masks = demonstrations(cfg)
         stats = hf.warm_start(model, seqs, masks, steps=cfg.warm_start_steps, batch_size=cfg.batch_size,
                               lr=cfg.lr, seed=cfg.seed, progress=progress)
-    root = local_checkpoint_dir(lake, ckpt_id)
-    if root.exists():
-        shutil.rmtree(root)       # an unpublished leftover of a crashed init
+    rel = run_checkpoint_rel(ckpt_id)     # this init's own directory: a racing init writes another one
+    root = local_dir(lake, rel)
     hf.save_policy(model, root / HF_SUBDIR)
     from pipeline.rollout.envs import get_env
 
@@ -143,5 +141,5 @@ def init_policy(lake: Lake, cfg: PolicyInitConfig | None = None, *, progress=Non
                        train_config=train_cfg, train_config_hash=chash, seed=cfg.seed, world_size=1,
                        global_step=int(stats.get("steps", 0)), samples_seen=int(stats.get("steps", 0)) * cfg.batch_size,
                        metrics={"warm_start_loss": stats.get("loss"), "warm_start_seconds": stats.get("seconds")},
-                       command="pipeline policy init")
+                       command="pipeline policy init", rel=rel)
     return resolve_policy(lake, 0)

@@ -8,7 +8,8 @@ Resumable state of a run in progress (``<lake>/_checkpoints/_runs/<run_key>/``):
     manifest-<tag>.json         sha256 of every file of <tag>
     latest                      the tag, written atomically and last
 
-A published checkpoint (``<lake>/_checkpoints/<checkpoint_id>/``)::
+A published checkpoint (``<lake>/_checkpoints/<checkpoint_id>.<run tag>/``, the run's own
+directory: the ``checkpoints`` row's ``path``)::
 
     ds/final/...  rng/final/...  cursor.json  train_config.json
     hf/           config.json, model.safetensors, tokenizer files: the next policy version

@@ -87,17 +87,22 @@ def follow(lake: Lake, cfg: TrainConfig | None = None, *, from_checkpoint: str |
     if stop_after is not None and stop_after < 1:
         raise ConfigError(f"--stop-after {stop_after}: must be >= 1")
     if nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return _launch(lake, cfg, from_checkpoint=from_checkpoint, nproc=nproc, stop_after=stop_after,
-                       idle_timeout_s=idle_timeout_s, stop_file=stop_file, progress=progress)
-    from pipeline.train.ds_adapter import single_process_env
+        from pipeline.train.hold import hold_line
 
-    added = single_process_env()
-    try:
-        return _Follower(lake, cfg, from_checkpoint, stop_after, idle_timeout_s, stop_file, progress,
-                         on_version).run()
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
+        with hold_line(lake, "follow", ""):
+            return _launch(lake, cfg, from_checkpoint=from_checkpoint, nproc=nproc, stop_after=stop_after,
+                           idle_timeout_s=idle_timeout_s, stop_file=stop_file, progress=progress)
+    from pipeline.train.ds_adapter import single_process_env
+    from pipeline.train.hold import hold_line
+
+    with hold_line(lake, "follow", ""):                # one trainer on the line at a time (pipeline.train.hold)
+        added = single_process_env()
+        try:
+            return _Follower(lake, cfg, from_checkpoint, stop_after, idle_timeout_s, stop_file, progress,
+                             on_version).run()
+        finally:
+            for k in added:
+                os.environ.pop(k, None)
 
 
 WAIT_NOTE_EVERY_S = 60.0   # a waiting resident trainer says so this often
@@ -324,7 +329,8 @@ class _Follower:
             full = self._broadcast(self._full_now(n) if self.rank == 0 else None)
             extra = {"trainer": "follow", "skipped_snapshots": self.unrecorded_skips}
             result = checkpoint_and_publish(run, self.strategy, data, plan, state, crash_at=None, t_start=t0,
-                                            full=full, extra_config=extra, pause_prefix=f"follow:v{n}:")
+                                            full=full, extra_config=extra, pause_prefix=f"follow:v{n}:",
+                                            exclusive=True)
             self.strategy.barrier()
             result = self.strategy.broadcast_object(result)
         except BaseException as exc:
@@ -420,7 +426,7 @@ class _Follower:
     def _shutdown(self) -> None:
         """The full state of the head at exit, unless it already has one: the next
         start then loads it and replays nothing."""
-        from pipeline.policy_store import upload_checkpoint
+        from pipeline.policy_store import published_rel, upload_checkpoint
         from pipeline.train import checkpoint as ck
 
         if not (self.trained and self.since_full > 0):
@@ -428,7 +434,8 @@ class _Follower:
         root = self.head.path
         ck.write_full_state(self.strategy, root, {"checkpoint_id": self.head.checkpoint_id, "written_at": "shutdown"})
         if self.rank == 0:
-            upload_checkpoint(self.lake, self.head.checkpoint_id, root)   # object-store lakes; no-op when local
+            upload_checkpoint(self.lake, self.head.checkpoint_id, root,   # object-store lakes; no-op when local
+                              rel=published_rel(self.lake, self.head.checkpoint_id))
         self.since_full = 0
         self.out.full_state.append(self.head.checkpoint_id)
 

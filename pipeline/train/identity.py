@@ -28,7 +28,7 @@ def snapshot_consumers(lake: Lake, snapshot_id: str) -> list[dict[str, Any]]:
     if not lake.exists("checkpoints"):
         return []
     rows = lake.read("checkpoints", columns=["checkpoint_id", "snapshot_ids", "policy_version",
-                                             "parent_checkpoint_id"]).to_pylist()
+                                             "parent_checkpoint_id", "train_config_json", "created_at"]).to_pylist()
     return [r for r in rows if snapshot_id in (r["snapshot_ids"] or [])]
 
 
@@ -48,13 +48,15 @@ def published_result(lake: Lake, checkpoint_id: str, snapshot_id: str) -> TrainR
     from pipeline.policy_store import resolve_policy
     from pipeline.train.checkpoint import weight_hashes
 
+    from pipeline.policy_store import published_by
+
     ref = resolve_policy(lake, checkpoint_id)
     row = lake.read("checkpoints").to_pylist()
     row = next(r for r in row if r["checkpoint_id"] == checkpoint_id)
     return TrainResult(checkpoint_id, ref.policy_version, row["parent_checkpoint_id"], snapshot_id,
                        int(row["global_step"]), int(row["samples_seen"]), json.loads(row["metrics_json"] or "{}"),
                        weight_hashes(ref.file_sha256), str(ref.path), int(row["world_size"]),
-                       already_published=True)
+                       already_published=True, published_by=published_by(row))
 
 
 def identify(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint: str | int | None, resume: bool,
@@ -83,9 +85,11 @@ def identify(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint:
                 if rank == 0:   # killed after the publishing commit, before the cleanup
                     shutil.rmtree(local_checkpoint_dir(lake, f"_runs/{key[:24]}"), ignore_errors=True)
                 return published_result(lake, cid, snapshot_id)
+        from pipeline.policy_store import published_by
+
         c = consumers[0]
         raise ConflictError(f"snapshot {snapshot_id} was already consumed by checkpoint {c['checkpoint_id']} "
-                            f"(policy version {c['policy_version']})",
+                            f"(policy version {c['policy_version']}, published by {published_by(c)})",
                             hint="a snapshot trains once; pass --force to train on it again")
     run = new_run(lake, snapshot_id, cfg, parent, world_size=world_size, rank=rank, generation=generation)
     if resume and not (run.work / "run.json").is_file():
@@ -101,13 +105,23 @@ def new_run(lake: Lake, snapshot_id: str, cfg: TrainConfig, parent: PolicyRef, *
     """The Run of training ``snapshot_id`` from ``parent`` (no consumption check:
     ``identify`` does that; the resident trainer's replay re-runs consumed ones)."""
     from pipeline import lineage
-    from pipeline.policy_store import local_checkpoint_dir
+    from pipeline.policy_store import local_checkpoint_dir, local_dir, run_checkpoint_rel
 
     run_key, checkpoint_id = run_identity(snapshot_id, parent.checkpoint_id, cfg, world_size, generation)
     work = local_checkpoint_dir(lake, f"_runs/{run_key[:24]}")
-    final = local_checkpoint_dir(lake, checkpoint_id)
+    final_rel = run_checkpoint_rel(checkpoint_id, _run_tag(world_size))   # this run's own: never a published one
+    final = local_dir(lake, final_rel)
     lineage_run_id = lineage.new_run_id()
     inputs = [lineage.snapshot(lake, snapshot_id), lineage.checkpoint(lake, parent.checkpoint_id, parent.policy_version)]
     ol: dict[str, Any] = dict(job_type="TRAIN", engine="deepspeed", config=config_dict(cfg) | {"world_size": world_size})
     return Run(lake, snapshot_id, cfg, world_size, rank, parent, run_key, checkpoint_id, generation, work, final,
-               lineage_run_id, inputs, ol)
+               lineage_run_id, inputs, ol, final_rel=final_rel)
+
+
+def _run_tag(world_size: int) -> str | None:
+    """The tag of this run's checkpoint directory, the same on every rank: the
+    launcher's ``PIPELINE_RUN_TAG`` (pipeline.train.launch sets it), else a fresh one
+    for one process, else (another launcher) the launcher's pid and port."""
+    if os.environ.get("PIPELINE_RUN_TAG") or world_size == 1:
+        return None                                    # run_checkpoint_rel: the env tag, or a fresh one
+    return f"p{os.getppid()}-{os.environ.get('MASTER_PORT', '0')}"

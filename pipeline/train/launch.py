@@ -36,6 +36,9 @@ def launch(job: dict[str, Any], nproc: int, *, failed: str, hint: str, stop_file
         port = s.getsockname()[1]
         s.close()
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        from pipeline.policy_store import run_tag
+
+        env["PIPELINE_RUN_TAG"] = run_tag()    # every rank writes the one checkpoint directory of this run
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
                "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "pipeline.train.worker", str(spec)]
         previous = None

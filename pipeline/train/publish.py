@@ -1,8 +1,11 @@
 """Step 7 of a training run: write the checkpoint directory, publish the version.
 
-``checkpoint_and_publish`` writes ``<lake>/_checkpoints/<id>/`` (``latest``
-last), appends the metrics rows and then the ``checkpoints`` row: that commit
-publishes the policy version. ``full=False`` (the resident trainer between
+``checkpoint_and_publish`` writes the run's own directory
+``<lake>/_checkpoints/<id>.<run tag>/`` (``latest`` last), appends the metrics
+rows and then the ``checkpoints`` row naming it: that commit publishes the
+policy version. A run that loses the publication of its checkpoint id to a
+racing run deletes its directory and returns the winner's version
+(``already_published``, ``published_by``). ``full=False`` (the resident trainer between
 full checkpoints) writes the weights (``hf/``), cursor and config only: no
 DeepSpeed state.
 """
@@ -33,9 +36,12 @@ JOB_NAME = "pipeline.train"
 
 def checkpoint_and_publish(run: Run, strategy: DeepSpeedStrategy, data: Data, plan: Plan, state: State, *,
                            crash_at: str | None, t_start: float, full: bool = True,
-                           extra_config: dict[str, Any] | None = None, pause_prefix: str = "") -> TrainResult | None:
+                           extra_config: dict[str, Any] | None = None, pause_prefix: str = "",
+                           exclusive: bool = False) -> TrainResult | None:
     """Step 7: the checkpoint dir (``latest`` last); rank 0 publishes (metrics rows, then
-    the checkpoints row), emits OpenLineage COMPLETE and removes the work directory."""
+    the checkpoints row), emits OpenLineage COMPLETE and removes the work directory.
+    ``exclusive`` (the resident trainer, whose in-memory state must be what it
+    published): losing the publication to another run is a ConflictError."""
     from pipeline import lineage
     from pipeline.train import checkpoint as ck
 
@@ -57,7 +63,13 @@ def checkpoint_and_publish(run: Run, strategy: DeepSpeedStrategy, data: Data, pl
                       summary=summary, rows=state.rows, resumed_from=state.resumed_from, t_start=t_start,
                       lineage_run_id=run.lineage_run_id, final=run.final, live=run.live,
                      extra_config=data.lineage_cfg | {"optimizer_from": plan.optimizer_from, "full_state": full}
-                     | (extra_config or {}))
+                     | (extra_config or {}), rel=run.final_rel, once_per_snapshot=run.generation == 0)
+    if result.already_published and exclusive:
+        from pipeline.errors import ConflictError
+
+        raise ConflictError(f"checkpoint {result.checkpoint_id} (policy version {result.policy_version}) was "
+                            f"published by {result.published_by} while this trainer held the line; its files were "
+                            "discarded", hint="run one trainer per line; restart this one to replay and continue")
     lineage.emit_run_event(lake, event_type="COMPLETE", run_id=run.lineage_run_id, job_name=JOB_NAME,
                            inputs=run.inputs, outputs=lineage.train_outputs(lake, run.checkpoint_id,
                                                                             result.policy_version), **run.ol)
@@ -76,9 +88,11 @@ def cursor_state(checkpoint_id: str, snapshot_id: str, global_step: int, samples
 def publish(lake: Lake, *, checkpoint_id: str, parent: PolicyRef, snapshot_id: str, cfg: TrainConfig, world_size: int,
              global_step: int, samples_seen: int, summary: dict[str, Any], rows: list[dict[str, Any]],
              resumed_from: int | None, t_start: float, lineage_run_id: str, final: Path,
-             live: LiveMetrics | None = None, extra_config: dict[str, Any] | None = None) -> TrainResult:
-    """Metrics rows (exactly once), then the checkpoints row: that commit publishes the version."""
-    from pipeline.policy_store import publish_checkpoint
+             live: LiveMetrics | None = None, extra_config: dict[str, Any] | None = None, rel: str | None = None,
+             once_per_snapshot: bool = False) -> TrainResult:
+    """Metrics rows (exactly once), then the checkpoints row naming ``rel`` (the run's
+    directory ``final``): that commit publishes the version."""
+    from pipeline.policy_store import local_dir, publish_checkpoint, row_rel
     from pipeline.train.checkpoint import weight_hashes
 
     live = live or live_metrics(lake, cfg, checkpoint_id, with_trackers=False)
@@ -91,11 +105,14 @@ def publish(lake: Lake, *, checkpoint_id: str, parent: PolicyRef, snapshot_id: s
                                                         "consumed_at": summary.get("consumed_at")}
                        | (extra_config or {}),
                        train_config_hash=config_hash(cfg), seed=cfg.seed, world_size=world_size,
-                       global_step=global_step, samples_seen=samples_seen, metrics=summary, command="pipeline train")
+                       global_step=global_step, samples_seen=samples_seen, metrics=summary, command="pipeline train",
+                       rel=rel, once_per_snapshot=once_per_snapshot)
     version = published["policy_version"]
+    lost = bool(published["already_published"])
+    path = local_dir(lake, row_rel(published)) if lost else final
     return TrainResult(checkpoint_id, version, parent.checkpoint_id, snapshot_id, global_step, samples_seen, summary,
-                       weight_hashes(dict(published["file_sha256"])), str(final), world_size, resumed_from, False,
-                       time.perf_counter() - t_start, lineage_run_id)
+                       weight_hashes(dict(published["file_sha256"])), str(path), world_size, resumed_from, lost,
+                       time.perf_counter() - t_start, lineage_run_id, published_by=published["published_by"])
 
 
 def live_metrics(lake: Lake, cfg: TrainConfig, checkpoint_id: str, *, with_trackers: bool = True,

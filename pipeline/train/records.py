@@ -35,6 +35,7 @@ class TrainResult:
     seconds: float = 0.0
     lineage_run_id: str | None = None
     worker_exit_codes: list[int] | None = None   # --nproc N: the launcher's exit code when it was not 0
+    published_by: str | None = None         # already_published: who published it (a racing run, an earlier one)
 
     @property
     def hf_dir(self) -> Path:
@@ -60,12 +61,13 @@ class Run:
     checkpoint_id: str
     generation: int
     work: Path                      # resumable state of the interrupted run
-    final: Path                     # the published checkpoint directory
+    final: Path                     # this run's checkpoint directory (the row names it if this run publishes)
     lineage_run_id: str
     inputs: list[Any]               # OpenLineage input datasets
     ol: dict[str, Any]              # the other OpenLineage run-event arguments
     live: LiveMetrics | None = None  # rank 0, once the step loop starts
     trackers: Trackers | None = None  # a resident trainer's tracker run, shared by its versions (rank 0)
+    final_rel: str = ""             # ``final`` relative to the lake: this run's own directory
 
 
 @dataclass

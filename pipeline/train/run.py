@@ -20,9 +20,10 @@ in their own modules:
  5. ``steps.restore``: the resumable state when resuming (hash-verified; never a silent fresh start);
  6. ``steps.step_loop``: length-bucketed micro-batches (``update.train_step``), losses from
     losses.py, metrics per step;
- 7. ``publish.checkpoint_and_publish``: write the checkpoint dir (``latest`` last), append the
-    metrics rows, publish the checkpoints row (the commit publishes the version), emit
-    OpenLineage COMPLETE (FAIL on any error).
+ 7. ``publish.checkpoint_and_publish``: write the run's own checkpoint dir (``latest`` last),
+    append the metrics rows, publish the checkpoints row naming it (the commit publishes the
+    version; a racing run of the same checkpoint id that published first wins, this one's
+    files are deleted), emit OpenLineage COMPLETE (FAIL on any error).
 
 The resident trainer (``pipeline train --follow``, pipeline.train.follow) runs
 steps 1, 2, 4, 6 and 7 once per version around one engine built once.
@@ -61,18 +62,23 @@ def train_snapshot(lake: Lake | str | os.PathLike[str], snapshot_id: str, cfg: T
     id, policy version, or HF dir; default: the newest published policy) and
     publish the result as the next policy version.
 
+    The run holds the line's lease (pipeline.train.hold): it waits for another
+    training run, and is refused while the resident trainer runs.
     ``nproc`` > 1 launches that many processes with torchrun (gloo on CPU) and
     waits for them. ``force`` trains on a snapshot another published
     checkpoint already consumed. ``crash_at`` is for the failure drills only
     (``"publish"``: die with the checkpoint files half written).
     """
+    from pipeline.train.hold import hold_line
+
     lake = as_lake(lake)
     cfg = cfg or TrainConfig()
-    if nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return _launch(lake, snapshot_id, cfg, from_checkpoint=from_checkpoint, resume=resume, nproc=nproc,
-                       force=force, progress=progress, crash_at=crash_at)
-    return _train(lake, snapshot_id, cfg, from_checkpoint=from_checkpoint, resume=resume, force=force,
-                  progress=progress, crash_at=crash_at)
+    with hold_line(lake, "batch", snapshot_id):        # trainers on one line run one at a time
+        if nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            return _launch(lake, snapshot_id, cfg, from_checkpoint=from_checkpoint, resume=resume, nproc=nproc,
+                           force=force, progress=progress, crash_at=crash_at)
+        return _train(lake, snapshot_id, cfg, from_checkpoint=from_checkpoint, resume=resume, force=force,
+                      progress=progress, crash_at=crash_at)
 
 
 def _launch(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint: str | int | None, resume: bool, nproc: int, force: bool,

@@ -32,7 +32,7 @@ def _lake_with_trajectories(tmp_path, make_traj, n=24, seed=0, batches=1):
 READ_COMMANDS = [
     ["snapshots", "list"], ["snapshots", "show", "a" * 64], ["snapshots", "verify", "a" * 64], ["admit"],
     ["lake", "info"], ["lake", "maintain"], ["report"], ["sql", "SELECT 1"], ["lineage", "0"],
-    ["train", "--batch-snapshot", "a" * 64], ["policy", "eval"],
+    ["train", "--batch-snapshot", "a" * 64], ["policy", "eval"], ["policy", "repair"],
 ]
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import IntegrityError, NotFoundError
-from pipeline.policy_store import (latest_policy_version, local_checkpoint_dir, next_policy_version,
+from pipeline.policy_store import (latest_policy_version, local_checkpoint_dir, next_policy_version, published_rel,
                                    publish_checkpoint, resolve_policy)
 
 SETS = ["lr=0.003", "micro_batch_tokens=256", "epochs=2", "seed=3", "save_every=2"]
@@ -83,7 +83,8 @@ def test_pipeline_train_killed_mid_publish(tlake, tmp_path, point, kill_at_marke
     kill_at_marker(proc, marker)
 
     (dead,) = [p for p in (Path(lake.uri) / "_checkpoints").glob("ck-*")]
-    ckpt = dead.name
+    ckpt, _, tag = dead.name.partition(".")      # the run's own directory: <checkpoint id>.<run tag>
+    assert tag, dead.name
     assert (dead / "hf" / "config.json").exists() and (dead / "hf" / "model.safetensors").exists()
     # `latest` is written after every other file: the first kill left the directory partly written
     assert (dead / "latest").exists() == (point == ROW_STAGED)
@@ -113,7 +114,8 @@ def test_pipeline_train_killed_mid_publish(tlake, tmp_path, point, kill_at_marke
 
     # a publish retried after an ambiguous failure (the process died after the commit) lands once
     again = publish_checkpoint(lake, checkpoint_id=ckpt, policy_version=None, parent_checkpoint_id="tiny-v0",
-                               snapshot_ids=[sid], train_config={}, train_config_hash="cfg", seed=0)
+                               snapshot_ids=[sid], train_config={}, train_config_hash="cfg", seed=0,
+                               rel=published_rel(lake, ckpt))
     assert again["policy_version"] == 1
     rows = lake.read("checkpoints", columns=["checkpoint_id", "policy_version"]).to_pylist()
     assert sorted(r["policy_version"] for r in rows) == [0, 1], "a policy version number was reused or skipped"
@@ -124,6 +126,7 @@ def test_pipeline_train_killed_mid_publish(tlake, tmp_path, point, kill_at_marke
     # what the killed publish staged is cleaned up by maintain; the published rows stay
     report = maintain(lake, tables=["checkpoints"], orphan_min_age_s=0)
     assert report["tables"]["checkpoints"]["orphans_removed"] == len(staged)
+    assert report["checkpoint_dirs_removed"] == [f"_checkpoints/{dead.name}"] and not dead.exists()
     assert lake.remove_orphans("checkpoints", min_age_s=0, dry_run=True) == []
     assert resolve_policy(lake).checkpoint_id == ckpt and lake.read("checkpoints").num_rows == 2
 

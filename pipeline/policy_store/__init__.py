@@ -1,13 +1,18 @@
 """Policy versions, published through the ``checkpoints`` table.
 
-A policy version is a checkpoint directory ``<lake>/_checkpoints/<checkpoint_id>/``
-holding at least ``hf/`` (a Hugging Face model directory: config.json,
-model.safetensors, tokenizer files) that the rollout engines and the trainer
-load. Publication = appending the checkpoints row (with the sha256 of every
+A policy version is a checkpoint directory holding at least ``hf/`` (a
+Hugging Face model directory: config.json, model.safetensors, tokenizer files)
+that the rollout engines and the trainer load. Every publishing run writes its
+files under a directory of its own, ``<lake>/_checkpoints/<checkpoint_id>.<run tag>/``
+(``run_checkpoint_rel``; lakes written before name ``_checkpoints/<checkpoint_id>/``),
+and the row's ``path`` names it: files are never written where a published row
+points. Publication = appending the checkpoints row (with the sha256 of every
 file) *after* every file is written, so a reader that resolves "the newest
-version" through the table never sees a half-written one. Loaders rehash the
-files against the row before use: checkpoints contain pickles (optimizer
-state), and only hash-verified, project-produced ones are ever loaded.
+version" through the table never sees a half-written one; of any number of
+runs publishing one checkpoint id, exactly one row lands (docs/write-protocol.md,
+"Publishing a policy version"). Loaders rehash the files against the row before
+use: checkpoints contain pickles (optimizer state), and only hash-verified,
+project-produced ones are ever loaded.
 """
 
 from __future__ import annotations
@@ -15,12 +20,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import subprocess
-from contextlib import contextmanager
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -53,6 +59,7 @@ class PolicyRef:
     path: Path                  # local checkpoint directory
     file_sha256: dict[str, str]
     hf_path: Path | None = None  # set for a user's plain HF directory (no checkpoint around it)
+    rel: str = ""                # the published directory, relative to the lake (the row's path)
 
     @property
     def hf_dir(self) -> Path:
@@ -63,13 +70,53 @@ def checkpoint_rel(checkpoint_id: str) -> str:
     return f"_checkpoints/{checkpoint_id}"
 
 
-def local_checkpoint_dir(lake: Lake, checkpoint_id: str) -> Path:
-    """Where a checkpoint's files live on this machine (the lake itself when local;
-    a cache directory for object-store lakes, filled by ``fetch_checkpoint``)."""
+def run_tag() -> str:
+    """A tag no other run shares: ``PIPELINE_RUN_TAG`` (set by the launcher for all
+    ranks of one run), else UTC time + random."""
+    tag = os.environ.get("PIPELINE_RUN_TAG")
+    return tag or f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+
+
+def run_checkpoint_rel(checkpoint_id: str, tag: str | None = None) -> str:
+    """The directory one run writes checkpoint ``checkpoint_id`` into: its own, so two
+    runs of one id never write the same files; the winner's row names it."""
+    return f"_checkpoints/{checkpoint_id}.{tag or run_tag()}"
+
+
+def row_rel(row: dict[str, Any]) -> str:
+    """A published row's directory (its ``path``; the legacy layout when unset)."""
+    return row.get("path") or checkpoint_rel(row["checkpoint_id"])
+
+
+def local_dir(lake: Lake, rel: str) -> Path:
+    """Where the checkpoint directory ``rel`` (relative to the lake) lives on this
+    machine: the lake itself when local; a cache directory for object-store lakes,
+    filled by ``fetch_checkpoint``."""
     if lake.is_local:
-        return Path(lake.uri) / checkpoint_rel(checkpoint_id)
+        return Path(lake.uri) / rel
     cache = Path(os.environ.get("PIPELINE_CACHE", Path.home() / ".cache" / "pipeline"))
-    return cache / "checkpoints" / hashlib.sha256(lake.uri.encode()).hexdigest()[:12] / checkpoint_id
+    return cache / "checkpoints" / hashlib.sha256(lake.uri.encode()).hexdigest()[:12] / rel.removeprefix("_checkpoints/")
+
+
+def local_checkpoint_dir(lake: Lake, checkpoint_id: str) -> Path:
+    """``local_dir`` of ``_checkpoints/<checkpoint_id>`` (the layout before per-run
+    directories; also the home of ``_runs/``, ``_trackers``)."""
+    return local_dir(lake, checkpoint_rel(checkpoint_id))
+
+
+def published_rel(lake: Lake | str | os.PathLike[str], checkpoint_id: str) -> str:
+    """The directory (relative to the lake) the row of a published checkpoint names."""
+    lake = as_lake(lake)
+    rows = [r for r in checkpoint_rows(lake) if r["checkpoint_id"] == checkpoint_id]
+    if not rows:
+        raise NotFoundError(f"checkpoint {checkpoint_id} not found")
+    return row_rel(rows[0])
+
+
+def published_dir(lake: Lake | str | os.PathLike[str], checkpoint_id: str) -> Path:
+    """The local directory of a published checkpoint (files not fetched nor verified)."""
+    lake = as_lake(lake)
+    return local_dir(lake, published_rel(lake, checkpoint_id))
 
 
 def code_version() -> str:
@@ -105,16 +152,18 @@ def verify_dir(path: Path, expected: dict[str, str], *, what: str) -> None:
                              hint="the files were modified after publication; refusing to load them")
 
 
-def _rows(lake: Lake) -> list[dict[str, Any]]:
+def checkpoint_rows(lake: Lake) -> list[dict[str, Any]]:
+    """The published rows (id, version, path, file sha256, created_at, snapshot ids, train config)."""
     if not lake.exists("checkpoints"):
         return []
-    t = lake.read("checkpoints", columns=["checkpoint_id", "policy_version", "path", "file_sha256", "created_at"])
+    t = lake.read("checkpoints", columns=["checkpoint_id", "policy_version", "path", "file_sha256", "created_at",
+                                          "snapshot_ids", "train_config_json"])
     return t.to_pylist()
 
 
 def latest_policy_version(lake: Lake | str | os.PathLike[str]) -> int | None:
     lake = as_lake(lake)
-    rows = _rows(lake)
+    rows = checkpoint_rows(lake)
     return max((r["policy_version"] for r in rows), default=None)
 
 
@@ -132,7 +181,7 @@ def resolve_policy(lake: Lake | str | os.PathLike[str], spec: str | int | None =
         if p.is_dir():
             hf = p if (p / "config.json").exists() else p / HF_SUBDIR
             return PolicyRef(checkpoint_id=p.name, policy_version=-1, path=p, file_sha256={}, hf_path=hf)
-    rows = _rows(lake)
+    rows = checkpoint_rows(lake)
     if not rows:
         raise NotFoundError(f"no published policy in lake {lake.uri}", hint="run: pipeline policy init")
     if spec is None or spec == "latest":
@@ -148,47 +197,76 @@ def resolve_policy(lake: Lake | str | os.PathLike[str], spec: str | int | None =
         if not matches:
             raise NotFoundError(f"checkpoint {spec} not found")
         row = matches[0]
+    rel = row_rel(row)
     files = dict(row["file_sha256"])
-    gone = retired_files(lake, row["checkpoint_id"])       # DeepSpeed state removed by retention
+    gone = retired_files(lake, row["checkpoint_id"], rel=rel)       # DeepSpeed state removed by retention
     if gone:
         files = {k: v for k, v in files.items() if k not in gone}
-    local = fetch_checkpoint(lake, row["checkpoint_id"], files)
+    local = fetch_checkpoint(lake, row["checkpoint_id"], files, rel=rel)
     key = (str(local), row["checkpoint_id"])
     if verify and _CHECKED.get(key) != (files, _stats(local, files)):
         # rehash only when the files changed since this process last verified them:
         # rollout workers following the newest policy resolve it every wave
         verify_dir(local, files, what=f"checkpoint {row['checkpoint_id']}")
         _CHECKED[key] = (files, _stats(local, files))
-    return PolicyRef(row["checkpoint_id"], int(row["policy_version"]), local, files)
+    return PolicyRef(row["checkpoint_id"], int(row["policy_version"]), local, files, rel=rel)
 
 
-def fetch_checkpoint(lake: Lake, checkpoint_id: str, files: dict[str, str]) -> Path:
-    """Make a checkpoint's files available locally (no-op for a local lake)."""
-    local = local_checkpoint_dir(lake, checkpoint_id)
+def fetch_checkpoint(lake: Lake, checkpoint_id: str, files: dict[str, str], *, rel: str | None = None) -> Path:
+    """Make a checkpoint's files (directory ``rel``) available locally (no-op for a local lake)."""
+    rel = rel or checkpoint_rel(checkpoint_id)
+    local = local_dir(lake, rel)
     if lake.is_local:
         return local
     fs, root = lake.filesystem()
-    for rel, sha in files.items():
-        dst = local / rel
+    for name, sha in files.items():
+        dst = local / name
         if dst.exists() and hashlib.sha256(dst.read_bytes()).hexdigest() == sha:
             continue
         dst.parent.mkdir(parents=True, exist_ok=True)
-        with fs.open_input_stream(f"{root}/{checkpoint_rel(checkpoint_id)}/{rel}") as f:
+        with fs.open_input_stream(f"{root}/{rel}/{name}") as f:
             dst.write_bytes(f.read())
     return local
 
 
-def upload_checkpoint(lake: Lake, checkpoint_id: str, local: Path) -> None:
-    """Copy a locally written checkpoint into an object-store lake (no-op when local)."""
+def upload_checkpoint(lake: Lake, checkpoint_id: str, local: Path, *, rel: str | None = None) -> None:
+    """Copy a locally written checkpoint into directory ``rel`` of an object-store lake (no-op when local)."""
     if lake.is_local:
         return
     fs, root = lake.filesystem()
+    rel = rel or checkpoint_rel(checkpoint_id)
     for p in sorted(local.rglob("*")):
         if p.is_file():
-            dst = f"{root}/{checkpoint_rel(checkpoint_id)}/{p.relative_to(local).as_posix()}"
+            dst = f"{root}/{rel}/{p.relative_to(local).as_posix()}"
             fs.create_dir(dst.rsplit("/", 1)[0], recursive=True)
             with fs.open_output_stream(dst) as f:
                 f.write(p.read_bytes())
+
+
+def discard_run_dir(lake: Lake, rel: str) -> None:
+    """Delete an unpublished run directory (a loser's files: no row names them)."""
+    import shutil
+
+    shutil.rmtree(local_dir(lake, rel), ignore_errors=True)
+    if not lake.is_local:
+        fs, root = lake.filesystem()
+        try:
+            fs.delete_dir(f"{root}/{rel}")
+        except (FileNotFoundError, OSError):
+            pass
+
+
+def published_by(row: dict[str, Any]) -> str:
+    """Who published a row, in words (rows before this record: its command and time)."""
+    try:
+        who = json.loads(row.get("train_config_json") or "{}").get("published_by") or {}
+    except ValueError:
+        who = {}
+    at = row.get("created_at")
+    at_s = at.isoformat(timespec="seconds") if isinstance(at, datetime) else str(at or "?")
+    if not who:
+        return f"an earlier run (at {at_s})"
+    return f"{who.get('command', '?')} on {who.get('host', '?')} pid {who.get('pid', '?')} (run {who.get('run', '?')}, at {at_s})"
 
 
 POLICY_VERSION_APP = "pipeline.policy_version"  # its version = the newest published policy version + 1
@@ -197,35 +275,47 @@ POLICY_VERSION_APP = "pipeline.policy_version"  # its version = the newest publi
 def publish_checkpoint(lake: Lake, *, checkpoint_id: str, policy_version: int | None, parent_checkpoint_id: str | None,
                        snapshot_ids: list[str], train_config: dict[str, Any], train_config_hash: str,
                        seed: int, world_size: int = 1, global_step: int = 0, samples_seen: int = 0,
-                       metrics: dict[str, Any] | None = None, command: str = "train") -> dict[str, Any]:
-    """Hash every file of the (fully written) checkpoint directory and append its
-    row: from this commit on, the policy version is published.
+                       metrics: dict[str, Any] | None = None, command: str = "train", rel: str | None = None,
+                       once_per_snapshot: bool = False) -> dict[str, Any]:
+    """Hash every file of the (fully written) checkpoint directory ``rel`` (default:
+    the legacy ``_checkpoints/<checkpoint_id>``; a training run passes its own,
+    ``run_checkpoint_rel``) and append its row: from this commit on, the policy
+    version is published, and the row's ``path`` names ``rel``.
 
-    ``policy_version=None`` takes the next free version. Two publishers racing for
-    one version: the checkpoints commit carries version v+1 of the application
-    transaction ``pipeline.policy_version``, which delta-rs lets only one commit
-    take; the other re-reads and takes the next version (or, with an explicit
-    ``policy_version``, fails with a ConflictError). Re-publishing the same
-    checkpoint id is a no-op that returns the version it already has."""
+    ``policy_version=None`` takes the next free version. Every checkpoints commit
+    carries version v+1 of the application transaction ``pipeline.policy_version``,
+    which delta-rs lets only one commit take, so the decisions below are made on
+    the table as it is when the commit lands:
+
+    - the checkpoint id is published already (by a racing run of the same id):
+      nothing is committed, this run's directory is deleted, and the published row
+      is returned with ``already_published`` and ``published_by``;
+    - ``once_per_snapshot`` and another checkpoint consumed one of ``snapshot_ids``:
+      ConflictError naming it (this run's directory deleted);
+    - the version was taken: re-read and take the next one (with an explicit
+      ``policy_version``, a ConflictError)."""
     from pipeline.errors import ConflictError
-    from pipeline.lake.delta import LockTaken
+    from pipeline.lake.delta import LockTaken, pause_point
 
-    local = local_checkpoint_dir(lake, checkpoint_id)
+    rel = rel or checkpoint_rel(checkpoint_id)
+    local = local_dir(lake, rel)
     if not (local / HF_SUBDIR / "config.json").exists():
         raise NotFoundError(f"checkpoint {checkpoint_id} has no {HF_SUBDIR}/config.json at {local}")
     files = hash_dir(local)
-    upload_checkpoint(lake, checkpoint_id, local)
+    upload_checkpoint(lake, checkpoint_id, local, rel=rel)
     # nothing published without its files (docs/write-protocol.md): each one is on the lake as hashed
-    lake.check_files({f"{checkpoint_rel(checkpoint_id)}/{rel}": (local / rel).stat().st_size for rel in files},
+    lake.check_files({f"{rel}/{name}": (local / name).stat().st_size for name in files},
                      what=f"publication of checkpoint {checkpoint_id}")
+    pause_point("publish:files-written")       # kill tests: every file in place, no row
+    who = {"command": command, "host": socket.gethostname(), "pid": os.getpid(), "run": rel.rsplit("/", 1)[-1]}
     row = {
         "checkpoint_id": checkpoint_id,
         "parent_checkpoint_id": parent_checkpoint_id,
         "snapshot_ids": list(snapshot_ids),
         "policy_version": -1,
-        "path": checkpoint_rel(checkpoint_id),
+        "path": rel,
         "train_config_hash": train_config_hash,
-        "train_config_json": json.dumps(train_config, sort_keys=True, default=str),
+        "train_config_json": json.dumps(train_config | {"published_by": who}, sort_keys=True, default=str),
         "code_version": code_version(),
         "seed": int(seed),
         "world_size": int(world_size),
@@ -237,8 +327,28 @@ def publish_checkpoint(lake: Lake, *, checkpoint_id: str, policy_version: int | 
     }
     from pipeline.schema import arrow_schema
 
+    def settled(winner: dict[str, Any]) -> dict[str, Any]:
+        if row_rel(winner) == rel:              # our own commit (an earlier try of this call)
+            return dict(winner) | {"already_published": False, "published_by": None}
+        discard_run_dir(lake, rel)              # no row names these files: ours lost
+        return dict(winner) | {"already_published": True, "published_by": published_by(winner)}
+
     for _ in range(100):
-        version = int(policy_version) if policy_version is not None else next_policy_version(lake)
+        rows = checkpoint_rows(lake)
+        prior = [r for r in rows if r["checkpoint_id"] == checkpoint_id]
+        if prior:
+            return settled(prior[0])
+        if once_per_snapshot:
+            taken = [r for r in rows if set(r["snapshot_ids"] or []) & set(snapshot_ids)]
+            if taken:
+                discard_run_dir(lake, rel)
+                t = taken[0]
+                raise ConflictError(f"snapshot {', '.join(snapshot_ids)} was consumed by checkpoint "
+                                    f"{t['checkpoint_id']} (policy version {t['policy_version']}), published by "
+                                    f"{published_by(t)} while this run trained; this run's files were discarded",
+                                    hint="a snapshot trains once; pass --force to train on it again")
+        latest = max((r["policy_version"] for r in rows), default=None)
+        version = int(policy_version) if policy_version is not None else (0 if latest is None else latest + 1)
         row["policy_version"] = version
         table = pa.Table.from_pylist([row], schema=arrow_schema("checkpoints"))
         try:
@@ -248,16 +358,19 @@ def publish_checkpoint(lake: Lake, *, checkpoint_id: str, policy_version: int | 
                               lock=(POLICY_VERSION_APP, version + 1))
         except LockTaken:
             if policy_version is not None:
-                taken = [r["checkpoint_id"] for r in _rows(lake) if r["policy_version"] == version]
+                holders = [r for r in checkpoint_rows(lake) if r["policy_version"] == version]
+                if holders and holders[0]["checkpoint_id"] == checkpoint_id:
+                    return settled(holders[0])
                 raise ConflictError(f"policy version {version} is already published (checkpoint "
-                                    f"{taken[0] if taken else '?'})",
+                                    f"{holders[0]['checkpoint_id'] if holders else '?'})",
                                     hint="publish as the next version, or use the published one") from None
             continue
-        if not res.landed:  # this checkpoint id was published before: report the version it has
-            prior = [r for r in _rows(lake) if r["checkpoint_id"] == checkpoint_id]
+        if not res.landed:  # this checkpoint id was published meanwhile (or by an earlier try of ours)
+            prior = [r for r in checkpoint_rows(lake) if r["checkpoint_id"] == checkpoint_id]
             if prior:
-                row["policy_version"] = int(prior[0]["policy_version"])
-        return row
+                return settled(prior[0])
+        pause_point("publish:committed")        # kill tests: the row landed
+        return row | {"already_published": False, "published_by": None}
     raise ConflictError("could not take a policy version: other publishers kept winning", hint="rerun")
 
 
@@ -359,16 +472,16 @@ def _origin(row: dict[str, Any]) -> str:
 
 def list_policies(lake: Lake | str | os.PathLike[str]) -> list[dict[str, Any]]:
     """One row per published version: version, checkpoint id, origin (init /
-    import / train), tokenizer_rev, parent, architecture, created_at."""
+    import / train), tokenizer_rev, parent, architecture, created_at, path (its directory)."""
     lake = as_lake(lake)
     if not lake.exists("checkpoints"):
         return []
     t = lake.read("checkpoints", columns=["checkpoint_id", "policy_version", "parent_checkpoint_id",
-                                          "train_config_json", "created_at"])
+                                          "train_config_json", "created_at", "path"])
     out = []
     for r in sorted(t.to_pylist(), key=lambda r: (r["policy_version"], r["created_at"])):
         cfg = json.loads(r["train_config_json"] or "{}")
-        hf = local_checkpoint_dir(lake, r["checkpoint_id"]) / HF_SUBDIR
+        hf = local_dir(lake, row_rel(r)) / HF_SUBDIR
         rev = cfg.get("tokenizer_rev")
         arch = cfg.get("model_type")
         if rev is None or arch is None:
@@ -379,7 +492,8 @@ def list_policies(lake: Lake | str | os.PathLike[str]) -> list[dict[str, Any]]:
                 pass
         out.append({"policy_version": int(r["policy_version"]), "checkpoint_id": r["checkpoint_id"],
                     "origin": _origin(r), "tokenizer_rev": rev, "model_type": arch,
-                    "parent_checkpoint_id": r["parent_checkpoint_id"], "created_at": r["created_at"].isoformat()})
+                    "parent_checkpoint_id": r["parent_checkpoint_id"], "created_at": r["created_at"].isoformat(),
+                    "path": row_rel(r)})
     return out
 
 
@@ -475,11 +589,10 @@ def import_policy(lake: Lake | str | os.PathLike[str], hf_dir: str | Path, *, ch
         h.update(p.name.encode() + b"\x00" + hashlib.sha256(p.read_bytes()).digest())
     content = h.hexdigest()
     ckpt_id = f"import-{content[:16]}"
-    prior = [r for r in _rows(lake) if r["checkpoint_id"] == ckpt_id]
+    prior = [r for r in checkpoint_rows(lake) if r["checkpoint_id"] == ckpt_id]
     if not prior:
-        root = local_checkpoint_dir(lake, ckpt_id)
-        if root.exists():
-            shutil.rmtree(root)    # an unpublished leftover of a crashed import
+        rel = run_checkpoint_rel(ckpt_id)              # this import's own directory
+        root = local_dir(lake, rel)
         (root / HF_SUBDIR).mkdir(parents=True)
         for p in keep:
             shutil.copy2(p, root / HF_SUBDIR / p.name)
@@ -488,119 +601,15 @@ def import_policy(lake: Lake | str | os.PathLike[str], hf_dir: str | Path, *, ch
                      "architectures": list(getattr(config, "architectures", None) or [])} | (source or {})
         row = publish_checkpoint(lake, checkpoint_id=ckpt_id, policy_version=None, parent_checkpoint_id=None,
                                  snapshot_ids=[], train_config=train_cfg, train_config_hash=content, seed=0,
-                                 command="pipeline policy import")
-        version = int(row["policy_version"])
+                                 command="pipeline policy import", rel=rel)
+        if row["already_published"]:            # a concurrent import of the same files won
+            prior = [row]
     else:
-        version = int(prior[0]["policy_version"])
+        row = prior[0]
+    version = int(row["policy_version"])
     return {"policy_version": version, "checkpoint_id": ckpt_id, "tokenizer_rev": rev,
-            "model_type": config.model_type, "path": str(local_checkpoint_dir(lake, ckpt_id) / HF_SUBDIR),
+            "model_type": config.model_type, "path": str(local_dir(lake, row_rel(row)) / HF_SUBDIR),
             "already_present": bool(prior)}
-
-
-@contextmanager
-def _gguf_progress_bar_off() -> Iterator[None]:
-    """transformers' GGUF reader draws its own ``tqdm.auto`` bar, which no transformers or hub switch
-    turns off (it reached stderr under --json): its module's ``tqdm`` gets ``disable=True`` for the load."""
-    import functools
-
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-
-    bar = gguf_utils.tqdm
-    gguf_utils.tqdm = functools.partial(bar, disable=True)
-    try:
-        yield
-    finally:
-        gguf_utils.tqdm = bar
-
-
-def gguf_to_hf_dir(gguf_file: str | Path, out_dir: str | Path, *, dtype: str = "float32") -> Path:
-    """Write a GGUF model file as a safetensors Hugging Face directory (``out_dir``):
-    transformers loads the file (``gguf_file=``, which needs the ``gguf`` and
-    ``accelerate`` packages: the ``[gguf]`` extra) and dequantizes every tensor
-    to ``dtype``; the GGUF-loaded model refuses ``save_pretrained`` (its config
-    says "quantized with GGUF"), so the model is rebuilt from its config without
-    the quantization entry and given the loaded state dict (every key must
-    match), then saved with its tokenizer and chat template."""
-    src = Path(gguf_file)
-    from pipeline.errors import InputFileError, MissingExtraError
-
-    if not src.is_file():
-        raise InputFileError(f"{src}: no such GGUF file", hint="pass the path of a .gguf model file")
-    for module in ("gguf", "accelerate"):
-        try:
-            __import__(module)
-        except ImportError as exc:
-            raise MissingExtraError(f"{module} (needed to read GGUF files: {exc})", "gguf") from None
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
-    if torch_dtype is None:
-        from pipeline.errors import ConfigError
-
-        raise ConfigError(f"dtype {dtype!r}: use float32 or bfloat16 (the trainer's precisions)")
-    try:
-        with _gguf_progress_bar_off():
-            tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-            gmodel = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch_dtype)
-    except Exception as exc:  # noqa: BLE001 - an unreadable / unsupported file is bad input
-        raise InputFileError(f"{src}: transformers cannot load this GGUF file: {type(exc).__name__}: "
-                             f"{str(exc)[:300]}", hint="transformers reads GGUF files of the architectures its "
-                                                       "GGUF integration lists (llama, qwen2, mistral, ...)") from None
-    config = gmodel.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-    res = model.load_state_dict(gmodel.state_dict(), strict=False)
-    missing = [k for k in res.missing_keys if not (k == "lm_head.weight" and config.tie_word_embeddings)]
-    if missing or res.unexpected_keys:
-        raise InputFileError(f"{src}: the dequantized tensors do not fit {type(model).__name__}: missing "
-                             f"{missing[:4]}, unexpected {list(res.unexpected_keys)[:4]}")
-    model.tie_weights()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    # how this process loaded the tokenizer (offline or not) is not part of it: the same GGUF file must give
-    # the same files, hence the same import (transformers 5 writes these load kwargs into tokenizer_config.json)
-    tc = out / "tokenizer_config.json"
-    if tc.is_file():
-        cfg = json.loads(tc.read_text())
-        for k in _LOAD_KWARGS:
-            cfg.pop(k, None)
-        tc.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    return out
-
-
-_LOAD_KWARGS = ("local_files_only", "is_local", "cache_dir", "revision", "token", "trust_remote_code", "gguf_file",
-                "_commit_hash", "subfolder")
-
-
-@contextmanager
-def converted_gguf(gguf_file: str | Path, *, dtype: str = "float32") -> Iterator[tuple[Path, dict[str, Any], dict]]:
-    """(HF directory, ``check_model_dir`` result, source record) of a GGUF file,
-    converted into a scratch directory that is removed on exit."""
-    import tempfile
-
-    src = Path(gguf_file)
-    with tempfile.TemporaryDirectory(prefix="pipeline-gguf-") as tmp:
-        out = gguf_to_hf_dir(src, Path(tmp) / "hf", dtype=dtype)
-        checked = check_model_dir(out)
-        h = hashlib.sha256()
-        with open(src, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        yield out, checked, {"source": str(src.resolve()), "gguf_sha256": h.hexdigest(), "dtype": dtype}
-
-
-def import_gguf(lake: Lake | str | os.PathLike[str], gguf_file: str | Path, *, dtype: str = "float32") -> dict[str, Any]:
-    """``pipeline policy import --gguf FILE``: convert (``gguf_to_hf_dir``) into a
-    scratch directory, then import that as ``--hf-dir`` does (same checks, same
-    idempotence: the same GGUF file gives the same files, so the same version)."""
-    with converted_gguf(gguf_file, dtype=dtype) as (out, checked, source):
-        return import_policy(lake, out, checked=checked, source=source)
 
 
 def policy_train_config(lake: Lake, ref: PolicyRef) -> dict[str, Any]:
@@ -619,72 +628,16 @@ RETIRED_FILE = "retired.json"      # in a checkpoint directory: the DeepSpeed fi
 RETIRABLE = ("ds/", "rng/")         # never hf/: the exported model every lineage query points to
 
 
-def retired_files(lake: Lake, checkpoint_id: str) -> set[str]:
-    """The files of a published checkpoint that retention removed (verification skips them)."""
+def retired_files(lake: Lake, checkpoint_id: str, *, rel: str | None = None) -> set[str]:
+    """The files of a published checkpoint (directory ``rel``) that retention removed (verification skips them)."""
     fs, root = lake.filesystem()
     try:
-        with fs.open_input_stream(f"{root}/{checkpoint_rel(checkpoint_id)}/{RETIRED_FILE}") as f:
+        with fs.open_input_stream(f"{root}/{rel or checkpoint_rel(checkpoint_id)}/{RETIRED_FILE}") as f:
             return set(json.loads(f.read().decode()).get("removed", []))
     except (FileNotFoundError, OSError, ValueError):
         return set()
 
 
-def retire_checkpoints(lake: Lake, keep: int, *, dry_run: bool = False) -> dict[str, Any]:
-    """Remove the DeepSpeed state (``ds/``, ``rng/``) of every published version
-    but the newest ``keep`` ones and the parents of interrupted training runs
-    (``_checkpoints/_runs/*/run.json``: a resume may carry their optimizer).
-    Their ``hf/`` model stays, so every version still loads, rolls out, serves as
-    a parent (with a fresh optimizer) and answers lineage queries. The list of
-    removed files is written to ``retired.json`` before anything is removed."""
-    import pyarrow.fs as pafs
-
-    rows = sorted(_rows(lake), key=lambda r: (r["policy_version"], r["created_at"]))
-    keep_ids = {r["checkpoint_id"] for r in rows[len(rows) - keep:]} if keep > 0 else set()
-    fs, root = lake.filesystem()
-    runs = f"{root}/_checkpoints/_runs"
-    try:
-        infos = fs.get_file_info(pafs.FileSelector(runs, allow_not_found=True, recursive=False))
-    except (FileNotFoundError, OSError):
-        infos = []
-    for info in infos:
-        try:
-            with fs.open_input_stream(f"{info.path}/run.json") as f:
-                keep_ids.add(json.loads(f.read().decode()).get("parent_checkpoint_id"))
-        except (FileNotFoundError, OSError, ValueError):
-            pass
-    report: dict[str, Any] = {"keep_checkpoints": keep, "retired": [], "files_removed": 0, "bytes_removed": 0}
-    if keep <= 0:
-        return report
-    for r in rows:
-        cid = r["checkpoint_id"]
-        if cid in keep_ids:
-            continue
-        done = retired_files(lake, cid)
-        todo = sorted(k for k, _ in r["file_sha256"] if k.startswith(RETIRABLE) and k not in done)
-        if not todo:
-            continue
-        base = f"{root}/{checkpoint_rel(cid)}"
-        sizes = {k: fs.get_file_info(f"{base}/{k}").size or 0 for k in todo}
-        report["retired"].append({"policy_version": int(r["policy_version"]), "checkpoint_id": cid,
-                                  "files": len(todo), "bytes": sum(sizes.values())})
-        report["files_removed"] += len(todo)
-        report["bytes_removed"] += sum(sizes.values())
-        if dry_run:
-            continue
-        body = json.dumps({"removed": sorted(done | set(todo)),
-                           "at": datetime.now(timezone.utc).isoformat()}, indent=1).encode()
-        tmp = f"{base}/.{RETIRED_FILE}.tmp{os.getpid()}"
-        with fs.open_output_stream(tmp) as f:     # the record first: a crash leaves files it allows missing
-            f.write(body)
-        fs.move(tmp, f"{base}/{RETIRED_FILE}")
-        for k in todo:
-            try:
-                fs.delete_file(f"{base}/{k}")
-            except (FileNotFoundError, OSError):
-                pass
-        for d in ("ds", "rng"):
-            try:
-                fs.delete_dir(f"{base}/{d}")
-            except (FileNotFoundError, OSError):
-                pass
-    return report
+# public names of the sub-modules (imported last: they use the names above)
+from pipeline.policy_store.care import retire_checkpoints, verify_checkpoints  # noqa: E402,F401
+from pipeline.policy_store.gguf import converted_gguf, gguf_to_hf_dir, import_gguf  # noqa: E402,F401
