@@ -85,8 +85,8 @@ def deferred() -> Iterator[list[int]]:
     try:
         yield got
     finally:
-        for sig, previous in saved:
-            signal.signal(sig, previous)
+        for signum, previous in saved:
+            signal.signal(signum, previous)
 
 
 def child_argv(argv: Sequence[str]) -> list[str]:
