@@ -178,8 +178,8 @@ def _run_pool(lake: Lake, cfg: RolloutConfig, owner: RunOwner) -> RolloutSummary
     # spawn: no forked torch/OpenMP state; a killed worker raises instead of hanging the pool
     with ProcessPoolExecutor(cfg.workers, mp_context=mp.get_context("spawn"), initializer=_die_with_parent,
                              initargs=(os.getpid(), True, owner.valid_until, cfg.lease_s)) as pool:
-        futures = [pool.submit(_worker_main, lake.uri, config_dict(cfg), w) for w in range(cfg.workers)]
-        try:
+        try:   # submit starts the worker processes: a signal there must stop them too
+            futures = [pool.submit(_worker_main, lake.uri, config_dict(cfg), w) for w in range(cfg.workers)]
             parts = [f.result() for f in futures]
         except (KeyboardInterrupt, Terminated):
             # stopped (docs/signals.md): the workers abandon their waves (SIGTERM ends a worker at once; what it
