@@ -440,9 +440,8 @@ def _worker(lake_uri: str, cfg_json: str, stop: str) -> int:
     """The async rollout worker: sample rounds of groups until the stop file appears,
     re-resolving the newest published policy between groups."""
     from pipeline.lake.delta import Lake
-    from pipeline.rollout.run import run_rollout
-
     from pipeline.procs import Terminated, exit_code, sigterm_raises
+    from pipeline.rollout.run import run_rollout
 
     cfg = DemoConfig(**json.loads(cfg_json))
     lake = Lake(lake_uri)
