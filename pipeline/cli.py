@@ -369,8 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     global _GIVEN_LAKE
     _GIVEN_LAKE = getattr(args, "lake", None)
     result: Any = None
+    from pipeline.procs import Terminated, exit_code, sigterm_raises, signal_name
+
     try:
-        with quiet_third_party(verbose), _verbose_env(verbose), stdout_for_results():
+        with sigterm_raises(), quiet_third_party(verbose), _verbose_env(verbose), stdout_for_results():
             try:
                 result = _run_handler(args)
             except BrokenPipeError:
@@ -382,9 +384,12 @@ def main(argv: list[str] | None = None) -> int:
         code = EXIT_TRANSIENT if exc.transient else exc.exit_code
         _error(exc, args, code)
         return code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except (KeyboardInterrupt, Terminated) as exc:
+        # SIGINT / SIGTERM (docs/signals.md): the unit in progress was abandoned, its children stopped
+        # on the way out (finally blocks); one line, exit 130 / 0
+        print(f"stopped by {signal_name(exc)}: pipeline {args.command} abandoned the work in progress "
+              "(what it committed stays; rerunning continues from there)", file=sys.stderr, flush=True)
+        return exit_code(exc)
     except OSError as exc:
         if disk_full(exc):
             return _disk_full(exc, args)
@@ -463,8 +468,22 @@ def _internal_error() -> int:
 def run() -> None:  # pragma: no cover
     """The console entry point. Exits normally, so atexit handlers (OpenLineage's
     client, loggers) run; the teardown aborts that once made this end with
-    os._exit are fixed at their source (docs/clean-exit.md)."""
-    sys.exit(main())
+    os._exit are fixed at their source (docs/clean-exit.md). SIGTERM raises from
+    the start (it exits 0, docs/signals.md); once the command is done, a late
+    SIGTERM or SIGINT no longer changes its exit code."""
+    import signal
+
+    from pipeline.procs import Terminated, exit_code, sigterm_raises, signal_name
+
+    try:
+        with sigterm_raises():
+            code = main()
+    except (KeyboardInterrupt, Terminated) as exc:   # before main's own handling began (parsing the arguments)
+        print(f"stopped by {signal_name(exc)} before the command started", file=sys.stderr, flush=True)
+        code = exit_code(exc)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    sys.exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -21,6 +21,7 @@ Trajectories that span a policy update carry per-token versions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Literal
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
@@ -67,6 +68,8 @@ class DemoConfig:
     async_min_groups: int = field(default=16, metadata={"ge": 1, "help": "async: admitted groups to wait for per step"})
     async_timeout_s: float = field(default=120.0, metadata={"gt": 0, "help": "async: give up waiting for fresh groups"})
     report: bool = field(default=True, metadata={"help": "write the HTML health report at the end"})
+    warm_start_steps: int | None = field(default=None, metadata={"ge": 0, "help":
+        "policy v0's supervised warm-start steps; null = the policy init's default (pipeline policy init)"})
     trackers: str = field(default="", metadata={"help": "mirror the training metrics to trackers: comma-separated "
                                                        "subset of tensorboard, mlflow, wandb (train's `trackers`)"})
 
@@ -175,21 +178,27 @@ def _line(k, lake: Lake, cfg, a, traj, reward, t0, version, heldout, train_resul
 
 def run_demo(lake: Lake, cfg: DemoConfig, *, out=print) -> dict[str, Any]:
     """Run the demo; returns a summary (per-iteration lines, held-out curve, timings)."""
-    from pipeline.rollout.policy import init_policy
-
+    t_start = time.perf_counter()
     if cfg.engine == "vllm":   # missing vLLM is one line before the warm start
         from pipeline.rollout.vllm_engine import require_vllm
 
         require_vllm()
-    t_start = time.perf_counter()
+    with demo_lease(lake):   # one demo per lake, refused before the warm start
+        return _run_demo(lake, cfg, out, t_start)
+
+
+def _run_demo(lake: Lake, cfg: DemoConfig, out, t_start: float) -> dict[str, Any]:
+    from pipeline.rollout.policy import init_policy
+
     out(f"lake: {lake.uri}   mode: {cfg.mode}   engine: {cfg.engine}   env: {cfg.env}")
     t0 = time.perf_counter()
     from pipeline.console import progress_bar
     from pipeline.rollout.policy import PolicyInitConfig
 
-    steps = PolicyInitConfig().warm_start_steps
+    steps = PolicyInitConfig().warm_start_steps if cfg.warm_start_steps is None else cfg.warm_start_steps
+    over = warm_start_overrides(cfg.env) | ({} if cfg.warm_start_steps is None else {"warm_start_steps": steps})
     with progress_bar(steps, "policy v0 warm start", enabled=sys.stderr.isatty()) as bar:   # 20-40 s on a CPU
-        ref = init_policy(lake, seed=cfg.seed, progress=bar, **warm_start_overrides(cfg.env))
+        ref = init_policy(lake, seed=cfg.seed, progress=bar, **over)
     version, heldout0 = _evaluate(lake, cfg)
     out(f"policy version {ref.policy_version} (warm start) in {time.perf_counter() - t0:.1f}s: "
         f"held-out success {heldout0:.3f}")
@@ -344,13 +353,19 @@ def _run_async(lake: Lake, cfg: DemoConfig, lines: list[IterationLine], out) -> 
     home.mkdir(parents=True, exist_ok=True)
     stop = home / f"stop-{os.getpid()}"
     stop.unlink(missing_ok=True)
-    worker = subprocess.Popen([sys.executable, "-m", "pipeline.demo", "--worker", lake.uri, json.dumps(cfg.__dict__),
-                               str(stop)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    from pipeline.procs import Terminated, child_argv, deferred
+
+    # both die with this process (a kill -9 included); SIGTERM / SIGINT here is forwarded to them (below)
+    worker = subprocess.Popen(child_argv([sys.executable, "-m", "pipeline.demo", "--worker", lake.uri,
+                                          json.dumps(cfg.__dict__), str(stop)]),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     tlog = open(home / f"trainer-{os.getpid()}.log", "w")
-    trainer = subprocess.Popen([sys.executable, "-m", "pipeline", "train", "--follow", "--lake", lake.uri, "--json",
-                                "--no-progress", "--stop-after", str(cfg.iterations)]
-                               + [a for k, v in _resident_train_sets(cfg).items() for a in ("--set", f"{k}={v}")],
+    trainer = subprocess.Popen(child_argv([sys.executable, "-m", "pipeline", "train", "--follow", "--lake", lake.uri,
+                                           "--json", "--no-progress", "--stop-after", str(cfg.iterations)]
+                                          + [a for k, v in _resident_train_sets(cfg).items()
+                                             for a in ("--set", f"{k}={v}")]),
                                stdout=subprocess.PIPE, stderr=tlog, text=True)
+    signalled: int | None = None
     idle = busy = 0.0
     lags: Counter = Counter()
     acfg = _admission_cfg(cfg)
@@ -395,8 +410,33 @@ def _run_async(lake: Lake, cfg: DemoConfig, lines: list[IterationLine], out) -> 
                          sum(rewards) / len(rewards) if rewards else None, t0, version, heldout, published)
             lines.append(line)
             out(line.text())
+    except (KeyboardInterrupt, Terminated) as exc:   # stopped: the children get the same signal, at once
+        signalled = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
+        raise
     finally:
+        with deferred():   # a second signal must not cut the children's shutdown short
+            _stop_async(stop, trainer, worker, tlog, signalled, lines, cfg)
+    resident: dict[str, Any] = {"returncode": trainer.returncode}
+    text = trainer.stdout.read().strip() if trainer.stdout is not None else ""
+    if text:
+        r = json.loads(text.splitlines()[-1])
+        resident |= {k: r[k] for k in ("stopped_by", "startup_seconds", "seconds", "full_state", "skipped")}
+    return {"trainer_idle_fraction": idle / max(idle + busy, 1e-9), "lag_distribution": dict(sorted(lags.items())),
+            "resident_trainer": resident}
+
+
+def _stop_async(stop: Path, trainer: subprocess.Popen, worker: subprocess.Popen, tlog: Any, signalled: int | None,
+                lines: list[IterationLine], cfg: DemoConfig) -> None:
+    """End the async demo's processes: on SIGTERM / SIGINT forward it to both (the
+    trainer finishes or abandons its version, the worker its round) and wait; else
+    the stop file ends the worker, and the trainer stops by itself or on SIGTERM."""
+    from pipeline.procs import stop_children
+
+    try:
         stop.touch()
+        if signalled is not None:
+            stop_children([worker, trainer], signalled, timeout=600)
+            return
         try:   # with a version per iteration it stops by itself (--stop-after); else it is waiting: SIGTERM
             trainer.wait(timeout=120 if sum(1 for ln in lines[1:] if ln.checkpoint_id) == cfg.iterations else 1)
         except subprocess.TimeoutExpired:
@@ -405,19 +445,15 @@ def _run_async(lake: Lake, cfg: DemoConfig, lines: list[IterationLine], out) -> 
             trainer.wait(timeout=600)
         except subprocess.TimeoutExpired:
             trainer.send_signal(signal.SIGKILL)
-        tlog.close()
+            trainer.wait()
         try:
             worker.wait(timeout=120)
         except subprocess.TimeoutExpired:
             worker.send_signal(signal.SIGKILL)
+            worker.wait()
+    finally:
+        tlog.close()
         stop.unlink(missing_ok=True)
-    resident: dict[str, Any] = {"returncode": trainer.returncode}
-    text = trainer.stdout.read().strip() if trainer.stdout is not None else ""
-    if text:
-        r = json.loads(text.splitlines()[-1])
-        resident |= {k: r[k] for k in ("stopped_by", "startup_seconds", "seconds", "full_state", "skipped")}
-    return {"trainer_idle_fraction": idle / max(idle + busy, 1e-9), "lag_distribution": dict(sorted(lags.items())),
-            "resident_trainer": resident}
 
 
 def _resident_train_sets(cfg: DemoConfig) -> dict[str, Any]:
@@ -440,25 +476,91 @@ def _worker(lake_uri: str, cfg_json: str, stop: str) -> int:
     """The async rollout worker: sample rounds of groups until the stop file appears,
     re-resolving the newest published policy between groups."""
     from pipeline.lake.delta import Lake
+    from pipeline.procs import Terminated, exit_code, sigterm_raises
     from pipeline.rollout.run import run_rollout
 
     cfg = DemoConfig(**json.loads(cfg_json))
     lake = Lake(lake_uri)
     per_round = max(4, cfg.groups // 4)
     k = 0
-    while not Path(stop).exists():
-        run_rollout(lake, env=cfg.env, engine=cfg.engine, groups=per_round, group_size=cfg.group_size,
-                    seed=cfg.seed * 1000 + 500 + k, group_offset=100_000 + k * per_round,
-                    run_id=f"demo-async-{cfg.seed}", follow_latest=True, tool_timeout_p=cfg.infra_fault_p,
-                    policy="latest")
-        k += 1
+    try:
+        with sigterm_raises():   # the demo forwards its SIGTERM: abandon the round (the run lease is released)
+            while not Path(stop).exists():
+                run_rollout(lake, env=cfg.env, engine=cfg.engine, groups=per_round, group_size=cfg.group_size,
+                            seed=cfg.seed * 1000 + 500 + k, group_offset=100_000 + k * per_round,
+                            run_id=f"demo-async-{cfg.seed}", follow_latest=True, tool_timeout_p=cfg.infra_fault_p,
+                            policy="latest")
+                k += 1
+    except (KeyboardInterrupt, Terminated) as exc:
+        return exit_code(exc)
     return 0
 
 
 def default_lake_uri() -> str:
-    """A fresh directory per demo run under ./lake (or $PIPELINE_LAKE)."""
-    root = os.environ.get("PIPELINE_LAKE", "./lake")
-    return f"{root.rstrip('/')}/demo-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    """A fresh directory per demo run under ./lake (or $PIPELINE_LAKE):
+    ``demo-<UTC second>-<random>``, created here exclusively on a local root (two
+    demos started in the same second never share one)."""
+    import secrets
+
+    root = os.environ.get("PIPELINE_LAKE", "./lake").rstrip("/")
+    for _ in range(100):
+        uri = f"{root}/demo-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
+        if "://" in root:
+            return uri               # an object store: a random name is the reservation
+        Path(root).mkdir(parents=True, exist_ok=True)
+        try:
+            Path(uri).mkdir()
+        except FileExistsError:
+            continue
+        return uri
+    raise RuntimeError(f"no free demo directory under {root}")   # pragma: no cover - 16M names per second
+
+
+DEMO_LEASE = "demo"
+DEMO_LEASE_S = 60.0
+
+
+@contextlib.contextmanager
+def demo_lease(lake: Lake) -> Iterator[Any]:
+    """One demo per lake: the lake's ``demo`` lease (pipeline/lake/lease.py), taken
+    before anything is written and renewed every ``DEMO_LEASE_S / 4`` while the demo
+    runs, released when it ends (also on SIGTERM / SIGINT). A second demo on the
+    same lake gets a one-line ConflictError at once. The lease is bound to the
+    holder's process: a demo killed with -9 frees it at once for a demo on the same
+    host, and after ``DEMO_LEASE_S`` for one on another host."""
+    import socket
+    import threading
+
+    from pipeline.errors import ConflictError
+    from pipeline.lake.lease import try_acquire
+
+    lease, held = try_acquire(lake, DEMO_LEASE, ttl=DEMO_LEASE_S, info={"pid_bound": True},
+                              owner=f"pipeline demo pid {os.getpid()} on {socket.gethostname()}")
+    if lease is None:
+        held = held or {}
+        raise ConflictError(f"lake {lake.uri} is in use by another demo ({held.get('owner', '?')}); two demos on "
+                            "one lake would train each other's snapshots",
+                            hint="omit --lake (each demo gets its own ./lake/demo-<time>-<random> directory), or "
+                                 "wait for that demo to end or stop it (SIGTERM); a killed demo's claim ends at once "
+                                 f"on its host, after {DEMO_LEASE_S:.0f} s elsewhere")
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(DEMO_LEASE_S / 4):
+            try:
+                lease.renew()
+            except Exception:  # noqa: BLE001 - lost or a flaky store: the stages keep their own guards
+                return
+
+    thread = threading.Thread(target=beat, name="demo-lease", daemon=True)
+    thread.start()
+    try:
+        yield lease
+    finally:
+        stop.set()
+        thread.join()
+        with contextlib.suppress(Exception):
+            lease.release()
 
 
 if __name__ == "__main__":  # the async worker entry point

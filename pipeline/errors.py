@@ -100,3 +100,8 @@ class StaleSnapshotError(PipelineError):
 class OffPolicySnapshotError(StaleSnapshotError):
     """The policy a snapshot would update is too far from the policy that sampled it
     (importance-sampling ESS or ratio tail beyond the trainer's bounds)."""
+
+
+class ForeignSnapshotError(StaleSnapshotError):
+    """A snapshot's data was sampled by a policy version that is not an ancestor of the
+    policy it would update (a sibling line's version, or a version published nowhere)."""

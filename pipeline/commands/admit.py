@@ -127,7 +127,7 @@ def _follow(args: argparse.Namespace, cfg, engine, scheduler, scope) -> int | No
                      engine=engine, dask_scheduler=scheduler, target_groups=args.target_groups, scope=scope)
     why = f"{stop.signal}: " if stop.signal else ""
     print(f"follow: {why}stopped after {len(reports)} pass(es)", file=sys.stderr, flush=True)
-    return None
+    return 130 if stop.signal == "SIGINT" else None   # docs/signals.md: SIGTERM 0, SIGINT 130
 
 
 def resolve_engine(engine: str, scheduler: str | None) -> tuple[Literal["duckdb", "dask"], str | None]:

@@ -10,8 +10,10 @@ owner (owner.py) and its summary (summary.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pipeline.config import config_dict
 from pipeline.lake.ref import as_lake
+from pipeline.procs import Terminated
 from pipeline.rollout.owner import RunOwner, _die_with_parent, _parent_alive
 from pipeline.rollout.summary import RolloutSummary, _merge
 from pipeline.rollout.worker import _spool_dir, run_worker
@@ -179,9 +182,14 @@ def _run_pool(lake: Lake, cfg: RolloutConfig, owner: RunOwner) -> RolloutSummary
     # spawn: no forked torch/OpenMP state; a killed worker raises instead of hanging the pool
     with ProcessPoolExecutor(cfg.workers, mp_context=mp.get_context("spawn"), initializer=_die_with_parent,
                              initargs=(os.getpid(), True, owner.valid_until, cfg.lease_s)) as pool:
-        futures = [pool.submit(_worker_main, lake.uri, config_dict(cfg), w) for w in range(cfg.workers)]
-        try:
+        try:   # submit starts the worker processes: a signal there must stop them too
+            futures = [pool.submit(_worker_main, lake.uri, config_dict(cfg), w) for w in range(cfg.workers)]
             parts = [f.result() for f in futures]
+        except (KeyboardInterrupt, Terminated):
+            # stopped (docs/signals.md): the workers abandon their waves (SIGTERM ends a worker at once; what it
+            # spooled is shipped by the next run of this run id); the pool's exit must not wait for their runs
+            _stop_workers(signal.SIGTERM)
+            raise
         except BrokenProcessPool:
             owner.check()
             raise PipelineError(f"a rollout worker of run {cfg.run_id} died",
@@ -189,6 +197,26 @@ def _run_pool(lake: Lake, cfg: RolloutConfig, owner: RunOwner) -> RolloutSummary
                                      "trajectories are kept, interrupted ones are completed from the spools "
                                      "and the lake") from None
     return _merge(cfg, parts, time.perf_counter() - t0)
+
+
+def _stop_workers(sig: int, timeout: float = 30.0) -> None:
+    """Send ``sig`` to this process's worker processes, wait for them, kill the rest."""
+    import multiprocessing as mp
+
+    from pipeline.procs import deferred
+
+    with deferred():
+        workers = mp.active_children()
+        for p in workers:
+            if p.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, sig)
+        deadline = time.monotonic() + timeout
+        for p in workers:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
 
 
 def _check(cfg: RolloutConfig) -> None:

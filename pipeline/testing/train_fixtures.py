@@ -38,9 +38,10 @@ SYNTH_TOKENIZER_REV = "tok-1"
 
 
 def publish_tiny_policy(lake: Lake, *, checkpoint_id: str = "tiny-v0", seed: int = 0,
-                        tokenizer_rev: str = SYNTH_TOKENIZER_REV, **arch: Any):
+                        tokenizer_rev: str = SYNTH_TOKENIZER_REV, parent: str | None = None, **arch: Any):
     """Build, save and publish a tiny random Llama as policy version 0 (or next), recorded as
-    sampling with ``tokenizer_rev``."""
+    sampling with ``tokenizer_rev``. ``parent``: the checkpoint id it descends from (a newer
+    version of that line: the trainer accepts data its ancestors sampled); None starts a line."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -55,7 +56,7 @@ def publish_tiny_policy(lake: Lake, *, checkpoint_id: str = "tiny-v0", seed: int
     model.save_pretrained(str(out))
     tiny_tokenizer(spec["vocab_size"]).save_pretrained(str(out))
     publish_checkpoint(lake, checkpoint_id=checkpoint_id, policy_version=next_policy_version(lake),
-                       parent_checkpoint_id=None, snapshot_ids=[], train_config={"kind": "tiny", **spec, "tokenizer_rev": tokenizer_rev},
+                       parent_checkpoint_id=parent, snapshot_ids=[], train_config={"kind": "tiny", **spec, "tokenizer_rev": tokenizer_rev},
                        train_config_hash="tiny", seed=seed, command="test fixture")
     return resolve_policy(lake, checkpoint_id)
 

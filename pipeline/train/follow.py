@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from pipeline.errors import ConfigError, IntegrityError, OffPolicySnapshotError, PipelineError, StaleSnapshotError
+from pipeline.errors import (ConfigError, ForeignSnapshotError, IntegrityError, OffPolicySnapshotError, PipelineError,
+                             StaleSnapshotError)
 from pipeline.train.config import TrainConfig
 from pipeline.train.line import Recovery, pending_snapshots, recorded_skips, recovery_plan, superseded
 
@@ -304,6 +305,9 @@ class _Follower:
                                 hint="run one resident trainer per line; restart this one to replay and continue")
         try:
             data = prepare_data(run, lm=self.lm)
+        except ForeignSnapshotError as exc:   # sampled by a version not on this line: lineage, not lag
+            self._skip(sid, "other_line", exc.message)
+            return
         except StaleSnapshotError as exc:
             self._skip(sid, "stale", exc.message)
             return

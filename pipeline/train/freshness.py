@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from pipeline.lake.delta import Lake
+    from pipeline.policy_store import PolicyRef
     from pipeline.train.data import Members
 
 
@@ -61,6 +62,48 @@ def check_freshness(members: Members, parent_version: int, max_train_lag: int | 
     return {"train_lag_max": worst, "train_lag_mean": float(known.mean()) if known.size else None,
             "parent_version": parent_version}
 
+
+
+def check_lineage(lake: Lake, members: Members, parent: PolicyRef, snapshot_id: str) -> None:
+    """Lineage at use: every policy version that sampled a member (each sampled
+    token's, and the one that started it) must be the policy the update starts
+    from or one of its ancestors (the parent chain of the ``checkpoints`` rows).
+    A sibling line's version, or a version published nowhere, raises
+    ForeignSnapshotError: its lag against this line means nothing (it can be
+    negative) and its importance ratios would be taken against a behaviour policy
+    this line never had. An unpublished directory (version -1) has no lineage to
+    check."""
+    import numpy as np
+
+    from pipeline.errors import ForeignSnapshotError
+    from pipeline.train.line import line_versions
+
+    if parent.policy_version < 0 or len(members) == 0:
+        return
+    ancestors = line_versions(lake, parent.checkpoint_id)
+    started = members.policy_version
+    for i, tv in enumerate(members.token_versions):
+        sampled = {int(v) for v in np.unique(tv[tv >= 0])} if tv is not None else set()
+        if started is not None:
+            sampled.add(int(started[i]))
+        foreign = sorted(sampled - ancestors)
+        if foreign:
+            published = _published_versions(lake)
+            where = ("a version of another line (not an ancestor of it)" if foreign[0] in published
+                     else "a version that is published nowhere in this lake")
+            raise ForeignSnapshotError(
+                f"snapshot {snapshot_id} was sampled by another line: trajectory {members.trajectory_id[i]} was "
+                f"sampled by policy version {foreign[0]}, {where}, not by the policy it would update (version "
+                f"{parent.policy_version}, {parent.checkpoint_id}) or its ancestors "
+                f"{sorted(ancestors, reverse=True)[:8]}",
+                hint="train it from the line that sampled it (--from-checkpoint that version or a descendant of "
+                     "it), or admit data this line sampled (pipeline admit) and train on that snapshot")
+
+
+def _published_versions(lake: Lake) -> set[int]:
+    if not lake.exists("checkpoints"):
+        return set()
+    return {int(v) for v in lake.read("checkpoints", columns=["policy_version"]).column("policy_version").to_pylist()}
 
 
 

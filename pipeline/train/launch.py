@@ -44,8 +44,16 @@ def launch(job: dict[str, Any], nproc: int, *, failed: str, hint: str, stop_file
         previous = None
         if stop_file is not None:
             previous = signal.signal(signal.SIGTERM, lambda signum, frame: Path(stop_file).touch())
+        from pipeline.procs import Terminated, child_argv, deferred, stop_children
+
+        proc = subprocess.Popen(child_argv(cmd), env=env)   # torchrun dies with this process; its workers with it
         try:
-            code = subprocess.run(cmd, env=env).returncode
+            code = proc.wait()
+        except (KeyboardInterrupt, Terminated) as exc:
+            # stopped: torchrun forwards the signal to the workers and waits for them (docs/signals.md)
+            with deferred():
+                stop_children([proc], signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT, timeout=60)
+            raise
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)

@@ -73,6 +73,20 @@ def recorded_skips(lake: Lake, head_id: str) -> set[str]:
     return out
 
 
+def line_versions(lake: Lake, head_id: str) -> set[int]:
+    """The policy versions of ``head_id`` and of every ancestor (the parent chain):
+    the versions whose samples this line may train on."""
+    rows = _checkpoint_rows(lake)
+    out: set[int] = set()
+    seen: set[str] = set()
+    cid: str | None = head_id
+    while cid in rows and cid not in seen:
+        seen.add(cid)
+        out.add(int(rows[cid]["policy_version"]))
+        cid = rows[cid]["parent_checkpoint_id"]
+    return out
+
+
 # -- recovery -------------------------------------------------------------------------
 
 

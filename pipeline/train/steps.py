@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.config import config_dict
 from pipeline.errors import ConflictError
-from pipeline.train.freshness import check_freshness, snapshot_wait_ms
+from pipeline.train.freshness import check_freshness, check_lineage, snapshot_wait_ms
 from pipeline.train.publish import cursor_state, live_metrics
 from pipeline.train.records import Data, Plan, Run, State
 from pipeline.train.update import prepass, train_step
@@ -44,6 +44,7 @@ def prepare_data(run: Run, lm: Any = None) -> Data:
     lineage_cfg = {"tokenizer_rev": parent_tok, "prompt_template_revs": sorted(
         set(parent_cfg.get("prompt_template_revs") or []) | revs["prompt_template_rev"])}
     consumed_at = datetime.now(timezone.utc)
+    check_lineage(lake, members, parent, snapshot_id)   # before the lag: a lag across lines means nothing
     freshness = check_freshness(members, parent.policy_version, cfg.max_train_lag, snapshot_id)
     freshness["consumed_at"] = consumed_at.isoformat()
     freshness["snapshot_wait_ms"] = snapshot_wait_ms(lake, snapshot_id, consumed_at)

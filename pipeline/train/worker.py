@@ -75,6 +75,11 @@ if __name__ == "__main__":
     import os as _os
 
     from pipeline.console import quiet_third_party
+    from pipeline.procs import die_with_parent
+
+    # never outlive the launcher (torchrun, deepspeed): its death would leave this rank training alone. A
+    # watchdog, not the prctl: the launcher may start us from a thread that ends before it does
+    die_with_parent(_os.getppid(), pdeathsig=False, watchdog=True)
 
     with quiet_third_party(_os.environ.get("PIPELINE_VERBOSE") == "1"):
         _code = main(sys.argv[1:])

@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def _publish_versions(lake, n: int) -> None:
     from pipeline.testing.train_fixtures import publish_tiny_policy
 
-    for v in range(1, n + 1):
-        publish_tiny_policy(lake, checkpoint_id=f"tiny-v{v}", seed=v)
+    for v in range(1, n + 1):   # newer versions of the line that sampled the data (lineage: docs/training.md)
+        publish_tiny_policy(lake, checkpoint_id=f"tiny-v{v}", seed=v, parent=f"tiny-v{v - 1}")
 
 
 def test_stale_snapshot_is_refused_at_training(tlake):
@@ -65,7 +65,7 @@ def test_fresh_enough_snapshot_trains_and_records_consumption(tlake):
 def _publish_versions_from(lake, v: int) -> None:
     from pipeline.testing.train_fixtures import publish_tiny_policy
 
-    publish_tiny_policy(lake, checkpoint_id=f"tiny-v{v}", seed=v)
+    publish_tiny_policy(lake, checkpoint_id=f"tiny-v{v}", seed=v, parent=f"tiny-v{v - 1}")
 
 
 class _Ref:

@@ -83,7 +83,7 @@ def test_a_far_policy_is_refused_and_the_behaviour_policy_trains(tlake):
 
     lake, _ = tlake
     sid = _behaviour_snapshot(lake, resolve_policy(lake, "tiny-v0").hf_dir)     # sampled by v0, exactly
-    publish_tiny_policy(lake, checkpoint_id="tiny-far", seed=3, initializer_range=0.5)   # v1: peaked, far from v0
+    publish_tiny_policy(lake, checkpoint_id="tiny-far", seed=3, initializer_range=0.5, parent="tiny-v0")   # v1: peaked, far from v0
     with pytest.raises(OffPolicySnapshotError, match=r"too far off-policy for v1 \(tiny-far\): sequence-level ESS/n "
                                                      r"\S+ < min_ess_fraction=0.5; token ratio p99 \S+ > max_ratio_p99"):
         train_snapshot(lake, sid, TrainConfig(**GATES), progress=False)            # the newest policy: tiny-far
@@ -125,8 +125,8 @@ def test_stale_lr_scale_scales_the_learning_rate_per_version_of_lag(tlake):
     from pipeline.testing.train_fixtures import publish_tiny_policy
 
     lake, sid = tlake                       # the snapshot: sampled by version 0
-    publish_tiny_policy(lake, checkpoint_id="tiny-v1", seed=1)
-    publish_tiny_policy(lake, checkpoint_id="tiny-v2", seed=2)   # lag 2 from the newest policy
+    publish_tiny_policy(lake, checkpoint_id="tiny-v1", seed=1, parent="tiny-v0")
+    publish_tiny_policy(lake, checkpoint_id="tiny-v2", seed=2, parent="tiny-v1")   # lag 2 from the newest policy
     res = train_snapshot(lake, sid, TrainConfig(max_steps=2, micro_batch_tokens=256, lr=1e-3, stale_lr_scale=0.5),
                          progress=False)
     assert res.metrics["train_lag_max"] == 2 and res.metrics["lr_scale"] == 0.25
@@ -159,7 +159,7 @@ def test_gated_lag_scaled_stratified_training_stays_byte_reproducible(tlake, tla
                       stale_lr_scale=0.5, min_ess_fraction=0.01)
     out = []
     for lake, sid in (tlake, tlake2):
-        publish_tiny_policy(lake, checkpoint_id="tiny-v1", seed=1)          # lag 1: LR x 0.5
+        publish_tiny_policy(lake, checkpoint_id="tiny-v1", seed=1, parent="tiny-v0")   # lag 1: LR x 0.5
         res = train_snapshot(lake, sid, cfg, progress=False)
         ck = next(r for r in lake.read("checkpoints").to_pylist() if r["checkpoint_id"] == res.checkpoint_id)
         rows = sorted(lake.read("metrics").to_pylist(), key=lambda r: r["global_step"])
