@@ -117,6 +117,14 @@ def require_module():
     return require_modules
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``.ci/run``: ``-n 2 --dist load``), the heavy tests go first: the load scheduler
+    hands its first batch out round-robin, so the slow tests start on both cores at once instead of one
+    long test starting last and holding the run's end. A plain run keeps the collection order."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)   # stable: file order within each
+
+
 def pytest_runtest_setup(item):
     """Tests marked ``vllm`` / ``chromium`` / ``gguf`` need that dependency: checked here, one place (after
     skipif marks such as "needs a CUDA device", before the test's fixtures are built)."""

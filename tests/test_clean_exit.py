@@ -55,6 +55,7 @@ def _child(work: Path, quality: bool) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)   # 30 interpreters each running the loop: 286 s beside another test at load ~10 on 2 cores
 def test_fresh_interpreters_using_the_library_exit_zero(tmp_path, make_traj):
     import pyarrow.parquet as pq
 
@@ -101,7 +102,7 @@ CLI_RUNS = 100
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)   # 100 interpreters: ~15 min at load 20 on 2 cores
+@pytest.mark.timeout(1200)   # 100 interpreters: 189 s beside another test at load ~10 on 2 cores (~15 min at load 20)
 def test_fresh_cli_ingests_on_the_dedupe_path_exit_zero(tmp_path, make_traj):
     """100 fresh `pipeline ingest` processes, each landing a file half of whose
     ids are already in the table (the dedupe path: key lookup, fetch of the

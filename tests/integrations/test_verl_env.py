@@ -26,7 +26,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 VERL = "verl[verl-core]==0.9.1"   # plain verl misses what its ray_trainer imports (cachetools, uvicorn, fastapi)
-pytestmark = pytest.mark.slow
+# building the environment is pip resolving and installing verl's whole dependency set (468 s at load ~10 on the
+# 2-core box, once per machine: it is cached under .cache/), beyond the suite's 300 s default
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
 def _recipe() -> str:
