@@ -141,7 +141,9 @@ def api_md() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a committed section is stale")
+    ap.add_argument("--docs-dir", type=Path, default=DOCS, help="the docs directory to write into (default: docs/)")
     args = ap.parse_args(argv)
+    docs = args.docs_dir
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import readme_table
 
@@ -154,11 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         for p in stale:
             print(f"gen-docs: {p} is stale: run python scripts/gen-docs.py", file=sys.stderr)
         return 1 if stale else 0
-    readme_table.update_page(DOCS / "benchmarks.md")
-    schema.update_readme(DOCS / "reference" / "tables.md")
+    readme_table.update_page(docs / "benchmarks.md")
+    schema.update_readme(docs / "reference" / "tables.md")
     for rel, make in zip(GENERATED, (commands_md, config_md, api_md)):
-        (DOCS / rel).write_text(make())
-    print(f"gen-docs: wrote {', '.join('docs/' + g for g in GENERATED)}")
+        (docs / rel).write_text(make())
+    print(f"gen-docs: wrote {', '.join(str(docs / g) for g in GENERATED)}")
     return 0
 
 
