@@ -184,3 +184,17 @@ def test_site_renders_and_searches_offline_in_headless_chromium(site, tmp_path, 
     assert any("snapshots" in href for href in state["results"]), state["results"]
     errors = [ln for ln in log if "Uncaught" in ln or "ERROR:CONSOLE" in ln or "net::ERR_" in ln]
     assert errors == [], errors
+
+
+def test_exit_code_table_lists_every_exit_code_the_code_defines():
+    """docs/reference/cli.md's exit-code table has one row per EXIT_* constant of the package, no more."""
+    defined = {}
+    for path in sorted((ROOT / "pipeline").rglob("*.py")):
+        for m in re.finditer(r"^(EXIT_[A-Z_]+) = (\d+)", path.read_text(), re.M):
+            defined.setdefault(int(m.group(2)), []).append(m.group(1))
+    page = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    table = page.split("| code | meaning |", 1)[1].split("\n\n", 1)[0]
+    documented = {int(c) for c in re.findall(r"^\| (\d+) \|", table, re.M)}
+    assert len(defined) >= 8, defined
+    assert documented == set(defined), (f"undocumented: {set(defined) - documented}, "
+                                        f"documented but not defined: {documented - set(defined)}")
