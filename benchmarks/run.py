@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/run.py --quick         # small sizes (smoke)
     .venv/bin/python benchmarks/run.py --only ingest   # by name prefix
 
-    .venv/bin/python benchmarks/run.py --readme        # rewrite README's table from benchmarks/results/
+    .venv/bin/python benchmarks/run.py --readme        # rewrite docs/benchmarks.md's tables and README's headlines
 
 Every figure is a ratio against a baseline measured in the same run (these
 machines are shared and noisy; absolute times are printed for context only).
@@ -29,8 +29,8 @@ faster than the same run without) fails the run (exit code 3) instead of being
 written. A
 copy goes to ``benchmarks/results/history/`` (not committed). ``--quick`` runs
 write ``results/NAME.quick.json`` (not committed either): smoke figures never
-replace the reported ones. The README's benchmark table is generated from the
-committed files (benchmarks/readme_table.py).
+replace the reported ones. The docs site's benchmark tables (docs/benchmarks.md) and the
+README's headline figures are generated from the committed files (benchmarks/readme_table.py).
 """
 
 from __future__ import annotations
@@ -241,13 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run, not the reported figures")
     ap.add_argument("--only", action="append", default=[], help="run benchmarks whose file name contains this")
     ap.add_argument("--readme", action="store_true",
-                    help="rewrite README.md's benchmark table from benchmarks/results/*.json and exit")
+                    help="rewrite docs/benchmarks.md's tables and README.md's headline figures from "
+                         "benchmarks/results/*.json and exit")
     args = ap.parse_args(argv)
     if args.readme:
-        from readme_table import update_readme
+        from readme_table import update_all
 
-        changed = update_readme(HERE.parent / "README.md")
-        print("README.md updated" if changed else "README.md already up to date")
+        changed = update_all(HERE.parent)
+        print(f"updated: {', '.join(changed)}" if changed else "docs/benchmarks.md and README.md already up to date")
         return 0
     command = shlex.join(sys.orig_argv if argv is None else [sys.executable, __file__, *argv])
     results: list[Result] = []

@@ -7,7 +7,7 @@ Every command takes ``--lake URI``, ``--json`` and ``--verbose``; a handler
 returns an int exit code or None, and writes its result with :func:`emit` /
 :func:`out` (the only things that reach stdout).
 
-Output rules (README "Output and exit codes"):
+Output rules (docs/reference/cli.md "Output and exit codes"):
 
 * stdout carries only the command's result; with ``--json`` exactly one JSON
   document. While a handler runs, file descriptor 1 points at stderr, so a
@@ -42,7 +42,7 @@ from pipeline.errors import DiskFullError, InputFileError, NotFoundError, Pipeli
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
 
-# Exit codes (documented in README "Output and exit codes").
+# Exit codes (documented in docs/reference/cli.md "Output and exit codes").
 EXIT_OK = 0
 EXIT_NOTHING_DONE = 1     # the command ran but achieved nothing (every input row quarantined, a job failed)
 EXIT_USER_ERROR = 2       # bad arguments, config, input; something named does not exist (argparse uses 2 too)

@@ -1,6 +1,6 @@
 """Ingest: land externally produced trajectories, as a job.
 
-The producer API (README "Ingest contract")::
+The producer API (docs/how-to/land-rollouts.md "Ingest contract")::
 
     from pipeline.ingest import ingest_table
     ingest_table("s3://bucket/lake", rows)       # a Lake, a path or a URI

@@ -1,5 +1,5 @@
-"""The README's benchmark table is generated from the committed results files
-(benchmarks/readme_table.py), and the generator shows what it is given: a
+"""The docs site's benchmark tables (docs/benchmarks.md) and the README's headline figures are generated
+from the committed results files (benchmarks/readme_table.py), and the generator shows what it is given: a
 missed target as missed, a benchmark without results as not run. Every
 committed results file is either verified (benchmarks/provenance.py: its
 sources at its commit, its digest, every figure recomputed from its raw
@@ -29,11 +29,26 @@ def _table():
     return mod
 
 
-def test_readme_benchmark_section_is_generated_from_committed_results(tmp_path):
-    copy = tmp_path / "README.md"
-    copy.write_text((ROOT / "README.md").read_text())
-    assert not _table().update_readme(copy), \
-        "README.md benchmark table is stale: run python benchmarks/run.py --readme"
+def test_benchmark_page_and_readme_headlines_are_generated_from_committed_results(tmp_path):
+    page, readme = tmp_path / "benchmarks.md", tmp_path / "README.md"
+    page.write_text((ROOT / "docs" / "benchmarks.md").read_text())
+    readme.write_text((ROOT / "README.md").read_text())
+    assert not _table().update_page(page), "docs/benchmarks.md is stale: run python benchmarks/run.py --readme"
+    assert not _table().update_readme(readme), "README.md's headlines are stale: run python benchmarks/run.py --readme"
+
+
+def test_readme_headlines_are_rows_of_the_full_table():
+    """Each headline shows its full-table row's measured figure, baseline, ratio and mark (met, MISSED,
+    unverified) and nothing else."""
+    t = _table()
+    lines = t.headlines().splitlines()
+    assert len(lines) == len(t.HEADLINES)
+    rows = t.markdown().splitlines()
+    for line, (bench, start) in zip(lines, t.HEADLINES):
+        row = next(r for r in rows if r.startswith(f"| {start}") and r.endswith(f"| `{bench}` |"))
+        _, measured, baseline, ratio, target, met, _ = (c.strip() for c in row.strip("|").split(" | "))
+        for cell in (measured, baseline, f"ratio {ratio}", target, met):
+            assert cell in line, (cell, line)
 
 
 def test_every_benchmark_has_a_row_and_every_committed_file_is_complete():
@@ -90,7 +105,7 @@ def test_every_committed_results_file_is_verified_or_a_pinned_legacy_file():
             assert json.loads(p.read_text()).get("format") != prov.FORMAT, f"{p.name} was re-run: unlist it"
             if p.name.startswith("gates-"):
                 continue   # bench_gates's own raw runs: the table lists them as not run here
-            assert why in section and f"[`{p.name}`]" in section, p.name
+            assert why in section and f"| `benchmarks/results/{p.name}` |" in section, p.name
         else:
             try:
                 prov.verify(p, ROOT)

@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "of every file and publish it as the next policy version (0 on an empty lake). The weights are\n"
                     "loaded as the config's architecture and run one forward pass first: a directory that fails\n"
                     "is refused and nothing is written. tokenizer_rev is the hash of the tokenizer's canonical\n"
-                    "content (README, Bring your own model). Idempotent for the same files.\n"
+                    "content (docs/how-to/own-model.md, Bring your own model). Idempotent for the same files.\n"
                     "--gguf FILE (needs the [gguf] extra) dequantizes a GGUF model to --dtype, writes it as a\n"
                     "safetensors directory with its tokenizer and chat template, and imports that.",
         formatter_class=argparse.RawDescriptionHelpFormatter))

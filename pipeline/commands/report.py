@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_report)
 
 
-EXIT_ALERT = 4   # `report --check`: the report was written and at least one alert fired (README "Output and exit codes")
+EXIT_ALERT = 4   # `report --check`: the report was written and at least one alert fired (docs/reference/cli.md "Output and exit codes")
 
 
 def _report(args: argparse.Namespace) -> int | None:

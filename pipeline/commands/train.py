@@ -87,7 +87,7 @@ def _train(args: argparse.Namespace) -> int | None:
     return None
 
 
-EXIT_WORKER_EXIT = 3   # published, but a training process did not exit cleanly (README "Output and exit codes")
+EXIT_WORKER_EXIT = 3   # published, but a training process did not exit cleanly (docs/reference/cli.md "Output and exit codes")
 
 
 def _text(r: dict) -> str:

@@ -201,7 +201,7 @@ def from_dataproto(batch, *, run_id: str, policy_version: int, tokenizer_rev: st
     unknown = set(defaults) - {c.name for c in spec.ingest_columns}
     if unknown:
         raise VerlBatchError(f"unknown default(s) {sorted(unknown)}; defaults set columns of the trajectories "
-                             "contract (see README, Ingest contract)")
+                             "contract (see docs/how-to/land-rollouts.md, Ingest contract)")
     arrays = {}
     for c in spec.ingest_columns:
         if c.name == "content_hash":

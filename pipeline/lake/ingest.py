@@ -413,7 +413,7 @@ def _as_arrow(table) -> pa.Table:
         if isinstance(exc, InputFileError):
             raise
         raise InputFileError(f"ingest_table: the {type(table).__name__} cannot be read as a table: {exc}",
-                             hint="give each column one type the ingest contract names (README, Ingest contract)"
+                             hint="give each column one type the ingest contract names (docs/how-to/land-rollouts.md, Ingest contract)"
                              ) from None
 
 

@@ -442,7 +442,7 @@ def unknown_columns_message(unknown: list[str], table: str = "trajectories") -> 
              and (m := difflib.get_close_matches(u, ingestable, n=1, cutoff=0.6))}
     mean = ", ".join(f"{m!r} for {u!r}" for u, m in close.items())
     return (f"unknown column(s) {unknown}; the {table} contract has no such column "
-            f"(see README, Ingest contract): drop or rename them" + (f" (did you mean {mean}?)" if mean else ""))
+            f"(see docs/how-to/land-rollouts.md, Ingest contract): drop or rename them" + (f" (did you mean {mean}?)" if mean else ""))
 
 
 def validate_table(raw: pa.Table, *, table: str = "trajectories",

@@ -394,7 +394,7 @@ def _canonical_merges(model: dict[str, Any]) -> dict[str, Any]:
 
 def tokenizer_canonical(tok: Any) -> dict[str, Any]:
     """The content that defines a loaded transformers tokenizer, as plain JSON
-    (see README "Bring your own model" for the spec an external producer follows):
+    (see docs/how-to/own-model.md "Bring your own model" for the spec an external producer follows):
 
     - ``vocab``: every token string in id order (``tok.get_vocab()``, added tokens included);
     - ``pipeline``: the ``normalizer``, ``pre_tokenizer``, ``model`` (type, vocab, merges as

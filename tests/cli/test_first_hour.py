@@ -10,29 +10,41 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# `README, Ingest contract` / `README "Output and exit codes"` in a message, hint or docstring
-_REF = re.compile(r"""README(?:'s)?,?\s+(?:"([^"]+)"|([A-Z][A-Za-z' ]+?)(?=[)\].:;]))""")
+# `docs/how-to/land-rollouts.md, Ingest contract` / `docs/reference/cli.md "Output and exit codes"` (or a README
+# section) in a message, hint or docstring
+_REF = re.compile(r"""(README|docs/[\w/.-]+?\.md)(?:'s)?,?\s+(?:"([^"]+)"|([A-Z][A-Za-z' ]+?)(?=[)\].:;]))""")
 
 
-def _readme_headings() -> set[str]:
-    return {m.group(1).strip() for m in re.finditer(r"^#{1,6}\s+(.+)$", (ROOT / "README.md").read_text(), re.M)}
+def _headings(doc: str) -> list[str]:
+    """The page's headings and its paragraphs' bold titles (`**Damaged intents** (...)`)."""
+    path = ROOT / ("README.md" if doc == "README" else doc)
+    if not path.is_file():
+        return []
+    return [m.group(1) or m.group(2) for m in re.finditer(r"^(?:#{1,6}\s+(.+)|\*\*([^*]+)\*\*)", path.read_text(), re.M)]
+
+
+def _has_section(doc: str, section: str) -> bool:
+    """``section`` is a heading of ``doc`` or the start of one ("Cleanup": "Cleanup of what crashed writers leave")."""
+    return any(h.strip().rstrip(".:") == section or h.startswith(section + " ") for h in _headings(doc))
 
 
 def _sources() -> list[Path]:
     return sorted((ROOT / "pipeline").rglob("*.py")) + sorted((ROOT / "scripts").glob("*"))
 
 
-def test_every_readme_section_a_message_names_exists():
-    headings = _readme_headings()
-    named: dict[str, list[str]] = {}
+def test_every_section_a_message_names_exists():
+    """A message that sends the reader to "README, X" or "docs/PAGE.md, X" names a page that exists and a
+    heading that page has."""
+    named: dict[tuple[str, str], list[str]] = {}
     for path in _sources():
         for n, line in enumerate(path.read_text().splitlines(), 1):
             for m in _REF.finditer(line):
-                section = (m.group(1) or m.group(2)).strip()
-                named.setdefault(section, []).append(f"{path.relative_to(ROOT)}:{n}")
-    assert named, "the pattern finds no README reference at all: it is broken"
-    missing = {s: where for s, where in named.items() if s not in headings}
-    assert not missing, f"README sections named but absent (headings: {sorted(headings)}): {missing}"
+                section = (m.group(2) or m.group(3)).strip()
+                named.setdefault((m.group(1), section), []).append(f"{path.relative_to(ROOT)}:{n}")
+    assert named, "the pattern finds no section reference at all: it is broken"
+    assert any(doc.startswith("docs/") for doc, _ in named), "no message names a docs page: the pattern is broken"
+    missing = {f"{doc}: {s}": where for (doc, s), where in named.items() if not _has_section(doc, s)}
+    assert not missing, f"sections named but absent: {missing}"
 
 
 def test_no_message_names_the_unpublished_package():

@@ -1,4 +1,4 @@
-"""The README's recipe for trainers without an adapter (TRL, OpenRLHF, any other) runs as pasted and
+"""The recipe for trainers without an adapter (TRL, OpenRLHF, any other; docs/how-to/land-rollouts.md) runs and
 lands what it says: the block under "TRL, OpenRLHF and any other trainer", executed as written except
 for the lake URI (a local lake here)."""
 
@@ -11,9 +11,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _recipe() -> str:
-    section = (ROOT / "README.md").read_text().split("### TRL, OpenRLHF and any other trainer", 1)[1]
+    section = (ROOT / "docs" / "how-to" / "land-rollouts.md").read_text().split("### TRL, OpenRLHF and any other trainer", 1)[1]
     m = re.search(r"```python\n(.*?)```", section, re.S)
-    assert m, "README: no python block under 'TRL, OpenRLHF and any other trainer'"
+    assert m, "docs/how-to/land-rollouts.md: no python block under 'TRL, OpenRLHF and any other trainer'"
     return m.group(1)
 
 
@@ -23,7 +23,7 @@ def test_generic_recipe_lands_its_rows_and_a_retry_is_a_noop(lake):
     code = code.replace('"s3://bucket/lake"', repr(lake.uri))
     for attempt in (1, 2):
         scope: dict = {}
-        exec(compile(code, "README.md:generic-recipe", "exec"), scope)
+        exec(compile(code, "land-rollouts.md:generic-recipe", "exec"), scope)
         r = scope["report"]
         assert (r.landed, r.quarantined) == ((2, 0) if attempt == 1 else (0, 0)), r
     rows = sorted(lake.read("trajectories").to_pylist(), key=lambda r: r["trajectory_id"])

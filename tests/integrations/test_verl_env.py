@@ -1,10 +1,10 @@
-"""The project installs beside verl with verl's REAL dependency set, and the README's verl recipe runs as pasted.
+"""The project installs beside verl with verl's REAL dependency set, and the docs' verl recipe runs as pasted.
 
 One fresh virtual environment gets torch 2.13.0 (the CPU wheel), then ``pip install "verl[verl-core]==0.9.1" <this project>``
 resolved together (no ``--no-deps``, no constraints file): pip picks transformers 5.10.x for verl's
 ``<5.11``, which the project's ranges must accept. The environment is cached under ``.cache/`` keyed by the
 dependency lists, and the project's code is used from the working tree (PYTHONPATH), so an edit never needs a
-reinstall. The recipe is the README's code block under "Landing verl batches", executed as written except for
+reinstall. The recipe is docs/how-to/land-rollouts.md's code block under "Landing verl batches", executed as written except for
 the lake URI (a local directory instead of ``"s3://bucket/lake"``). Only the actor update it wraps is replaced
 (it needs verl's GPU workers); the recipe's own part (from_dataproto, ingest_table) runs for real, twice, and
 the second call must be a no-op.
@@ -32,10 +32,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
 def _recipe() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "how-to" / "land-rollouts.md").read_text()
     section = text.split("### Landing verl batches", 1)[1]
     m = re.search(r"```python\n(.*?)```", section, re.S)
-    assert m, "README: no python block under 'Landing verl batches'"
+    assert m, "docs/how-to/land-rollouts.md: no python block under 'Landing verl batches'"
     return m.group(1)
 
 
@@ -79,7 +79,7 @@ DRIVER = textwrap.dedent('''
     # the actor update needs verl's GPU workers; what the recipe adds around it runs for real
     RayPPOTrainer._update_actor = lambda self, batch: updates.append(len(batch)) or {"actor/ok": 1.0}
 
-    exec(compile(RECIPE, "README.md:verl-recipe", "exec"))
+    exec(compile(RECIPE, "land-rollouts.md:verl-recipe", "exec"))
 
     B, P, R = 4, 6, 8
     prompts = torch.zeros(B, P, dtype=torch.int64); responses = torch.zeros(B, R, dtype=torch.int64)
