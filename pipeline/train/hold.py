@@ -76,7 +76,9 @@ def _acquire(lake: Lake, role: Role, what: str) -> Lease:
             f"({os.uname().nodename} pid {os.getpid()})"
     told = False
     while True:
-        lease, rec = try_acquire(lake, LINE_LEASE, owner=owner, ttl=TTL_S, info={"role": role})
+        # pid_bound: a holder killed with -9 frees the line at once for a trainer on its host (the docstring's
+        # promise; without it a restarted --follow was refused for TTL_S after a kill)
+        lease, rec = try_acquire(lake, LINE_LEASE, owner=owner, ttl=TTL_S, info={"role": role, "pid_bound": True})
         if lease is not None:
             return lease
         held_by = describe_holder(LINE_LEASE, rec)
