@@ -1,0 +1,127 @@
+"""``pipeline serve``: the committer process. One lease per table
+(``serve-<stream>-<table>`` in the lake's ``_locks``): a second process refuses
+with one line, or waits as a standby until the lease is free. SIGTERM/SIGINT
+flush what was pulled, ack it and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from pipeline.landing import wire
+from pipeline.landing.committer import FlushReport, ServeSettings, TableCommitter, ensure_stream, run_table
+
+if TYPE_CHECKING:
+    from pipeline.lake.delta import Lake
+
+
+def lease_name(stream: str, table: str) -> str:
+    return f"serve-{stream}-{table}"
+
+
+def take_leases(lake: Lake, s: ServeSettings, *, standby: bool, poll_s: float = 1.0) -> list[Any]:
+    """The leases of every table served; refuses (LeaseHeldError) or, as a standby, waits."""
+    from pipeline.lake.lease import LeaseHeldError, acquire, holder
+
+    leases: list[Any] = []
+    try:
+        for table in s.tables:
+            name = lease_name(s.stream, table)
+            while True:
+                got = acquire(lake, name, owner=f"pipeline serve ({table})", ttl=s.lease_ttl_s)
+                if got is not None:
+                    leases.append(got)
+                    break
+                if not standby:
+                    raise LeaseHeldError(name, holder(lake, name))
+                time.sleep(poll_s)
+    except BaseException:
+        for lease in leases:
+            lease.release()
+        raise
+    return leases
+
+
+def serve(lake: Lake, url: str, s: ServeSettings, *, standby: bool = False,
+          on_flush: Callable[[FlushReport], None] | None = None, ready: Callable[[], None] | None = None,
+          auth: dict[str, Any] | None = None, stop_event: threading.Event | None = None) -> int:
+    """Run the committers until SIGTERM/SIGINT (or ``stop_event``, set from another thread); returns the exit code."""
+    for t in s.tables:
+        wire.subject(s.stream, t)          # refuses an unknown table before anything starts
+    leases = take_leases(lake, s, standby=standby)
+    try:
+        return asyncio.run(_serve(lake, url, s, leases, on_flush=on_flush, ready=ready, auth=auth or {},
+                                  stop_event=stop_event))
+    finally:
+        for lease in leases:
+            try:
+                lease.release()
+            except Exception:  # noqa: BLE001 - a lost lease is released already
+                pass
+
+
+async def _serve(lake: Lake, url: str, s: ServeSettings, leases: list[Any], *, on_flush: Any, ready: Any,
+                 auth: dict[str, Any], stop_event: threading.Event | None = None) -> int:
+    from pipeline.landing.producer import nats_connect
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    if stop_event is not None:
+        _watch(stop_event, stop, loop)
+    nc = await nats_connect(url, name="pipeline serve", **auth)
+    try:
+        js = nc.jetstream(timeout=10)
+        await ensure_stream(js, s)
+        committers = [TableCommitter(lake, t, stream=s.stream) for t in s.tables]
+        renewers = [_renewer(lease, s.lease_ttl_s) for lease in leases]
+        tasks = [asyncio.create_task(run_table(js, c, s, stop, on_flush=on_flush, renew=r))
+                 for c, r in zip(committers, renewers)]
+        if ready is not None:
+            ready()
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if t.exception() is not None:
+                stop.set()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise t.exception()  # type: ignore[misc]
+        return 0
+    finally:
+        await nc.close()
+
+
+def _watch(flag: threading.Event, stop: asyncio.Event, loop: asyncio.AbstractEventLoop) -> None:
+    """Set ``stop`` when another thread sets ``flag`` (serve run in a thread: tests, the benchmark)."""
+    def wait() -> None:
+        flag.wait()
+        try:
+            loop.call_soon_threadsafe(stop.set)
+        except RuntimeError:    # the loop ended first
+            pass
+    threading.Thread(target=wait, daemon=True).start()
+
+
+def _renewer(lease: Any, ttl: float) -> Callable[[], None]:
+    """Renew ``lease`` when a third of its ttl passed (LeaseLostError if taken over)."""
+    last = [time.monotonic()]
+
+    def renew() -> None:
+        if time.monotonic() - last[0] >= ttl / 3:
+            lease.renew()
+            last[0] = time.monotonic()
+    return renew
+
+
+def print_flush(r: FlushReport) -> None:
+    if r.messages:
+        print(f"{r.table}: {r.messages} message(s), {r.rows_read} row(s): {r.landed} landed, {r.duplicates} "
+              f"duplicate, {r.quarantined} quarantined, {r.skipped} message(s) landed before"
+              + (f"; version {r.version} (sequence {r.txn_version})" if r.version is not None else ""),
+              file=sys.stderr, flush=True)
