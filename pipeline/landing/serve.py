@@ -26,14 +26,16 @@ def lease_name(stream: str, table: str) -> str:
 
 def take_leases(lake: Lake, s: ServeSettings, *, standby: bool, poll_s: float = 1.0) -> list[Any]:
     """The leases of every table served; refuses (LeaseHeldError) or, as a standby, waits."""
-    from pipeline.lake.lease import LeaseHeldError, acquire, holder
+    from pipeline.lake.lease import LeaseHeldError, holder, try_acquire
 
     leases: list[Any] = []
     try:
         for table in s.tables:
             name = lease_name(s.stream, table)
             while True:
-                got = acquire(lake, name, owner=f"pipeline serve ({table})", ttl=s.lease_ttl_s)
+                # pid-bound: a committer killed with -9 on this host frees its table at once (lake/liveness.py)
+                got, _ = try_acquire(lake, name, owner=f"pipeline serve ({table})", ttl=s.lease_ttl_s,
+                                     info={"pid_bound": True})
                 if got is not None:
                     leases.append(got)
                     break

@@ -37,6 +37,7 @@ class NatsServer:
     def __init__(self, store_dir: str | os.PathLike[str] | None = None, *, port: int | None = None,
                  max_payload: int | None = None) -> None:
         self.store_dir = str(store_dir or tempfile.mkdtemp(prefix="nats-js-"))
+        Path(self.store_dir).mkdir(parents=True, exist_ok=True)
         self.port = port or _free_port()
         self.max_payload = max_payload
         self.proc: subprocess.Popen | None = None
