@@ -179,3 +179,28 @@ def test_ingest_table_and_serve_land_the_same_rows(tmp_path, nats_server, stream
     tb = b.read("trajectories", columns=cols).sort_by("trajectory_id")
     assert ta.equals(tb)
     assert isinstance(ta, pa.Table)
+
+
+@pytest.mark.slow
+def test_s3_kill9_after_commit_then_restart_lands_each_row_once(s3_env, nats_server, stream, tmp_path):
+    """The same kill on a lake in moto S3 (serve reads the AWS_* environment s3_env sets)."""
+    from pipeline.lake.delta import storage_options_from_env
+
+    _, bucket = s3_env
+    uri = f"s3://{bucket}/lake"
+    make_stream(nats_server.url, stream)
+    _publish(nats_server.url, stream, _batches(2, prefix="s3-"))
+    marker = tmp_path / "paused"
+    proc = start_serve(uri, nats_server.url, stream, pause_at=f"serve:trajectories:committed={marker}")
+    wait_for(marker.exists, what="the pause after the commit", proc=proc)
+    kill9(proc)
+    lake = Lake(uri, storage_options=storage_options_from_env())
+    assert len(landed_ids(lake)) == 40 and stream_messages(nats_server.url, stream) == 2
+    proc = start_serve(uri, nats_server.url, stream)
+    try:
+        wait_for(lambda: stream_messages(nats_server.url, stream) == 0, what="the acks", proc=proc)
+    finally:
+        code, err = stop_serve(proc)
+    assert code == 0, err
+    ids = landed_ids(lake)
+    assert len(ids) == len(set(ids)) == 40
