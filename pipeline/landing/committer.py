@@ -217,39 +217,6 @@ def _seen(lake: Lake, table: str, read_version: int | None, keys: KeySet):
 
 
 # -- the network half ------------------------------------------------------------------------
-async def ensure_stream(js: Any, s: ServeSettings) -> None:
-    """Create the lake's stream (work queue: a message leaves it when acked) if it does not exist."""
-    from nats.js import api
-    from nats.js.errors import NotFoundError
-
-    try:
-        await js.stream_info(s.stream)
-        return
-    except NotFoundError:
-        pass
-    await js.add_stream(api.StreamConfig(
-        name=s.stream, subjects=[f"{s.stream}.>"], retention=api.RetentionPolicy.WORK_QUEUE,
-        max_bytes=s.max_bytes, max_msgs=s.max_msgs, discard=api.DiscardPolicy.NEW,
-        duplicate_window=s.duplicate_window_s, storage=api.StorageType.FILE, num_replicas=s.replicas))
-
-
-async def fresh_consumer(js: Any, s: ServeSettings, table: str) -> Any:
-    """The table's durable pull consumer, created afresh: it delivers every
-    message not yet acked, in stream order, from the first."""
-    from nats.js import api
-    from nats.js.errors import NotFoundError
-
-    name = wire.consumer_name(s.stream, table)
-    try:
-        await js.delete_consumer(s.stream, name)
-    except NotFoundError:
-        pass
-    cfg = api.ConsumerConfig(durable_name=name, filter_subject=wire.subject(s.stream, table),
-                             ack_policy=api.AckPolicy.EXPLICIT, deliver_policy=api.DeliverPolicy.ALL,
-                             ack_wait=s.ack_wait_s, max_deliver=-1, max_ack_pending=-1)
-    return await js.pull_subscribe(wire.subject(s.stream, table), durable=name, stream=s.stream, config=cfg)
-
-
 def as_msg(m: Any) -> _Msg:
     headers = dict(m.headers or {})
     return _Msg(m.metadata.sequence.stream, headers.get(wire.HEADER_ID, f"seq:{m.metadata.sequence.stream}"),
@@ -260,8 +227,8 @@ async def run_table(js: Any, committer: TableCommitter, s: ServeSettings, stop: 
                     on_flush: Any = None, renew: Any = None) -> None:
     """Pull, flush at most once per interval (or when max_rows / max_messages are
     pulled), commit, ack; until ``stop`` is set (what was pulled is flushed first)."""
-    import nats.errors
     from pipeline.lake.delta.common import pause_point
+    from pipeline.landing.log import ack, fetch, fresh_consumer
 
     sub = await fresh_consumer(js, s, committer.table)
     pending: list[_Msg] = []
@@ -271,10 +238,7 @@ async def run_table(js: Any, committer: TableCommitter, s: ServeSettings, stop: 
     while True:
         wait = s.interval_s if not pending else max(0.01, started + s.interval_s - time.monotonic())
         if not stop.is_set():
-            try:
-                got = await sub.fetch(s.fetch_batch, timeout=min(wait, s.interval_s))
-            except nats.errors.TimeoutError:
-                got = []
+            got = await fetch(sub, s.fetch_batch, timeout=min(wait, s.interval_s))
             if got and not pending:
                 started = time.monotonic()
             for m in got:
@@ -288,8 +252,9 @@ async def run_table(js: Any, committer: TableCommitter, s: ServeSettings, stop: 
             renew()                                      # LeaseLostError: stop before committing
         if due:
             report, to_ack = await loop.run_in_executor(None, committer.land, pending)
-            for m in to_ack:
-                await m.raw.ack_sync()
+            if await ack([m.raw for m in to_ack]):
+                log.warning("%s: some acks were not confirmed; those messages come back and are acked "
+                            "without landing", committer.table)
             if on_flush is not None:
                 on_flush(report)
             pending, size = [], 0

@@ -29,26 +29,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.errors import PipelineError
 from pipeline.landing import wire
-
-FULL_CODES = (10077, 10078, 10047)   # maximum bytes / messages exceeded, insufficient storage
-
-
-class BackpressureError(PipelineError):
-    """The log refused a batch because the stream is full: retry later (the rows
-    of parts acked before are stored; a resend dedupes by row key)."""
-
-    exit_code = 75   # EX_TEMPFAIL: retriable
-    retriable = True
-
-
-class PublishError(PipelineError):
-    """The log did not acknowledge a batch in time (the server unreachable or
-    overloaded): retry; a resend of the same rows lands once."""
-
-    exit_code = 75
-    retriable = True
+from pipeline.landing.log import BackpressureError, PublishError, nats_connect  # noqa: F401 - re-exported
 
 
 @dataclass
@@ -69,53 +51,6 @@ def default_producer_id() -> str:
     return f"{socket.gethostname().split('.')[0]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def connect_options(url: str, *, user: str | None = None, password: str | None = None, token: str | None = None,
-                    tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                    name: str | None = None) -> dict[str, Any]:
-    """nats-py ``connect`` keyword arguments: credentials from the arguments or
-    ``NATS_USER``/``NATS_PASSWORD``/``NATS_TOKEN``; TLS when a CA or a certificate is given."""
-    opts: dict[str, Any] = {"servers": [url], "name": name, "max_reconnect_attempts": 5,
-                            "connect_timeout": 5, "allow_reconnect": True}
-    user = user or os.environ.get("NATS_USER")
-    password = password or os.environ.get("NATS_PASSWORD")
-    token = token or os.environ.get("NATS_TOKEN")
-    if user:
-        opts.update(user=user, password=password or "")
-    if token:
-        opts["token"] = token
-    tls_ca = tls_ca or os.environ.get("NATS_TLS_CA")
-    tls_cert = tls_cert or os.environ.get("NATS_TLS_CERT")
-    tls_key = tls_key or os.environ.get("NATS_TLS_KEY")
-    if tls_ca or tls_cert:
-        import ssl
-
-        ctx = ssl.create_default_context(cafile=tls_ca)
-        if tls_cert:
-            ctx.load_cert_chain(tls_cert, tls_key)
-        opts["tls"] = ctx
-    return opts
-
-
-async def nats_connect(url: str, **kw: Any):
-    import nats
-
-    from pipeline.errors import ConfigError
-
-    try:
-        return await nats.connect(**connect_options(url, **kw))
-    except Exception as exc:  # noqa: BLE001 - every connect failure is one line for the operator
-        raise ConfigError(f"cannot connect to the log at {_redact(url)}: {type(exc).__name__}: {exc}",
-                          hint="check the address, that nats-server runs with -js, and the credentials "
-                               "(NATS_USER/NATS_PASSWORD or NATS_TOKEN)") from None
-
-
-def _redact(url: str) -> str:
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url
-
-
 class AsyncProducer:
     """The producer for asyncio code (``await AsyncProducer.connect(url)``)."""
 
@@ -126,7 +61,6 @@ class AsyncProducer:
         self.producer_id = wire.check_producer(producer_id)
         self.timeout = timeout
         self._seq = time.time_ns() // 1000
-        self._lock = asyncio.Lock()
 
     @classmethod
     async def connect(cls, url: str, *, stream: str = wire.DEFAULT_STREAM, producer_id: str | None = None,
@@ -155,8 +89,7 @@ class AsyncProducer:
         return await self.append("trajectories", rows)
 
     async def _publish(self, table: str, subject: str, parts: list[bytes], ids: list[str], rows: int) -> PublishReport:
-        from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
-        from nats.js.errors import APIError, NoStreamResponseError
+        from pipeline.landing.log import publish
 
         from pipeline.lake.contenthash import HASH_VERSION
 
@@ -168,21 +101,15 @@ class AsyncProducer:
             if len(parts) > 1:
                 headers[wire.HEADER_PART] = f"{i + 1}/{len(parts)}"
             try:
-                ack = await self._js.publish(subject, payload, headers=headers, stream=self.stream)
-            except APIError as exc:
-                if exc.err_code in FULL_CODES:
-                    raise BackpressureError(
-                        f"the log is full: stream {self.stream!r} refused {mid} ({exc.description}); "
-                        f"{i} of {len(parts)} part(s) of this batch were stored",
-                        hint="retry later (the committer drains the stream); resent rows land once") from None
-                raise PublishError(f"the log refused {mid}: {exc.description} (code {exc.err_code})",
-                                   hint="check the stream exists (pipeline serve creates it) and its limits") from None
-            except (NatsTimeout, NoRespondersError, NoStreamResponseError, asyncio.TimeoutError) as exc:
-                raise PublishError(f"no acknowledgement for {mid} within {self.timeout:g}s ({type(exc).__name__})",
-                                   hint="is pipeline serve (or the stream) there? retry: resent rows land once"
-                                   ) from None
-            seqs.append(ack.seq)
-            dups += bool(ack.duplicate)
+                seq, dup = await publish(self._js, subject, payload, headers, stream=self.stream,
+                                         timeout=self.timeout)
+            except (BackpressureError, PublishError) as exc:
+                if len(parts) == 1:
+                    raise
+                raise type(exc)(f"{exc.message}; {i} of {len(parts)} part(s) of this batch were stored before",
+                                hint=exc.hint) from None
+            seqs.append(seq)
+            dups += dup
         return PublishReport(table, rows, len(parts), dups, min(seqs), max(seqs), ids)
 
     async def close(self) -> None:

@@ -14,7 +14,8 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from pipeline.landing import wire
-from pipeline.landing.committer import FlushReport, ServeSettings, TableCommitter, ensure_stream, run_table
+from pipeline.landing.committer import FlushReport, ServeSettings, TableCommitter, run_table
+from pipeline.landing.log import ensure_stream
 
 if TYPE_CHECKING:
     from pipeline.lake.delta import Lake
@@ -69,7 +70,7 @@ def serve(lake: Lake, url: str, s: ServeSettings, *, standby: bool = False,
 
 async def _serve(lake: Lake, url: str, s: ServeSettings, leases: list[Any], *, on_flush: Any, ready: Any,
                  auth: dict[str, Any], stop_event: threading.Event | None = None) -> int:
-    from pipeline.landing.producer import nats_connect
+    from pipeline.landing.log import nats_connect
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

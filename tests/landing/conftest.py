@@ -86,7 +86,8 @@ def stream_messages(url: str, stream: str) -> int:
 
 
 def make_stream(url: str, stream: str, **kw) -> None:
-    from pipeline.landing.committer import ServeSettings, ensure_stream
+    from pipeline.landing.committer import ServeSettings
+    from pipeline.landing.log import ensure_stream
 
     async def go() -> None:
         import nats
