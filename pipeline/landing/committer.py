@@ -200,8 +200,10 @@ class TableCommitter:
                 lands.append(to_land)
             if q is not None:
                 q_tables.append(q)
-        if not lands:
-            return [], 0, q_tables, np.empty(0, np.int64)
+        if not lands:   # nothing to land: the commit still records the sequence (no files)
+            from pipeline.lake.delta import Staged
+
+            return [Staged([], np.empty(0, np.int64), 0, time.time())], 0, q_tables, np.empty(0, np.int64)
         data = pa.concat_tables(lands, promote_options="permissive")
         st = self.lake.stage(self.table, data)
         return [st], data.num_rows, q_tables, st.keys

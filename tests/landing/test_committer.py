@@ -113,3 +113,13 @@ def test_resent_rows_under_a_new_id_are_duplicates(tmp_path):
     rep = c.land([_msg(2, _rows(1), producer="q"), _msg(3, _rows(2))])[0]
     assert rep.duplicates == 10 and rep.landed == 10
     assert len(_ids(lake)) == 20
+
+
+def test_a_flush_with_nothing_to_land_still_records_its_sequence(tmp_path):
+    lake = Lake(tmp_path / "lake")
+    c = TableCommitter(lake, "trajectories", stream="s")
+    c.land([_msg(1, _rows(1))])
+    rep = c.land([_msg(2, _rows(1), producer="q"), _msg(3, None, payload=b"junk")])[0]
+    assert rep.landed == 0 and rep.duplicates == 10 and rep.quarantined == 1 and rep.txn_version == 3
+    assert lake.transaction_version("trajectories", wire.app_id("s", "trajectories")) == 3
+    assert len(_ids(lake)) == 10
