@@ -262,3 +262,23 @@ async def run_table(js: Any, committer: TableCommitter, s: ServeSettings, stop: 
             pending, size = [], 0
         if stop.is_set() and not pending:
             return
+
+
+def committed_through(lake: Lake, stream: str, table: str) -> int:
+    """The last stream sequence of ``table``'s subject the lake has committed (0: none)."""
+    if not lake.exists(table):
+        return 0
+    return lake.transaction_version(table, wire.app_id(stream, table)) or 0
+
+
+def wait_committed(lake: Lake, stream: str, marks: dict[str, int], *, timeout: float = 120.0) -> None:
+    """Block until the lake committed every table's subject through ``marks[table]``
+    (a producer that must read its own writes back: rollout recovery)."""
+    deadline = time.monotonic() + timeout
+    for table, seq in marks.items():
+        while committed_through(lake, stream, table) < seq:
+            if time.monotonic() > deadline:
+                raise PipelineError(f"the lake has not committed {table} through stream sequence {seq} within "
+                                    f"{timeout:g}s (at {committed_through(lake, stream, table)})",
+                                    hint="is pipeline serve running on this lake and stream?")
+            time.sleep(0.2)

@@ -73,16 +73,24 @@ class AsyncProducer:
         self._seq = start + n - 1
         return [wire.msg_id(self.producer_id, start + i) for i in range(n)]
 
-    async def append(self, table: str, rows: Any) -> PublishReport:
+    async def append(self, table: str, rows: Any, *, seq: int | None = None,
+                     producer_id: str | None = None) -> PublishReport:
         """Publish ``rows`` (a pyarrow Table, pandas/polars frame or list of row
         dicts, in the table's ingest contract) to ``table``'s subject; returns
-        once every part is acknowledged by JetStream."""
+        once every part is acknowledged by JetStream. ``seq``: the caller's own
+        sequence for this batch (a resend after a crash then has the same ids:
+        ``<producer>:<seq>``, or ``<producer>:<seq>.<part>`` when split), under
+        ``producer_id`` when given (one connection, several deterministic producers)."""
         from pipeline.lake.ingest import _as_arrow   # the same conversion ingest_table applies
 
         data = rows if isinstance(rows, pa.Table) else _as_arrow(rows)
         subject = wire.subject(self.stream, table)
         parts = wire.split(data, self._nc.max_payload)
-        ids = self._next_ids(len(parts))
+        if seq is None:
+            ids = self._next_ids(len(parts))
+        else:
+            one = wire.msg_id(wire.check_producer(producer_id or self.producer_id), seq)
+            ids = [one] if len(parts) == 1 else [f"{one}.{i + 1}" for i in range(len(parts))]
         return await self._publish(table, subject, parts, ids, data.num_rows)
 
     async def ingest_table(self, rows: Any) -> PublishReport:
@@ -139,8 +147,9 @@ class Producer:
     def producer_id(self) -> str:
         return self._p.producer_id
 
-    def append(self, table: str, rows: Any) -> PublishReport:
-        return self._run(self._p.append(table, rows))
+    def append(self, table: str, rows: Any, *, seq: int | None = None,
+               producer_id: str | None = None) -> PublishReport:
+        return self._run(self._p.append(table, rows, seq=seq, producer_id=producer_id))
 
     def ingest_table(self, rows: Any) -> PublishReport:
         return self._run(self._p.ingest_table(rows))
