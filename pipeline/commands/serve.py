@@ -30,6 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "'log is full' error (default 1 GiB)")
     p.add_argument("--replicas", type=int, default=1, help="stream replicas when serve creates it (3 in a cluster)")
     p.add_argument("--standby", action="store_true", help="wait for the running committer's lease instead of refusing")
+    p.add_argument("--ready-file", default=None, metavar="PATH",
+                   help="touch PATH once serving and at every pull (a readiness probe checks its age); removed on exit")
     p.set_defaults(handler=_serve)
 
 
@@ -48,5 +50,5 @@ def _serve(args: argparse.Namespace) -> int:
     s = ServeSettings(stream=args.stream, tables=tables, interval_s=args.interval, max_messages=args.max_messages,
                       max_bytes=args.max_bytes, replicas=args.replicas)
     lake = open_lake(args, create=True)
-    return serve(lake, args.nats, s, standby=args.standby, on_flush=print_flush,
+    return serve(lake, args.nats, s, standby=args.standby, on_flush=print_flush, ready_file=args.ready_file,
                  ready=lambda: note(f"serving {', '.join(tables)} from {args.stream} (ready)"))

@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from pipeline.landing import wire
@@ -52,15 +53,20 @@ def take_leases(lake: Lake, s: ServeSettings, *, standby: bool, poll_s: float = 
 
 def serve(lake: Lake, url: str, s: ServeSettings, *, standby: bool = False,
           on_flush: Callable[[FlushReport], None] | None = None, ready: Callable[[], None] | None = None,
-          auth: dict[str, Any] | None = None, stop_event: threading.Event | None = None) -> int:
-    """Run the committers until SIGTERM/SIGINT (or ``stop_event``, set from another thread); returns the exit code."""
+          auth: dict[str, Any] | None = None, stop_event: threading.Event | None = None,
+          ready_file: str | None = None) -> int:
+    """Run the committers until SIGTERM/SIGINT (or ``stop_event``, set from another thread); returns the exit code.
+    ``ready_file``: touched once serving and at every pull of every table (a readiness probe checks its
+    age), removed on exit."""
     for t in s.tables:
         wire.subject(s.stream, t)          # refuses an unknown table before anything starts
     leases = take_leases(lake, s, standby=standby)
     try:
         return asyncio.run(_serve(lake, url, s, leases, on_flush=on_flush, ready=ready, auth=auth or {},
-                                  stop_event=stop_event))
+                                  stop_event=stop_event, ready_file=ready_file))
     finally:
+        if ready_file:
+            Path(ready_file).unlink(missing_ok=True)
         for lease in leases:
             try:
                 lease.release()
@@ -69,7 +75,8 @@ def serve(lake: Lake, url: str, s: ServeSettings, *, standby: bool = False,
 
 
 async def _serve(lake: Lake, url: str, s: ServeSettings, leases: list[Any], *, on_flush: Any, ready: Any,
-                 auth: dict[str, Any], stop_event: threading.Event | None = None) -> int:
+                 auth: dict[str, Any], stop_event: threading.Event | None = None,
+                 ready_file: str | None = None) -> int:
     from pipeline.landing.log import nats_connect
 
     stop = asyncio.Event()
@@ -84,9 +91,11 @@ async def _serve(lake: Lake, url: str, s: ServeSettings, leases: list[Any], *, o
         js = nc.jetstream(timeout=10)
         await ensure_stream(js, s)
         committers = [TableCommitter(lake, t, stream=s.stream) for t in s.tables]
-        renewers = [_renewer(lease, s.lease_ttl_s) for lease in leases]
+        renewers = [_renewer(lease, s.lease_ttl_s, ready_file) for lease in leases]
         tasks = [asyncio.create_task(run_table(js, c, s, stop, on_flush=on_flush, renew=r))
                  for c, r in zip(committers, renewers)]
+        if ready_file:
+            Path(ready_file).touch()
         if ready is not None:
             ready()
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -111,11 +120,13 @@ def _watch(flag: threading.Event, stop: asyncio.Event, loop: asyncio.AbstractEve
     threading.Thread(target=wait, daemon=True).start()
 
 
-def _renewer(lease: Any, ttl: float) -> Callable[[], None]:
-    """Renew ``lease`` when a third of its ttl passed (LeaseLostError if taken over)."""
+def _renewer(lease: Any, ttl: float, ready_file: str | None = None) -> Callable[[], None]:
+    """Renew ``lease`` when a third of its ttl passed (LeaseLostError if taken over); touch ``ready_file``."""
     last = [time.monotonic()]
 
     def renew() -> None:
+        if ready_file:
+            Path(ready_file).touch()
         if time.monotonic() - last[0] >= ttl / 3:
             lease.renew()
             last[0] = time.monotonic()
