@@ -186,20 +186,15 @@ class TableCommitter:
 
     def _stage(self, fresh: list[_Msg], report: FlushReport) -> tuple[list[Any], int, list[pa.Table], np.ndarray]:
         """(staged files, rows staged, quarantine tables, keys staged) of the fresh messages."""
-        from pipeline.landing.door import check_rows
+        from pipeline.landing.door import Incoming, check_flush
 
         assert self.keys is not None
         seen = _seen(self.lake, self.table, self.read_version, self.keys)
-        lands, q_tables = [], []
-        for m in fresh:
-            to_land, q, stats = check_rows(seen, self.table, m.payload, m.headers, msg_id=m.msg_id,
-                                           source=f"{wire.subject(self.stream, self.table)}#{m.seq}")
-            report.rows_read += stats.rows_read
-            report.duplicates += stats.duplicates
-            if to_land is not None:
-                lands.append(to_land)
-            if q is not None:
-                q_tables.append(q)
+        subject = wire.subject(self.stream, self.table)
+        lands, q_tables, stats = check_flush(seen, self.table, [
+            Incoming(m.msg_id, f"{subject}#{m.seq}", m.payload, m.headers) for m in fresh])
+        report.rows_read += stats.rows_read
+        report.duplicates += stats.duplicates
         if not lands:   # nothing to land: the commit still records the sequence (no files)
             from pipeline.lake.delta import Staged
 

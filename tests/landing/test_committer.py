@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+import pyarrow as pa
 import pytest
 
 from pipeline.lake.delta import Lake
@@ -123,3 +124,24 @@ def test_a_flush_with_nothing_to_land_still_records_its_sequence(tmp_path):
     assert rep.landed == 0 and rep.duplicates == 10 and rep.quarantined == 1 and rep.txn_version == 3
     assert lake.transaction_version("trajectories", wire.app_id("s", "trajectories")) == 3
     assert len(_ids(lake)) == 10
+
+
+def test_a_flush_validated_as_one_table_attributes_rows_to_their_messages(tmp_path):
+    """Messages of one schema are checked together; landed rows and quarantine entries still name their message."""
+    lake = Lake(tmp_path / "lake")
+    c = TableCommitter(lake, "trajectories", stream="s")
+    bad = _rows(2)
+    pv = bad.column("policy_version").to_pylist()
+    pv[3] = -5                                                                        # row 3: out of range
+    bad = bad.set_column(bad.schema.get_field_index("policy_version"), "policy_version", pa.array(pv, pa.int64()))
+    rep = c.land([_msg(1, _rows(1)), _msg(2, bad), _msg(3, _rows(3)), _msg(4, _rows(1))])[0]   # 4 resends 1
+    assert rep.landed == 29 and rep.quarantined == 1 and rep.duplicates == 10
+    got = lake.read("trajectories", columns=["trajectory_id", "ingest_id"]).to_pylist()
+    owner = {r["trajectory_id"]: r["ingest_id"] for r in got}
+    for k in (1, 2, 3):
+        mine = [t for t in _rows(k).column("trajectory_id").to_pylist() if t in owner]
+        assert mine and all(owner[t] == f"serve:p:{k}" for t in mine)
+    q = lake.read("quarantine", columns=["source_fingerprint", "source_row", "trajectory_id"]).to_pylist()
+    assert q == [{"source_fingerprint": "p:2", "source_row": 3,
+                  "trajectory_id": bad.column("trajectory_id")[3].as_py()}]
+
