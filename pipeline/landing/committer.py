@@ -57,6 +57,7 @@ class ServeSettings:
     stream: str = wire.DEFAULT_STREAM
     tables: tuple[str, ...] = ("trajectories", "events")
     interval_s: float = 1.0              # at most one commit per table per interval
+    linger_s: float = 0.2                # a flush waits this long for more messages after the first
     max_messages: int = 2_000            # flush earlier when this many messages are pulled
     max_flush_bytes: int = 256 << 20     # ... or this many payload bytes
     fetch_batch: int = 256
@@ -222,40 +223,58 @@ def as_msg(m: Any) -> _Msg:
 
 async def run_table(js: Any, committer: TableCommitter, s: ServeSettings, stop: asyncio.Event,
                     on_flush: Any = None, renew: Any = None) -> None:
-    """Pull, flush at most once per interval (or when max_rows / max_messages are
-    pulled), commit, ack; until ``stop`` is set (what was pulled is flushed first)."""
+    """Pull and commit until ``stop`` is set (what was pulled is committed and acked first).
+
+    A flush starts when messages are pending, the previous flush is done, at
+    least ``interval_s`` passed since the previous flush started (at most one
+    commit per interval) and the oldest pending message waited ``linger_s``
+    (or ``max_messages`` / ``max_flush_bytes`` are pending: then pulling pauses).
+    While a flush commits (on a worker thread) the next one is pulled, so a
+    message waits for at most one commit before its own."""
     from pipeline.lake.delta.common import pause_point
     from pipeline.landing.log import ack, fetch, fresh_consumer
 
     sub = await fresh_consumer(js, s, committer.table)
     pending: list[_Msg] = []
     size = 0
-    started = 0.0
+    first_at = 0.0                      # when the oldest pending message came
+    last_flush = -1e9                   # when the last flush started
+    inflight: asyncio.Future | None = None
     loop = asyncio.get_running_loop()
     while True:
-        wait = s.interval_s if not pending else max(0.01, started + s.interval_s - time.monotonic())
-        if not stop.is_set():
+        now = time.monotonic()
+        full = len(pending) >= s.max_messages or size >= s.max_flush_bytes
+        due_at = max(last_flush + s.interval_s, first_at + (0.0 if full else s.linger_s))
+        if not stop.is_set() and not full:
+            wait = 0.05 if inflight is not None else (max(0.01, due_at - now) if pending else s.interval_s)
             got = await fetch(sub, s.fetch_batch, timeout=min(wait, s.interval_s))
             if got and not pending:
-                started = time.monotonic()
+                first_at = time.monotonic()
             for m in got:
                 pending.append(as_msg(m))
                 size += len(m.data)
             if got:
                 pause_point(f"serve:{committer.table}:pulled")
-        due = pending and (stop.is_set() or time.monotonic() - started >= s.interval_s
-                           or len(pending) >= s.max_messages or size >= s.max_flush_bytes)
+        elif inflight is not None:
+            await asyncio.wait([inflight], timeout=s.interval_s)
+        elif pending:
+            await asyncio.sleep(max(0.0, due_at - time.monotonic()))
         if renew is not None:
             renew()                                      # LeaseLostError: stop before committing
-        if due:
-            report, to_ack = await loop.run_in_executor(None, committer.land, pending)
+        if inflight is not None and inflight.done():
+            report, to_ack = inflight.result()           # FencedError, a commit error: stop, ack nothing
+            inflight = None
             if await ack([m.raw for m in to_ack]):
                 log.warning("%s: some acks were not confirmed; those messages come back and are acked "
                             "without landing", committer.table)
             if on_flush is not None:
                 on_flush(report)
+        now = time.monotonic()
+        if pending and inflight is None and (now >= due_at or (stop.is_set() and now >= last_flush + s.interval_s)):
+            last_flush = now
+            inflight = loop.run_in_executor(None, committer.land, pending)
             pending, size = [], 0
-        if stop.is_set() and not pending:
+        if stop.is_set() and not pending and inflight is None:
             return
 
 
