@@ -23,8 +23,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tables", default="trajectories,events", help="tables to serve (default trajectories,events)")
     p.add_argument("--interval", type=float, default=1.0, metavar="S",
                    help="at most one commit per table per S seconds (default 1)")
+    p.add_argument("--linger", type=float, default=0.2, metavar="S",
+                   help="a flush waits S seconds after its first message for more (default 0.2)")
     p.add_argument("--max-messages", type=int, default=2000, metavar="N",
-                   help="flush earlier once N messages are pulled (default 2000)")
+                   help="hold at most N pulled messages; past that, pulling pauses until the next flush (default 2000)")
     p.add_argument("--max-bytes", type=int, default=1 << 30, metavar="B",
                    help="the stream's size limit when serve creates it: past it producers get a retriable "
                         "'log is full' error (default 1 GiB)")
@@ -45,9 +47,10 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError("pipeline serve needs the log's address", hint="give --nats nats://host:4222 or set "
                                                                          "PIPELINE_INGEST_URL")
     tables = tuple(t.strip() for t in args.tables.split(",") if t.strip())
-    if args.interval <= 0 or args.max_messages < 1:
-        raise ConfigError("--interval must be > 0 and --max-messages >= 1")
-    s = ServeSettings(stream=args.stream, tables=tables, interval_s=args.interval, max_messages=args.max_messages,
+    if args.interval <= 0 or args.linger < 0 or args.max_messages < 1:
+        raise ConfigError("--interval must be > 0, --linger >= 0 and --max-messages >= 1")
+    s = ServeSettings(stream=args.stream, tables=tables, interval_s=args.interval, linger_s=args.linger,
+                      max_messages=args.max_messages,
                       max_bytes=args.max_bytes, replicas=args.replicas)
     lake = open_lake(args, create=True)
     return serve(lake, args.nats, s, standby=args.standby, on_flush=print_flush, ready_file=args.ready_file,
