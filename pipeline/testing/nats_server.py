@@ -35,11 +35,12 @@ def _free_port() -> int:
 
 class NatsServer:
     def __init__(self, store_dir: str | os.PathLike[str] | None = None, *, port: int | None = None,
-                 max_payload: int | None = None) -> None:
+                 max_payload: int | None = None, user: str | None = None, password: str | None = None) -> None:
         self.store_dir = str(store_dir or tempfile.mkdtemp(prefix="nats-js-"))
         Path(self.store_dir).mkdir(parents=True, exist_ok=True)
         self.port = port or _free_port()
         self.max_payload = max_payload
+        self.auth = ["--user", user, "--pass", password or ""] if user else []
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -47,7 +48,7 @@ class NatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self) -> NatsServer:
-        args = [binary(), "-js", "-sd", self.store_dir, "-a", "127.0.0.1", "-p", str(self.port)]
+        args = [binary(), "-js", "-sd", self.store_dir, "-a", "127.0.0.1", "-p", str(self.port), *self.auth]
         if self.max_payload:
             conf = Path(self.store_dir) / "server.conf"
             conf.write_text(f"max_payload: {self.max_payload}\n")

@@ -64,20 +64,21 @@ def _has_stream(url, stream):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point", ["committed", "pulled"])
+@pytest.mark.parametrize("point", ["serve:trajectories:committed", "serve:trajectories:pulled",
+                                   "append:trajectories:staged"])
 def test_kill9_committer_then_restart_lands_nothing_twice(tmp_path, nats_server, stream, point):
     """kill -9 after the Delta commit before the ack (the acks are lost: the restart acks those messages
-    without landing them), or right after a pull (nothing committed: the restart lands them)."""
+    without landing them), right after a pull, or mid-commit with the files written but not committed
+    (nothing committed: the restart lands them)."""
     lake = Lake(tmp_path / "lake")
     make_stream(nats_server.url, stream)
     reps = _publish(nats_server.url, stream, _batches(3))
     marker = tmp_path / "paused"
-    proc = start_serve(str(tmp_path / "lake"), nats_server.url, stream,
-                       pause_at=f"serve:trajectories:{point}={marker}")
+    proc = start_serve(str(tmp_path / "lake"), nats_server.url, stream, pause_at=f"{point}={marker}")
     wait_for(marker.exists, what=f"the pause at {point}", proc=proc)
     kill9(proc)
     before = len(landed_ids(lake))
-    assert before == (60 if point == "committed" else 0)
+    assert before == (60 if point.endswith("committed") else 0)
     assert stream_messages(nats_server.url, stream) == 3      # nothing was acked
     proc = start_serve(str(tmp_path / "lake"), nats_server.url, stream)
     try:
@@ -210,3 +211,55 @@ def test_s3_kill9_after_commit_then_restart_lands_each_row_once(s3_env, nats_ser
     assert code == 0, err
     ids = landed_ids(lake)
     assert len(ids) == len(set(ids)) == 40
+
+
+def test_a_standby_takes_over_when_the_committer_stops(tmp_path, nats_server, stream):
+    lake_uri = str(tmp_path / "lake")
+    first = start_serve(lake_uri, nats_server.url, stream)
+    standby = None
+    try:
+        wait_for(lambda: _has_stream(nats_server.url, stream), what="the first committer", proc=first)
+        standby = start_serve(lake_uri, nats_server.url, stream, extra=["--standby"])
+        kill9(first)                                   # the lease is pid-bound: free at once
+        _publish(nats_server.url, stream, _batches(2, prefix="sb"))
+        lake = Lake(lake_uri)
+        _drained(lake, nats_server.url, stream, 40, standby)
+    finally:
+        if first.poll() is None:
+            stop_serve(first)
+        code, err = stop_serve(standby) if standby is not None else (0, "")
+    assert code == 0, err
+    assert len(set(landed_ids(lake))) == len(landed_ids(lake)) == 40
+
+
+def test_credentials_are_required_and_used(tmp_path, stream, monkeypatch):
+    from pipeline.errors import ConfigError
+    from pipeline.testing.nats_server import NatsServer
+
+    srv = NatsServer(tmp_path / "js", user="lake", password="s3cret").start()
+    try:
+        with pytest.raises(ConfigError) as err:
+            connect(srv.url, stream=stream)
+        assert "cannot connect" in str(err.value) and "s3cret" not in str(err.value)
+        monkeypatch.setenv("NATS_USER", "lake")
+        monkeypatch.setenv("NATS_PASSWORD", "s3cret")
+        make_stream_auth(srv.url, stream)
+        with connect(srv.url, stream=stream) as door:
+            assert door.ingest_table(_batches(1)[0]).messages == 1
+    finally:
+        srv.stop()
+
+
+def make_stream_auth(url, stream):
+    import asyncio
+
+    from pipeline.landing.committer import ServeSettings
+    from pipeline.landing.log import ensure_stream, nats_connect
+
+    async def go():
+        nc = await nats_connect(url)
+        try:
+            await ensure_stream(nc.jetstream(), ServeSettings(stream=stream))
+        finally:
+            await nc.close()
+    asyncio.run(go())
