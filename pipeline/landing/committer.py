@@ -176,12 +176,17 @@ class TableCommitter:
             self.lake.discard(self.table, staged)
             raise LockTaken(self.fence_app, self.fence + 1)
         pause_point(f"serve:{self.table}:committed")
-        self.committed_seq, self.fence, self.read_version = last, self.fence + 1, res.version
-        assert self.keys is not None
-        if new_keys.size:
-            from pipeline.lake.delta import KeySet
+        from pipeline.lake.delta import KeySet
 
-            self.keys = KeySet(self.keys.index, np.concatenate([self.keys.loose, new_keys]))
+        assert self.keys is not None
+        loose = [self.keys.loose, new_keys]
+        if res.version is not None and self.read_version is not None and res.version > self.read_version + 1:
+            # other writers (pipeline ingest, Lake.append) committed between our read and our commit: their
+            # keys join the ones in memory, or a later flush would not see them
+            loose.append(self.lake.keys(self.table, self.lake.table(self.table, res.version),
+                                        since=self.read_version).loose)
+        self.keys = KeySet(self.keys.index, np.concatenate(loose))
+        self.committed_seq, self.fence, self.read_version = last, self.fence + 1, res.version
         report.landed = rows
         report.version, report.txn_version = res.version, last
 

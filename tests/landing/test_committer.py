@@ -145,3 +145,18 @@ def test_a_flush_validated_as_one_table_attributes_rows_to_their_messages(tmp_pa
     assert q == [{"source_fingerprint": "p:2", "source_row": 3,
                   "trajectory_id": bad.column("trajectory_id")[3].as_py()}]
 
+
+
+def test_rows_another_writer_lands_meanwhile_are_not_landed_again(tmp_path):
+    """pipeline ingest writes the table between two flushes: its keys join the committer's memory."""
+    from pipeline.ingest import ingest_table
+
+    lake = Lake(tmp_path / "lake")
+    c = TableCommitter(lake, "trajectories", stream="s")
+    c.land([_msg(1, _rows(1))])
+    ingest_table(lake, _rows(2))                       # another writer
+    c.land([_msg(2, _rows(3))])                        # commits after it (no key in common)
+    rep = c.land([_msg(3, _rows(2))])[0]               # the other writer's rows, published too
+    assert rep.landed == 0 and rep.duplicates == 10
+    ids = _ids(lake)
+    assert len(ids) == len(set(ids)) == 30
