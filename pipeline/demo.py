@@ -67,6 +67,9 @@ class DemoConfig:
     async_min_groups: int = field(default=16, metadata={"ge": 1, "help": "async: admitted groups to wait for per step"})
     async_timeout_s: float = field(default=120.0, metadata={"gt": 0, "help": "async: give up waiting for fresh groups"})
     report: bool = field(default=True, metadata={"help": "write the HTML health report at the end"})
+    ingest_url: str = field(default="", metadata={"help": "async: the rollout worker ships to the lake's log at this "
+                                                  "NATS URL, committed by a running `pipeline serve` (docs/front-door.md)"})
+    ingest_stream: str = field(default="lake", metadata={"help": "async: the lake's stream on that server"})
 
 
 @dataclass
@@ -185,6 +188,11 @@ def run_demo(lake: Lake, cfg: DemoConfig, *, out=print) -> dict[str, Any]:
     lines = [IterationLine(0, version, 0, 0, 0, 0, 0, None, heldout0, None, time.perf_counter() - t0)]
     out(lines[0].text())
     if cfg.mode == "sync":
+        if cfg.ingest_url:
+            from pipeline.errors import ConfigError
+
+            raise ConfigError("ingest_url needs mode=async", hint="the sync loop admits right after its rollout "
+                                                                  "returns; ship through the log in async mode")
         extra = _run_sync(lake, cfg, lines, out)
     else:
         extra = _run_async(lake, cfg, lines, out)
@@ -414,7 +422,7 @@ def _worker(lake_uri: str, cfg_json: str, stop: str) -> int:
         run_rollout(lake, env=cfg.env, engine=cfg.engine, groups=per_round, group_size=cfg.group_size,
                     seed=cfg.seed * 1000 + 500 + k, group_offset=100_000 + k * per_round,
                     run_id=f"demo-async-{cfg.seed}", follow_latest=True, tool_timeout_p=cfg.infra_fault_p,
-                    policy="latest")
+                    policy="latest", ingest_url=cfg.ingest_url, ingest_stream=cfg.ingest_stream)
         k += 1
     return 0
 
