@@ -41,7 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pipeline.cli import note, open_lake
     from pipeline.errors import ConfigError
     from pipeline.landing.committer import ServeSettings
-    from pipeline.landing.serve import print_flush, serve
+    from pipeline.landing.serve import check_reachable, print_flush, serve
 
     if not args.nats:
         raise ConfigError("pipeline serve needs the log's address", hint="give --nats nats://host:4222 or set "
@@ -52,6 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
     s = ServeSettings(stream=args.stream, tables=tables, interval_s=args.interval, linger_s=args.linger,
                       max_messages=args.max_messages,
                       max_bytes=args.max_bytes, replicas=args.replicas)
+    check_reachable(args.nats)        # before the lake is created: a wrong address must not leave a new lake behind
     lake = open_lake(args, create=True)
     return serve(lake, args.nats, s, standby=args.standby, on_flush=print_flush, ready_file=args.ready_file,
                  ready=lambda: note(f"serving {', '.join(tables)} from {args.stream} (ready)"))

@@ -6,11 +6,14 @@ committers' consumers, publishing with its errors mapped to ours, fetching.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from typing import Any
 
 from pipeline.errors import PipelineError
 from pipeline.landing import wire
+
+log = logging.getLogger("pipeline.landing")
 
 FULL_CODES = (10077, 10078, 10047)   # maximum bytes / messages exceeded, insufficient storage
 
@@ -37,7 +40,7 @@ def connect_options(url: str, *, user: str | None = None, password: str | None =
     """nats-py ``connect`` keyword arguments: credentials from the arguments or
     ``NATS_USER``/``NATS_PASSWORD``/``NATS_TOKEN``; TLS when a CA or a certificate is given."""
     opts: dict[str, Any] = {"servers": [url], "name": name, "max_reconnect_attempts": 5,
-                            "connect_timeout": 5, "allow_reconnect": True}
+                            "connect_timeout": 5, "allow_reconnect": True, "error_cb": _quiet}
     user = user or os.environ.get("NATS_USER")
     password = password or os.environ.get("NATS_PASSWORD")
     token = token or os.environ.get("NATS_TOKEN")
@@ -56,6 +59,11 @@ def connect_options(url: str, *, user: str | None = None, password: str | None =
             ctx.load_cert_chain(tls_cert, tls_key)
         opts["tls"] = ctx
     return opts
+
+
+async def _quiet(exc: Exception) -> None:
+    """nats-py prints every connection error with a traceback by default; ours surface as one-line errors."""
+    log.debug("nats: %s: %s", type(exc).__name__, exc)
 
 
 async def nats_connect(url: str, **kw: Any):

@@ -133,6 +133,16 @@ def _renewer(lease: Any, ttl: float, ready_file: str | None = None) -> Callable[
     return renew
 
 
+def check_reachable(url: str, auth: dict[str, Any] | None = None) -> None:
+    """Connect once and close (ConfigError with one line when the log cannot be reached)."""
+    from pipeline.landing.log import nats_connect
+
+    async def probe() -> None:
+        nc = await nats_connect(url, name="pipeline serve (probe)", **(auth or {}))
+        await nc.close()
+    asyncio.run(probe())
+
+
 def print_flush(r: FlushReport) -> None:
     if r.messages:
         print(f"{r.table}: {r.messages} message(s), {r.rows_read} row(s): {r.landed} landed, {r.duplicates} "
