@@ -26,13 +26,17 @@ def lease_name(stream: str, table: str) -> str:
     return f"serve-{stream}-{table}"
 
 
-def take_leases(lake: Lake, s: ServeSettings, *, standby: bool, poll_s: float = 1.0) -> list[Any]:
-    """The leases of every table served; refuses (LeaseHeldError) or, as a standby, waits."""
+def take_leases(lake: Lake, s: ServeSettings, *, standby: bool, poll_s: float = 1.0,
+                stop: threading.Event | None = None) -> list[Any]:
+    """The leases of every table served; refuses (LeaseHeldError) or, as a standby, waits
+    (until ``stop`` is set: then it returns what it holds, which the caller releases)."""
     from pipeline.lake.lease import LeaseHeldError, holder, try_acquire
 
     leases: list[Any] = []
     try:
         for table in s.tables:
+            if stop is not None and stop.is_set():
+                break
             name = lease_name(s.stream, table)
             while True:
                 # pid-bound: a committer killed with -9 on this host frees its table at once (lake/liveness.py)
@@ -43,7 +47,10 @@ def take_leases(lake: Lake, s: ServeSettings, *, standby: bool, poll_s: float = 
                     break
                 if not standby:
                     raise LeaseHeldError(name, holder(lake, name))
-                time.sleep(poll_s)
+                if stop is not None and stop.wait(poll_s):
+                    break
+                if stop is None:
+                    time.sleep(poll_s)
     except BaseException:
         for lease in leases:
             lease.release()
@@ -60,10 +67,19 @@ def serve(lake: Lake, url: str, s: ServeSettings, *, standby: bool = False,
     age), removed on exit."""
     for t in s.tables:
         wire.subject(s.stream, t)          # refuses an unknown table before anything starts
-    leases = take_leases(lake, s, standby=standby)
+    flag = stop_event or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        # a standby waiting for the lease stops on SIGTERM/SIGINT too (asyncio's handlers replace these later)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: flag.set())
+    leases = take_leases(lake, s, standby=standby, stop=flag)
+    if flag.is_set():
+        for lease in leases:
+            lease.release()
+        return 0
     try:
         return asyncio.run(_serve(lake, url, s, leases, on_flush=on_flush, ready=ready, auth=auth or {},
-                                  stop_event=stop_event, ready_file=ready_file))
+                                  stop_event=flag, ready_file=ready_file))
     finally:
         if ready_file:
             Path(ready_file).unlink(missing_ok=True)

@@ -305,3 +305,22 @@ def test_kill9_of_a_producer_mid_publish_loses_no_acked_row_and_doubles_none(tmp
     assert done <= landed_batches                       # every acknowledged batch landed
     assert len(landed_batches - done) <= 1              # at most the one in flight (stored, ack not seen)
     assert all(sum(1 for t in ids if t.startswith(f"k{k}-")) == 10 for k in landed_batches)
+
+
+def test_sigterm_stops_a_waiting_standby_cleanly(tmp_path, nats_server, stream):
+    import signal
+    import time
+
+    lake_uri = str(tmp_path / "lake")
+    first = start_serve(lake_uri, nats_server.url, stream)
+    try:
+        wait_for(lambda: _has_stream(nats_server.url, stream), what="the first committer", proc=first)
+        standby = start_serve(lake_uri, nats_server.url, stream, extra=["--standby"])
+        time.sleep(3)                                   # waiting for the lease
+        assert standby.poll() is None
+        standby.send_signal(signal.SIGTERM)
+        _, err = standby.communicate(timeout=60)
+        assert standby.returncode == 0, err
+    finally:
+        code, err = stop_serve(first)
+    assert code == 0, err
