@@ -36,11 +36,13 @@ class PublishError(PipelineError):
 
 def connect_options(url: str, *, user: str | None = None, password: str | None = None, token: str | None = None,
                     tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                    name: str | None = None) -> dict[str, Any]:
+                    name: str | None = None, attempts: int = 10) -> dict[str, Any]:
     """nats-py ``connect`` keyword arguments: credentials from the arguments or
     ``NATS_USER``/``NATS_PASSWORD``/``NATS_TOKEN``; TLS when a CA or a certificate is given."""
-    opts: dict[str, Any] = {"servers": [url], "name": name, "max_reconnect_attempts": 5,
-                            "connect_timeout": 5, "allow_reconnect": True, "error_cb": _quiet}
+    # a lost connection is retried every 0.5 s, ``attempts`` times (a first connect too: then it fails)
+    opts: dict[str, Any] = {"servers": [url], "name": name, "max_reconnect_attempts": attempts,
+                            "reconnect_time_wait": 0.5, "connect_timeout": 5, "allow_reconnect": True,
+                            "error_cb": _quiet}
     user = user or os.environ.get("NATS_USER")
     password = password or os.environ.get("NATS_PASSWORD")
     token = token or os.environ.get("NATS_TOKEN")

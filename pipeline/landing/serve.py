@@ -154,7 +154,7 @@ def check_reachable(url: str, auth: dict[str, Any] | None = None) -> None:
     from pipeline.landing.log import nats_connect
 
     async def probe() -> None:
-        nc = await nats_connect(url, name="pipeline serve (probe)", **(auth or {}))
+        nc = await nats_connect(url, name="pipeline serve (probe)", attempts=2, **(auth or {}))
         await nc.close()
     asyncio.run(probe())
 
