@@ -5,11 +5,12 @@ and commits each flush once, exactly once across restarts.
 
 - :mod:`.wire`: subjects, headers, payload (the contract another language reads);
 - :mod:`.producer`: :func:`connect` -> ``append(table, rows)`` / ``ingest_table(rows)``;
-- :mod:`.door`: one message through validate, stamp, dedupe, quarantine;
+- :mod:`.door`: a flush's messages through validate, stamp, dedupe, quarantine (the ingest path's own steps);
+- :mod:`.log`: the nats-py adapter (connections, the stream, consumers, publish errors);
 - :mod:`.committer`: a flush as one Delta commit with its transaction, then the acks;
 - :mod:`.serve`: the process (lease, signals, one committer per table).
 
-nats-py is imported only in :mod:`.producer` and :mod:`.committer`, inside functions.
+nats-py is imported only in :mod:`.log` (the adapter), inside functions.
 """
 
 from __future__ import annotations
