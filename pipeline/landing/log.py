@@ -88,6 +88,10 @@ def _redact(url: str) -> str:
     return url
 
 
+class IdReusedError(PipelineError):
+    """A message id the stream already holds for other bytes: the batch was NOT stored (not retriable)."""
+
+
 async def publish(js: Any, subject: str, payload: bytes, headers: dict[str, str], *, stream: str,
                   timeout: float) -> tuple[int, bool]:
     """(stream sequence, duplicate) once JetStream stored the message; BackpressureError
@@ -108,7 +112,25 @@ async def publish(js: Any, subject: str, payload: bytes, headers: dict[str, str]
     except (NatsTimeout, NoRespondersError, NoStreamResponseError, asyncio.TimeoutError) as exc:
         raise PublishError(f"no acknowledgement for {mid} within {timeout:g}s ({type(exc).__name__})",
                            hint="is pipeline serve (or the stream) there? retry: resent rows land once") from None
+    if ack.duplicate:
+        await _check_same_bytes(js, stream, ack.seq, payload, mid)
     return ack.seq, bool(ack.duplicate)
+
+
+async def _check_same_bytes(js: Any, stream: str, seq: int, payload: bytes, mid: str) -> None:
+    """A duplicate ack for an id the stream holds with other bytes is a reused id: say so (checked
+    while the first copy is in the stream; once the committer consumed it, the row keys decide)."""
+    from nats.js.errors import NotFoundError
+
+    try:
+        stored = await js.get_msg(stream, seq=seq)
+    except NotFoundError:
+        return
+    if stored.data != payload:
+        raise IdReusedError(f"message id {mid} was already used for other bytes (stream sequence {seq}); this "
+                            f"batch was NOT stored",
+                            hint="never reuse a message id: give every batch a new sequence (pipeline.landing's "
+                                 "client does unless you pass seq=)")
 
 
 async def ensure_stream(js: Any, s: Any) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.landing import wire
-from pipeline.landing.log import BackpressureError, PublishError, nats_connect  # noqa: F401 - re-exported
+from pipeline.landing.log import BackpressureError, IdReusedError, PublishError, nats_connect  # noqa: F401 - re-exported
 
 
 @dataclass

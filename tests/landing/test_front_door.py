@@ -324,3 +324,18 @@ def test_sigterm_stops_a_waiting_standby_cleanly(tmp_path, nats_server, stream):
     finally:
         code, err = stop_serve(first)
     assert code == 0, err
+
+
+def test_a_reused_message_id_with_other_bytes_is_refused(nats_server, stream):
+    from pipeline.landing.producer import IdReusedError
+
+    make_stream(nats_server.url, stream)
+    a, b = _batches(2, n=5, prefix="reuse")
+    with connect(nats_server.url, stream=stream) as door:
+        first = door.append("trajectories", a, seq=7, producer_id="fixed")
+        again = door.append("trajectories", a, seq=7, producer_id="fixed")      # a resend: stored once
+        assert again.duplicates == 1 and again.first_seq == first.first_seq
+        with pytest.raises(IdReusedError) as err:
+            door.append("trajectories", b, seq=7, producer_id="fixed")       # the same id, other rows
+    assert "fixed:7" in str(err.value) and "NOT stored" in str(err.value)
+    assert stream_messages(nats_server.url, stream) == 1
