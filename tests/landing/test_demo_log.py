@@ -5,7 +5,7 @@ the lake as always."""
 from __future__ import annotations
 
 import pytest
-from conftest import start_serve, stop_serve, stream_messages, wait_for
+from serve_helpers import start_serve, stop_serve, stream_messages, wait_for
 
 from pipeline.lake.delta import Lake
 

@@ -9,7 +9,7 @@ import subprocess
 
 import pyarrow as pa
 import pytest
-from conftest import (kill9, landed_ids, make_stream, publish_raw, start_serve, stop_serve, stream_messages,
+from serve_helpers import (kill9, landed_ids, make_stream, publish_raw, start_serve, stop_serve, stream_messages,
                       wait_for)
 
 from pipeline.lake.delta import Lake

@@ -8,7 +8,7 @@ import os
 import subprocess
 
 import pytest
-from conftest import landed_ids, make_stream, start_serve, stop_serve, stream_messages, wait_for
+from serve_helpers import landed_ids, make_stream, start_serve, stop_serve, stream_messages, wait_for
 
 from pipeline.landing import connect
 from pipeline.testing.trajectories import make_trajectories
