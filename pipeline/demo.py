@@ -72,6 +72,9 @@ class DemoConfig:
         "policy v0's supervised warm-start steps; null = the policy init's default (pipeline policy init)"})
     trackers: str = field(default="", metadata={"help": "mirror the training metrics to trackers: comma-separated "
                                                        "subset of tensorboard, mlflow, wandb (train's `trackers`)"})
+    ingest_url: str = field(default="", metadata={"help": "async: the rollout worker ships to the lake's log at this "
+                                                  "NATS URL, committed by a running `pipeline serve` (docs/front-door.md)"})
+    ingest_stream: str = field(default="lake", metadata={"help": "async: the lake's stream on that server"})
 
     def __post_init__(self) -> None:
         from pipeline.train.config import parse_trackers
@@ -206,6 +209,11 @@ def _run_demo(lake: Lake, cfg: DemoConfig, out, t_start: float) -> dict[str, Any
     lines = [IterationLine(0, version, 0, 0, 0, 0, 0, None, heldout0, None, time.perf_counter() - t0)]
     out(lines[0].text())
     if cfg.mode == "sync":
+        if cfg.ingest_url:
+            from pipeline.errors import ConfigError
+
+            raise ConfigError("ingest_url needs mode=async", hint="the sync loop admits right after its rollout "
+                                                                  "returns; ship through the log in async mode")
         extra = _run_sync(lake, cfg, lines, out)
     else:
         extra = _run_async(lake, cfg, lines, out)
@@ -489,7 +497,7 @@ def _worker(lake_uri: str, cfg_json: str, stop: str) -> int:
                 run_rollout(lake, env=cfg.env, engine=cfg.engine, groups=per_round, group_size=cfg.group_size,
                             seed=cfg.seed * 1000 + 500 + k, group_offset=100_000 + k * per_round,
                             run_id=f"demo-async-{cfg.seed}", follow_latest=True, tool_timeout_p=cfg.infra_fault_p,
-                            policy="latest")
+                            policy="latest", ingest_url=cfg.ingest_url, ingest_stream=cfg.ingest_stream)
                 k += 1
     except (KeyboardInterrupt, Terminated) as exc:
         return exit_code(exc)

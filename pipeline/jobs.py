@@ -298,7 +298,8 @@ def render_cronjobs(jobs: dict[str, JobSpec], *, image: str | None = None) -> st
             raise PipelineError(f"job {spec.name}: Kubernetes CronJobs need a 5-field schedule")
         res = spec.resources or {"cpu": "1", "memory": "4Gi"}
         env_from = [{"configMapRef": {"name": "pipeline-lake"}},
-                    {"secretRef": {"name": "pipeline-s3", "optional": True}}]
+                    {"secretRef": {"name": "pipeline-s3", "optional": True}},
+                    {"secretRef": {"name": "nats-auth", "optional": True}}]   # the front door's credentials
         docs.append({
             "apiVersion": "batch/v1",
             "kind": "CronJob",
@@ -346,7 +347,8 @@ def render_services(jobs: dict[str, JobSpec], *, image: str | None = None) -> st
     ``Recreate`` (the old pod stops before the new one starts), the ``before``
     steps as an init container."""
     image = image or default_image()
-    env_from = [{"configMapRef": {"name": "pipeline-lake"}}, {"secretRef": {"name": "pipeline-s3", "optional": True}}]
+    env_from = [{"configMapRef": {"name": "pipeline-lake"}}, {"secretRef": {"name": "pipeline-s3", "optional": True}},
+                {"secretRef": {"name": "nats-auth", "optional": True}}]
     docs = []
     for spec in jobs.values():
         if not spec.service:

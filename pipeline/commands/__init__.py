@@ -9,5 +9,5 @@ stage packages (``pipeline/lake``, ``pipeline/admission``, ...).
 """
 
 # The verbs, in ``pipeline --help`` order.
-VERBS = ("demo", "rollout", "policy", "ingest", "lake", "admit", "snapshots", "train", "sql", "lineage", "report",
+VERBS = ("demo", "rollout", "policy", "ingest", "serve", "lake", "admit", "snapshots", "train", "sql", "lineage", "report",
          "jobs", "simulate")

@@ -28,18 +28,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-id", default=None, help="experiment id (same id = resume)")
     p.add_argument("--follow-latest", action="store_true", default=None,
                    help="switch to the newest published policy between waves")
+    p.add_argument("--ingest-url", default=None, metavar="URL",
+                   help="ship to the lake's log (NATS JetStream) instead of appending; pipeline serve commits "
+                        "(default $PIPELINE_INGEST_URL; docs/front-door.md)")
     add_config_options(p)
     p.set_defaults(handler=_rollout)
 
 
 def _rollout(args: argparse.Namespace) -> None:
+    import os
+
     from pipeline.cli import config_overrides, emit, open_lake
     from pipeline.config import load_config
     from pipeline.rollout.run import RolloutConfig, run_rollout
 
     over = config_overrides(args, {"env": "env", "engine": "engine", "policy": "policy", "groups": "groups",
                              "group_size": "group_size", "seed": "seed", "workers": "workers", "run_id": "run_id",
-                             "follow_latest": "follow_latest"})
+                             "follow_latest": "follow_latest", "ingest_url": "ingest_url"})
+    if os.environ.get("PIPELINE_INGEST_URL"):
+        over.setdefault("ingest_url", os.environ["PIPELINE_INGEST_URL"])
     if not args.json:
         over.setdefault("progress", True)
     cfg = load_config(RolloutConfig, args.config, over)

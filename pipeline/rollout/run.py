@@ -94,6 +94,10 @@ class RolloutConfig:
         "following a newer policy: load its weights into the running engine (in_place) or build a new engine"})
     spool_dir: str = field(default="", metadata={"help": "worker spools (default: <lake>/_spool/<run_id>)"})
     spool_fsync: bool = field(default=True, metadata={"help": "fsync the spool at every commit point"})
+    ingest_url: str = field(default="", metadata={"help":
+        "ship spooled batches to the lake's log at this NATS URL (pipeline serve commits them; "
+        "docs/front-door.md); empty: append to the lake directly. The command defaults it to $PIPELINE_INGEST_URL"})
+    ingest_stream: str = field(default="lake", metadata={"help": "the lake's stream on that server"})
     tool_timeout_p: float = field(default=0.0, metadata={"ge": 0, "le": 1, "help": "fault injection: tool timeout probability"})
     env_crash_p: float = field(default=0.0, metadata={"ge": 0, "le": 1, "help": "fault injection: environment crash probability"})
     verifier_error_p: float = field(default=0.0, metadata={"ge": 0, "le": 1, "help": "fault injection: verifier error probability"})
@@ -162,13 +166,39 @@ def _run_rollout(lake: Lake, cfg: RolloutConfig) -> RolloutSummary:
         from pipeline.rollout.spool import ship_all
 
         # recovery per run: whatever any former worker spooled is in the lake before anyone reads it
-        ship_all(lake, _spool_dir(lake, cfg), fsync=cfg.spool_fsync)
+        if cfg.ingest_url:
+            _ship_all_log(lake, cfg)
+        else:
+            ship_all(lake, _spool_dir(lake, cfg), fsync=cfg.spool_fsync)
         owner.check()
         if cfg.workers == 1:
             return run_worker(lake, cfg, 0, guard=owner.check)
         return _run_pool(lake, cfg, owner)
     finally:
         owner.release()
+
+
+def _ship_all_log(lake: Lake, cfg: RolloutConfig) -> None:
+    """Publish what former workers spooled to the log, then wait until the committer landed
+    everything ever published for this run (recovery reads the lake)."""
+    from pathlib import Path
+
+    from pipeline.landing import connect
+    from pipeline.landing.committer import wait_committed
+    from pipeline.rollout.spool import Spool, _spool_worker_id, published_marks, ship_log
+
+    spool_dir = _spool_dir(lake, cfg)
+    with connect(cfg.ingest_url, stream=cfg.ingest_stream) as door:
+        for path in sorted(Path(spool_dir).glob("*.spool.jsonl")) if Path(spool_dir).is_dir() else []:
+            worker_id = _spool_worker_id(path)
+            if worker_id is None:
+                continue
+            spool = Spool(spool_dir, worker_id, fsync=cfg.spool_fsync)
+            try:
+                ship_log(door, spool)
+            finally:
+                spool.close()
+    wait_committed(lake, cfg.ingest_stream, published_marks(spool_dir))
 
 
 def _run_pool(lake: Lake, cfg: RolloutConfig, owner: RunOwner) -> RolloutSummary:

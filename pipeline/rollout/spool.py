@@ -279,3 +279,81 @@ def ship(lake: Lake, spool: Spool, *, command: str = "pipeline rollout") -> Ship
             report.events += _land(lake, "events", land_ev, command=command, app_id=app_id, txn_version=seq)
         report.batches += 1
     return report
+
+
+# -- shipping through the lake's log (pipeline rollout --ingest-url) -------------------------------------
+def _published_path(spool: Spool) -> Path:
+    return spool.dir / f"{_safe(spool.worker_id)}.published.jsonl"
+
+
+def _published(spool: Spool) -> tuple[str, dict[int, dict[str, int]]]:
+    """(this spool's epoch, {batch seq: {table: last stream sequence}}) from ``<worker>.published.jsonl``.
+    The epoch (created with the file) is part of the producer id: a spool lost and started anew
+    publishes under new message ids, never ones the log may still hold as duplicates."""
+    import uuid
+
+    path = _published_path(spool)
+    _drop_torn_tail(path)
+    lines = Spool._read_lines(path)
+    if not lines:
+        epoch = uuid.uuid4().hex[:12]
+        _append_durably(path, {"epoch": epoch}, fsync=spool.fsync)
+        return epoch, {}
+    return lines[0]["epoch"], {r["seq"]: r["stream_seqs"] for r in lines[1:]}
+
+
+def _append_durably(path: Path, record: dict[str, Any], *, fsync: bool) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
+def ship_log(door: Any, spool: Spool) -> ShipReport:
+    """Publish every batch of ``spool`` not yet acknowledged by the lake's log
+    (``door``: a :func:`pipeline.landing.connect` producer); ``pipeline serve``
+    commits them. Batch ``seq`` goes out as ``<worker>.<epoch>.t:<seq>`` (its
+    trajectories) and ``<worker>.<epoch>.e:<seq>`` (its events), so a batch
+    published again after a crash is stored once (inside the stream's duplicate
+    window; after it, the rows' keys catch it at commit). Counts in the report
+    are rows published (acknowledged), not yet landed."""
+    report = ShipReport()
+    epoch, done = _published(spool)
+    spool.cut_batch(min_seq=max(done, default=-1) + 1)
+    lines = spool.records()
+    base = f"{_safe(spool.worker_id)}.{epoch}"
+    for seq, start, end in spool.batches():
+        if seq in done:
+            report.skipped += 1
+            continue
+        recs = lines[start:end]
+        events = [r for r in recs if r["kind"] == "event"]
+        trajs = [r for r in recs if r["kind"] == "trajectory"]
+        marks: dict[str, int] = {}
+        if trajs:
+            rep = _publish(door, f"{base}.t", "trajectories", _trajectory_table(trajs, datetime.now(timezone.utc)),
+                           seq)
+            marks["trajectories"] = rep.last_seq
+            report.trajectories += len(trajs)
+        if events:
+            rep = _publish(door, f"{base}.e", "events", _events_table(events), seq)
+            marks["events"] = rep.last_seq
+            report.events += len(events)
+        _append_durably(_published_path(spool), {"seq": seq, "stream_seqs": marks}, fsync=spool.fsync)
+        report.batches += 1
+    return report
+
+
+def _publish(door: Any, producer_id: str, table: str, rows: pa.Table, seq: int) -> Any:
+    return door.append(table, rows, seq=seq, producer_id=producer_id)
+
+
+def published_marks(spool_dir: str | os.PathLike[str]) -> dict[str, int]:
+    """{table: the highest stream sequence any worker spool in ``spool_dir`` had acknowledged}."""
+    out: dict[str, int] = {}
+    for path in sorted(Path(spool_dir).glob("*.published.jsonl")) if Path(spool_dir).is_dir() else []:
+        for r in Spool._read_lines(path)[1:]:
+            for table, s in r["stream_seqs"].items():
+                out[table] = max(out.get(table, 0), s)
+    return out

