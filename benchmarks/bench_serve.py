@@ -181,7 +181,8 @@ def _one(uri: str, opts: dict | None, procs: int, per: int, tag: str) -> float:
     return took
 
 
-def run(quick: bool = False) -> list[Result]:
+def run(quick: bool = False) -> dict:
+    """The raw measurements of every configuration (``derive`` turns them into the figures)."""
     from pipeline.testing.nats_server import NatsServer
 
     producers = tuple(int(x) for x in os.environ.get("BENCH_SERVE_PRODUCERS", "8,32,128").split(","))
@@ -189,7 +190,7 @@ def run(quick: bool = False) -> list[Result]:
     total = 48 if quick else TOTAL_BATCHES
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     srv = NatsServer(work / "js").start()
-    results, raw = [], {}
+    raw: dict = {"rows_per_batch": ROWS, "configs": {}}
     moto = None
     try:
         for store in stores:
@@ -212,33 +213,55 @@ def run(quick: bool = False) -> list[Result]:
                 tag = f"{store}-{procs}"
                 out = _serve_arm(srv.url, uri(f"serve-{tag}"), opts, procs, per, tag)
                 one = _one(uri(f"one-{tag}"), opts, procs, per, tag)
+                raw["configs"][tag] = out | {"store": store, "producers": procs, "one_s": one,
+                                             "batches_per_producer": per}
                 rows = out["rows"]
-                ratio = (rows / out["wall_s"]) / (rows / one)
-                raw[tag] = out | {"one_s": one, "batches_per_producer": per}
                 print(f"   {store} {procs} producers: {rows / out['wall_s']:,.0f} rows/s committed vs "
-                      f"{rows / one:,.0f} one ingest_table ({ratio:.2f}x); ack p50 {out['ack_p50_ms']:.1f} ms "
+                      f"{rows / one:,.0f} one ingest_table; ack p50 {out['ack_p50_ms']:.1f} ms "
                       f"p99 {out['ack_p99_ms']:.1f} ms; visible p95 {out['visible_p95_s']:.2f} s; "
                       f"{out['commits_per_s']:.2f} commits/s; CPU/row producer "
                       f"{out['producer_cpu_us_per_row']:.0f} us, committer {out['committer_cpu_us_per_row']:.0f} us",
                       flush=True)
-                results.append(Result(
-                    f"{procs} producers x {per} x {ROWS}-row batches through the log / 1 ingest_table, {store} "
-                    f"(rows/s)", ratio, 0.5, f"{rows / out['wall_s']:,.0f} rows/s", f"{rows / one:,.0f} rows/s",
-                    higher_is_better=True,
-                    note=f"moonshot 0.8; ack p50 {out['ack_p50_ms']:.1f} ms p99 {out['ack_p99_ms']:.1f} ms "
-                         f"(target p99 <= 250); ack-to-visible p95 {out['visible_p95_s']:.2f} s (<= 2); "
-                         f"{out['commits_per_s']:.2f} commits/s (<= 1); exactly once checked"))
     finally:
         srv.stop()
         if moto is not None:
             moto.terminate()
             moto.wait(timeout=30)
         shutil.rmtree(work, ignore_errors=True)
-    if results:
-        results[0].raw = raw
-    return results
+    return raw
+
+
+ACK_P99_BUDGET_MS = 250.0     # the issue's target at 32 producers (Zerobus: ~150 ms)
+VISIBLE_P95_BUDGET_S = 2.0    # ack -> visible in `pipeline sql` (Zerobus: ~5 s)
+
+
+def derive(raw: dict) -> list[Result]:
+    """Four figures per configuration: rows/s against one ingest_table of the same rows (>= 0.5x), the publish
+    ack's p99 and the ack-to-visible p95 against their budgets (<= 1), and Delta commits per second (<= 1)."""
+    out: list[Result] = []
+    for c in raw["configs"].values():
+        rows, per, store, procs = c["rows"], c["batches_per_producer"], c["store"], c["producers"]
+        where = f"{procs} producers x {per} x {raw['rows_per_batch']}-row batches, {store}"
+        served, one = rows / c["wall_s"], rows / c["one_s"]
+        cpu = (f"CPU per row: producer {c['producer_cpu_us_per_row']:.0f} us, committer "
+               f"{c['committer_cpu_us_per_row']:.0f} us; every row exactly once (checked)")
+        out += [
+            Result(f"front door {where}: rows/s committed / one ingest_table of the same rows", served / one, 0.5,
+                   f"{served:,.0f} rows/s", f"{one:,.0f} rows/s", higher_is_better=True,
+                   note=f"moonshot 0.8; {cpu}", possible=(0.0, None)),
+            Result(f"front door {where}: publish-ack p99 / {ACK_P99_BUDGET_MS:.0f} ms",
+                   c["ack_p99_ms"] / ACK_P99_BUDGET_MS, 1.0, f"p99 {c['ack_p99_ms']:.1f} ms (p50 {c['ack_p50_ms']:.1f})",
+                   f"{ACK_P99_BUDGET_MS:.0f} ms", possible=(0.0, None)),
+            Result(f"front door {where}: ack-to-visible p95 / {VISIBLE_P95_BUDGET_S:.0f} s",
+                   c["visible_p95_s"] / VISIBLE_P95_BUDGET_S, 1.0, f"p95 {c['visible_p95_s']:.2f} s",
+                   f"{VISIBLE_P95_BUDGET_S:.0f} s", note="a burst: every batch is published within a few seconds, "
+                   "so this is the backlog draining, not a steady fleet's latency", possible=(0.0, None)),
+            Result(f"front door {where}: Delta commits per second on the table", c["commits_per_s"], 1.0,
+                   f"{c['commits_per_s']:.2f} commits/s", "1 commit/s", possible=(0.0, None)),
+        ]
+    return out
 
 
 if __name__ == "__main__":
-    for r in run("--quick" in sys.argv):
+    for r in derive(run("--quick" in sys.argv)):
         print(f"{r.name}: {r.ratio:.3f} (target {r.target}) {r.measured} | {r.baseline} {r.note}")
