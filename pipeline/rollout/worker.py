@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.rollout.engine import Sampling
 from pipeline.rollout.plan import _retries, _worker_share, plan, retry_id
-from pipeline.rollout.summary import RolloutSummary, _percentiles
+from pipeline.rollout.summary import RolloutSummary, _percentiles, bound_by
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
@@ -152,6 +152,8 @@ def run_worker(lake: Lake, cfg: RolloutConfig, worker: int, *, guard=None) -> Ro
                                       cfg.verifier_latency_ms, cfg.verifier_latency_sigma, cfg.slow_verifier_p,
                                       seed=cfg.seed))
     groups = plan(cfg, env, worker)
+    # over-provisioning: the groups this worker needs complete (its share of `groups`); None = all of them
+    need = _worker_share(cfg.groups, cfg.workers, worker) if cfg.group_redundancy > 0 else None
     tasks = {eid: (task, gid, cfg.group_size) for _, gid, task, members in groups for eid, _ in members}
     for _, gid, task, _ in groups:         # possible retries: known ids, so a restart resumes them too
         tasks.update({retry_id(gid, n): (task, gid, cfg.group_size) for n in range(cfg.retry_group_budget)})
@@ -160,6 +162,17 @@ def run_worker(lake: Lake, cfg: RolloutConfig, worker: int, *, guard=None) -> Ro
               - sum(1 for _, gid, _, _ in groups for n in range(cfg.retry_group_budget) if retry_id(gid, n) in state)]
     index = {gid: (k, task) for k, gid, task, _ in groups}
     todo = deque(groups)
+    opened: dict[str, int] = {}     # group -> its episodes not yet terminal (this invocation)
+    spoiled: set[str] = set()       # groups with a cancelled member or two policy versions
+    versions: dict[str, set[int]] = {}
+    complete = [0]
+    if need is not None:            # groups complete on record (a restart): every member and retry ended
+        for _, gid, _, members in groups:
+            ids = [eid for eid, _ in members] + [retry_id(gid, n) for n in range(cfg.retry_group_budget)
+                                                 if retry_id(gid, n) in state]
+            if all(eid in state and state[eid] is None for eid in ids):
+                complete[0] += 1
+        harness.cancel_rest = complete[0] >= need
     started: list = []             # every episode this invocation runs (retries look up their group's)
     last_poll = [0.0]
     draining = [False]
@@ -183,6 +196,8 @@ def run_worker(lake: Lake, cfg: RolloutConfig, worker: int, *, guard=None) -> Ro
         out: list = []
         while todo:
             items = group_items(todo[0])
+            if harness.cancel_rest:     # enough groups: only episodes a restart left half-done, to end them
+                items = [w for w in items if not isinstance(w, tuple)]
             if not items:
                 todo.popleft()
                 continue
@@ -214,16 +229,35 @@ def run_worker(lake: Lake, cfg: RolloutConfig, worker: int, *, guard=None) -> Ro
                 else:
                     summary.resumed += 1
                 out.append(w)
+                versions.setdefault(gid, set()).add(w.policy_version)
+            opened[gid] = opened.get(gid, 0) + len(items)
             free -= len(items)
         started.extend(out)
         return out if out or todo else None
 
     def on_finish(ep) -> list:
         unshipped.append(ep)
+        if harness.cancel_rest:
+            return []                               # the run has its groups: no retries
         extra, budget[0] = _retries(cfg, harness, lambda: (None, holder.version), {ep.group_id: index[ep.group_id]},
                                     state, [ep], started, budget[0], summary)
         started.extend(extra)
+        if need is not None:
+            _group_progress(ep, extra)
         return extra
+
+    def _group_progress(ep, extra: list) -> None:
+        """Over-provisioning: count a group complete once all its episodes ended (none
+        cancelled, one policy version); with enough, the rest are cancelled."""
+        gid = ep.group_id
+        opened[gid] = opened.get(gid, 0) - 1 + len(extra)
+        versions.setdefault(gid, set()).update(e.policy_version for e in extra)
+        if ep.stop_reason == "cancelled" or len(versions.get(gid, ())) > 1:
+            spoiled.add(gid)
+        if opened[gid] == 0 and gid not in spoiled:
+            complete[0] += 1
+            if need is not None and complete[0] >= need:
+                harness.cancel_rest = True
 
     def tick() -> None:
         now = time.monotonic()
@@ -256,6 +290,11 @@ def run_worker(lake: Lake, cfg: RolloutConfig, worker: int, *, guard=None) -> Ro
     summary.generated_tokens = sum(sum(e.mask) for e in finished)
     summary.policy_versions = sorted(holder.versions)
     summary.tool_executions = harness.tool_executions
+    summary.cancelled = harness.cancelled
+    summary.groups_complete = complete[0] if need is not None else None
+    summary.pool_bounds = dict(harness.pool_bounds)
+    summary.pool_wait_s = harness.stats.pool_wait_s()
+    summary.bound_by = bound_by(harness.stats.busy_s, summary.pool_wait_s)
     summary.tools_abandoned = harness.tools_abandoned
     summary.verifiers_abandoned = harness.verifiers_abandoned
     summary.engine_busy_s = harness.stats.busy_s
