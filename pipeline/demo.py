@@ -437,21 +437,20 @@ def _checkpoint_of(lake: Lake, snapshot_id: str) -> Any:
 
 
 def _worker(lake_uri: str, cfg_json: str, stop: str) -> int:
-    """The async rollout worker: sample rounds of groups until the stop file appears,
-    re-resolving the newest published policy between groups."""
+    """The async rollout worker: one continuous rollout (``follow``) sampling rounds of
+    groups until the stop file appears, with no barrier between rounds (the engine
+    does not wait for a round's tail), re-resolving the newest published policy
+    between groups."""
     from pipeline.lake.delta import Lake
     from pipeline.rollout.run import run_rollout
 
     cfg = DemoConfig(**json.loads(cfg_json))
     lake = Lake(lake_uri)
     per_round = max(4, cfg.groups // 4)
-    k = 0
-    while not Path(stop).exists():
-        run_rollout(lake, env=cfg.env, engine=cfg.engine, groups=per_round, group_size=cfg.group_size,
-                    seed=cfg.seed * 1000 + 500 + k, group_offset=100_000 + k * per_round,
-                    run_id=f"demo-async-{cfg.seed}", follow_latest=True, tool_timeout_p=cfg.infra_fault_p,
-                    policy="latest")
-        k += 1
+    run_rollout(lake, env=cfg.env, engine=cfg.engine, groups=per_round, group_size=cfg.group_size,
+                seed=cfg.seed * 1000 + 500, group_offset=100_000, run_id=f"demo-async-{cfg.seed}",
+                follow_latest=True, tool_timeout_p=cfg.infra_fault_p, policy="latest", follow=True, stop_file=stop,
+                groups_per_wave=per_round)
     return 0
 
 

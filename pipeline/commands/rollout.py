@@ -28,6 +28,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-id", default=None, help="experiment id (same id = resume)")
     p.add_argument("--follow-latest", action="store_true", default=None,
                    help="switch to the newest published policy between waves")
+    p.add_argument("--follow", action="store_true", default=None,
+                   help="continuous mode: keep launching the next round's groups with no barrier until --rounds, "
+                        "the config's stop_file, or SIGTERM/SIGINT (the episodes in flight finish and ship)")
+    p.add_argument("--rounds", type=int, default=None, metavar="R", help="with --follow: rounds (0 = until stopped)")
     p.add_argument("--group-redundancy", type=float, default=None, metavar="R",
                    help="launch ceil(N x (1 + R)) groups, finish once N are complete, cancel the stragglers "
                         "(EXPIRED / cancelled, never a policy failure); default 0 = off")
@@ -42,7 +46,8 @@ def _rollout(args: argparse.Namespace) -> None:
 
     over = config_overrides(args, {"env": "env", "engine": "engine", "policy": "policy", "groups": "groups",
                              "group_size": "group_size", "seed": "seed", "workers": "workers", "run_id": "run_id",
-                             "follow_latest": "follow_latest", "group_redundancy": "group_redundancy"})
+                             "follow_latest": "follow_latest", "group_redundancy": "group_redundancy",
+                             "follow": "follow", "rounds": "rounds"})
     if not args.json:
         over.setdefault("progress", True)
     cfg = load_config(RolloutConfig, args.config, over)
@@ -69,6 +74,7 @@ def _rollout(args: argparse.Namespace) -> None:
            f"{r['pool_wait_s'].get(r['bound_by'].split('_')[0], 0.0):.1f}s (pool of "
            f"{r['pool_bounds'].get(r['bound_by'].split('_')[0], 0)}; raise tool_concurrency / "
            "verifier_concurrency, or the environment's declared limit)" if r["bound_by"] != "engine" else "")
+        + (f"\n  continuous: {r['rounds']} rounds" if r["rounds"] > 1 else "")
         + (f"\n  over-provisioned: {r['groups_complete']} groups complete, {r['cancelled']} stragglers cancelled"
            if r["groups_complete"] is not None else "")
         + "".join(f"\n  wait {k}: p50 {v['p50']:.0f} ms, p95 {v['p95']:.0f} ms" for k, v in r["waits_ms"].items())

@@ -71,6 +71,12 @@ class RolloutConfig:
     groups_per_wave: int = field(default=32, metadata={"ge": 1, "help":
         "groups in flight at once: with schedule=stream a new group starts as soon as there is room; with "
         "schedule=waves the next wave starts when the last one ended"})
+    follow: bool = field(default=False, metadata={"help":
+        "continuous mode: after a round of `groups`, keep launching the next round's groups (the next group "
+        "indices) with no barrier, so the engine never waits for a round's tail; stops after `rounds` rounds, once "
+        "stop_file exists, or on SIGTERM / SIGINT (new groups stop, the episodes in flight finish and ship)"})
+    rounds: int = field(default=0, metadata={"ge": 0, "help": "with follow: rounds to run (0 = until stopped)"})
+    stop_file: str = field(default="", metadata={"help": "with follow: stop starting new groups once this file exists"})
     flush_rows: int = field(default=256, metadata={"ge": 1, "help": "ship the spool after this many finished trajectories"})
     flush_seconds: float = field(default=10.0, metadata={"ge": 0, "help":
         "... or once the oldest unshipped finished trajectory is this many seconds old (shipped while other "
@@ -210,6 +216,11 @@ def _check(cfg: RolloutConfig) -> None:
         raise ConfigError("need 1 <= max_tokens_per_turn <= max_total_tokens")
     if not cfg.group_redundancy >= 0:
         raise ConfigError(f"group_redundancy must be >= 0 (got {cfg.group_redundancy}): the share of extra groups")
+    if cfg.follow and cfg.group_redundancy > 0:
+        raise ConfigError("follow and group_redundancy do not combine: continuous mode already runs the next round "
+                          "during a round's tail (cancelling stragglers would cut the next round's episodes)")
+    if cfg.follow and not (cfg.rounds or cfg.stop_file) and cfg.workers > 1:
+        raise ConfigError("follow with workers > 1 needs rounds or stop_file (SIGTERM stops a single worker only)")
     if cfg.lease_s <= 0:
         raise ConfigError("lease_s must be > 0")
     if cfg.hold_after_executed and not cfg.hold_file:

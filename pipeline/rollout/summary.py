@@ -47,6 +47,7 @@ class RolloutSummary:
     bound_by: str = "engine"                    # engine | tool_pool | verify_pool: pool wait > engine busy
     cancelled: int = 0                          # stragglers cancelled (group_redundancy): EXPIRED / cancelled
     groups_complete: int | None = None          # complete groups (group_redundancy > 0 only)
+    rounds: int = 1                             # rounds of `groups` planned (continuous mode: more than 1)
     weight_switches: list[dict[str, Any]] = field(default_factory=list)   # {version, mode, seconds}
     samples: dict[str, list[float]] = field(default_factory=dict, repr=False)   # raw waits, merged across workers
 
@@ -87,6 +88,7 @@ def _merge(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: float) -> R
         for kind, v in p["pool_wait_s"].items():
             s.pool_wait_s[kind] = s.pool_wait_s.get(kind, 0.0) + v
         s.pool_bounds = s.pool_bounds or dict(p["pool_bounds"])
+        s.rounds = max(s.rounds, p["rounds"])
         for stage, xs in p.get("samples", {}).items():
             s.samples.setdefault(stage, []).extend(xs)
         for k in ("statuses", "verdicts"):
