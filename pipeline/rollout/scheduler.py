@@ -459,9 +459,9 @@ class _Scheduler:
         episode still active and not generating ends cancelled now: queued calls are
         dropped, running ones abandoned (their answers ignored, as past a deadline);
         a turn being generated (continuous engine) ends first and is cancelled at the
-        next turn of the loop. No new episode starts."""
+        next turn of the loop. The worker's feed then starts nothing new (it only hands
+        over the episodes a restart left half-done, which end cancelled here too)."""
         h = self.h
-        self.exhausted = True
         now = time.monotonic()
         with self.lock:
             calls = [c for q in self.queues.values() for c in q]
