@@ -219,3 +219,22 @@ def test_over_provisioned_run_is_exactly_once_under_a_kill(lake, policy_dir, tmp
     observed = {f"{e['episode_id']}/{e['action_id']}" for e in events if e["event_type"] == "OBSERVATION_PERSISTED"}
     assert all(k in observed or term[k.split("/")[0]]["stop_reason"] == "cancelled" for k in executed)
     assert sum(r["num_tool_calls"] for r in rows) == len(observed) <= len(executed)
+
+
+def test_over_provisioning_changes_no_sample_of_the_groups_it_keeps(lake, policy_dir):
+    """The complete groups among the first N are the very trajectories an r = 0 run samples."""
+    def rows(run_id, r):
+        run_rollout(lake, RolloutConfig(policy=str(policy_dir), groups=3, group_size=3, seed=6, run_id=run_id,
+                                        spool_fsync=False, group_redundancy=r))
+        return lake.read("trajectories", filter=ds.field("run_id") == run_id).to_pylist()
+
+    plain = {r["trajectory_id"].split("-g", 1)[1]: r for r in rows("plain", 0.0)}
+    spare = rows("spare2", 0.67)
+    assert len(plain) == 9 and {r["group_id"] for r in spare} >= {f"spare2-g{k}" for k in range(3)}
+    spoiled = {r["group_id"] for r in spare if r["stop_reason"] == "cancelled"}
+    kept = [r for r in spare if r["group_id"] not in spoiled and int(r["group_id"].rsplit("-g", 1)[1]) < 3]
+    assert kept
+    for r in kept:
+        p = plain[r["trajectory_id"].split("-g", 1)[1]]
+        assert (r["response_ids"], r["reward"], r["token_policy_versions"]) == \
+               (p["response_ids"], p["reward"], p["token_policy_versions"])
