@@ -481,8 +481,10 @@ def _checkpoint_of(lake: Lake, snapshot_id: str) -> Any:
 
 
 def _worker(lake_uri: str, cfg_json: str, stop: str) -> int:
-    """The async rollout worker: sample rounds of groups until the stop file appears,
-    re-resolving the newest published policy between groups."""
+    """The async rollout worker: one continuous rollout (``follow``) sampling rounds of
+    groups until the stop file appears, with no barrier between rounds (the engine
+    does not wait for a round's tail), re-resolving the newest published policy
+    between groups."""
     from pipeline.lake.delta import Lake
     from pipeline.procs import Terminated, exit_code, sigterm_raises
     from pipeline.rollout.run import run_rollout
@@ -490,15 +492,13 @@ def _worker(lake_uri: str, cfg_json: str, stop: str) -> int:
     cfg = DemoConfig(**json.loads(cfg_json))
     lake = Lake(lake_uri)
     per_round = max(4, cfg.groups // 4)
-    k = 0
     try:
         with sigterm_raises():   # the demo forwards its SIGTERM: abandon the round (the run lease is released)
-            while not Path(stop).exists():
-                run_rollout(lake, env=cfg.env, engine=cfg.engine, groups=per_round, group_size=cfg.group_size,
-                            seed=cfg.seed * 1000 + 500 + k, group_offset=100_000 + k * per_round,
-                            run_id=f"demo-async-{cfg.seed}", follow_latest=True, tool_timeout_p=cfg.infra_fault_p,
-                            policy="latest", ingest_url=cfg.ingest_url, ingest_stream=cfg.ingest_stream)
-                k += 1
+            run_rollout(lake, env=cfg.env, engine=cfg.engine, groups=per_round, group_size=cfg.group_size,
+                        seed=cfg.seed * 1000 + 500, group_offset=100_000, run_id=f"demo-async-{cfg.seed}",
+                        follow_latest=True, tool_timeout_p=cfg.infra_fault_p, policy="latest", follow=True,
+                        stop_file=stop, groups_per_wave=per_round, ingest_url=cfg.ingest_url,
+                        ingest_stream=cfg.ingest_stream)
     except (KeyboardInterrupt, Terminated) as exc:
         return exit_code(exc)
     return 0

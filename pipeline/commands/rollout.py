@@ -31,6 +31,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ingest-url", default=None, metavar="URL",
                    help="ship to the lake's log (NATS JetStream) instead of appending; pipeline serve commits "
                         "(default $PIPELINE_INGEST_URL; docs/front-door.md)")
+    p.add_argument("--follow", action="store_true", default=None,
+                   help="continuous mode: keep launching the next round's groups with no barrier until --rounds, "
+                        "the config's stop_file, or SIGTERM/SIGINT (the episodes in flight finish and ship)")
+    p.add_argument("--rounds", type=int, default=None, metavar="R", help="with --follow: rounds (0 = until stopped)")
+    p.add_argument("--group-redundancy", type=float, default=None, metavar="R",
+                   help="launch ceil(N x (1 + R)) groups, finish once N are complete, cancel the stragglers "
+                        "(EXPIRED / cancelled, never a policy failure); default 0 = off")
     add_config_options(p)
     p.set_defaults(handler=_rollout)
 
@@ -44,7 +51,8 @@ def _rollout(args: argparse.Namespace) -> None:
 
     over = config_overrides(args, {"env": "env", "engine": "engine", "policy": "policy", "groups": "groups",
                              "group_size": "group_size", "seed": "seed", "workers": "workers", "run_id": "run_id",
-                             "follow_latest": "follow_latest", "ingest_url": "ingest_url"})
+                             "follow_latest": "follow_latest", "ingest_url": "ingest_url",
+                             "group_redundancy": "group_redundancy", "follow": "follow", "rounds": "rounds"})
     if os.environ.get("PIPELINE_INGEST_URL"):
         over.setdefault("ingest_url", os.environ["PIPELINE_INGEST_URL"])
     if not args.json:
@@ -69,6 +77,13 @@ def _rollout(args: argparse.Namespace) -> None:
         + (f", {r['tools_abandoned']} past their deadline" if r["tools_abandoned"] else "")
         + f"\n  engine busy {r['engine_busy_s']:.1f}s ({r['engine_busy_share']:.0%} of rolling out, "
           f"{r['engine_steps']} steps, schedule {r['schedule']})"
+        + (f"\n  bound by the {r['bound_by'].replace('_', ' ')}, not the engine: calls waited for a free slot "
+           f"{r['pool_wait_s'].get(r['bound_by'].split('_')[0], 0.0):.1f}s (pool of "
+           f"{r['pool_bounds'].get(r['bound_by'].split('_')[0], 0)}; raise tool_concurrency / "
+           "verifier_concurrency, or the environment's declared limit)" if r["bound_by"] != "engine" else "")
+        + (f"\n  continuous: {r['rounds']} rounds" if r["rounds"] > 1 else "")
+        + (f"\n  over-provisioned: {r['groups_complete']} groups complete, {r['cancelled']} stragglers cancelled"
+           if r["groups_complete"] is not None else "")
         + "".join(f"\n  wait {k}: p50 {v['p50']:.0f} ms, p95 {v['p95']:.0f} ms" for k, v in r["waits_ms"].items())
         + (f", {r['verifiers_abandoned']} verifier calls past their deadline" if r["verifiers_abandoned"] else "")
         + "".join(f"\n  weight switch to v{w['version']}: {w['mode']} in {w['seconds']:.2f}s"

@@ -29,6 +29,7 @@ Terminal outcomes (status / verdict / stop_reason / reward):
 - environment crash                             INFRA_FAILED / ENV_ERROR / stop_sequence / null
 - verifier past ``verify_timeout_s``            INFRA_FAILED / UNKNOWN / verifier_timeout / null
 - verifier error or UNKNOWN                     INFRA_FAILED / UNKNOWN / eos / null
+- cancelled straggler (``group_redundancy``)    EXPIRED / UNKNOWN / cancelled / null
 
 (An environment that sets ``infra_failure_reward`` to a number gets the naive
 scoring instead: a tool timeout ends REJECTED / FAIL / env_timeout with that
@@ -36,6 +37,13 @@ reward. It exists for the gate ablations in benchmarks/bench_gates.py.)
 
 A null reward is "no valid evaluation" and never 0.0: admission drops those
 members from group baselines instead of counting them as policy failures.
+
+A cancelled straggler (``cancel``: the worker over-provisioned its groups and
+has the ones it needs) keeps what it generated, with its per-token policy
+versions, in its trajectory row; status EXPIRED makes admission exclude it
+(reason ``expired``), never a policy failure. One cancelled before its first
+token has no row to land (a trajectory needs a response): its TERMINAL event
+alone records it.
 
 The settings a harness runs under (``Limits``, ``Schedule``, ``Latency``,
 ``Faults``) are in pipeline/rollout/settings.py; the loop that advances the
@@ -161,6 +169,9 @@ class Harness:
         self.verifiers_abandoned = 0      # verifier threads left behind past their deadline
         self.stats = EngineStats()
         self.engine_changed = False       # set by a worker that switched the policy between episodes
+        self.cancel_rest = False          # set by a worker that has its groups: the active episodes end cancelled
+        self.cancelled = 0                # episodes ended cancelled (``cancel``)
+        self.pool_bounds: dict[str, int] = {}   # the tool / verifier pool sizes the scheduler ran with
         self._ended: list[Episode] = []   # terminal since the scheduler last looked
 
     # -- events ------------------------------------------------------------------------
@@ -413,6 +424,25 @@ class Harness:
         self.spool.append({"kind": "trajectory", **self.trajectory_row(ep, finished)})
         self._event(ep, "TERMINAL", step=ep.turns, state=status, payload=(payload or {}) | {
             "status": status, "verdict": verdict, "stop_reason": stop_reason, "reward": reward})
+        ep.finished_mono = time.monotonic()
+        self._ended.append(ep)
+
+    def cancel(self, ep: Episode) -> None:
+        """End an over-provisioned straggler: EXPIRED / UNKNOWN / cancelled, null reward.
+        Before its first token there is no trajectory to land: the TERMINAL event alone."""
+        if ep.pending is not None and "output" in ep.pending:
+            self._observe(ep)        # an executed call's output joins the record first: nothing is lost
+            if ep.done:
+                return
+        self.cancelled += 1
+        payload = {"error": "cancelled: the run had the groups it needed (group_redundancy)"}
+        if ep.response_ids:
+            self._terminal(ep, "EXPIRED", "UNKNOWN", "cancelled", None, None, payload)
+            return
+        ep.status, ep.verdict, ep.stop_reason, ep.reward, ep.components = "EXPIRED", "UNKNOWN", "cancelled", None, None
+        ep.pending = None
+        self._event(ep, "TERMINAL", step=ep.turns, state="EXPIRED", payload=payload | {
+            "status": "EXPIRED", "verdict": "UNKNOWN", "stop_reason": "cancelled", "reward": None, "row": False})
         ep.finished_mono = time.monotonic()
         self._ended.append(ep)
 

@@ -5,6 +5,7 @@ restarted run knows exactly which episodes it owes.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from pipeline.rollout.engine import derive_seed
@@ -13,10 +14,16 @@ if TYPE_CHECKING:
     from pipeline.rollout.run import RolloutConfig
 
 
+def launched_groups(cfg: RolloutConfig) -> int:
+    """Groups a run launches: ``groups`` plus ``ceil(groups * group_redundancy)`` spares."""
+    return cfg.groups + math.ceil(round(cfg.groups * cfg.group_redundancy, 9))
+
+
 def plan(cfg: RolloutConfig, env, worker: int) -> list[tuple[int, str, Any, list[tuple[str, int]]]]:
-    """This worker's groups: (group index, group_id, task, [(episode_id, sampling seed)])."""
+    """This worker's groups: (group index, group_id, task, [(episode_id, sampling seed)]),
+    over-provisioned ones included (``launched_groups``)."""
     out = []
-    for k in range(cfg.group_offset, cfg.group_offset + cfg.groups):
+    for k in range(cfg.group_offset, cfg.group_offset + launched_groups(cfg)):
         if k % cfg.workers != worker:
             continue
         task = env.reset(derive_seed(cfg.seed, "task", k), "train")
@@ -36,8 +43,9 @@ def _worker_share(total: int, workers: int, worker: int) -> int:
 
 
 def needs_retry(ep) -> bool:
-    """A member without a valid evaluation for infrastructure reasons (INFRA_FAILED, or verdict UNKNOWN)."""
-    return ep.status == "INFRA_FAILED" or ep.verdict == "UNKNOWN"
+    """A member without a valid evaluation for infrastructure reasons (INFRA_FAILED, or verdict UNKNOWN);
+    never a straggler cancelled on purpose (``group_redundancy``)."""
+    return ep.stop_reason != "cancelled" and (ep.status == "INFRA_FAILED" or ep.verdict == "UNKNOWN")
 
 
 def _retries(cfg: RolloutConfig, harness, holder, index, state, last, wave, budget: int, summary):

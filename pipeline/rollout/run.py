@@ -59,7 +59,13 @@ class RolloutConfig:
         "deadline per tool call, enforced by the harness (the call runs in a thread; past the deadline the episode "
         "ends INFRA_FAILED / env_timeout and the worker moves on); 0 = the environment's declared tool_timeout_s, "
         "else 30s"})
-    tool_concurrency: int = field(default=8, metadata={"ge": 1, "help": "tool calls of a wave running at once"})
+    tool_concurrency: int = field(default=0, metadata={"ge": 0, "help":
+        "tool calls running at once; 0 = sized for I/O: the episodes in flight (groups_per_wave x group_size), at "
+        "most 256; an environment's declared max_tool_concurrency bounds it either way"})
+    group_redundancy: float = field(default=0.0, metadata={"ge": 0, "help":
+        "over-provisioning r: launch ceil(groups x (1 + r)) groups and finish once `groups` of them are complete "
+        "(every member ended, none cancelled, one policy version); the stragglers still running are cancelled "
+        "(EXPIRED / cancelled, null reward: never a policy failure). 0 = off, the run is exactly as without it"})
     retry_group_budget: int = field(default=0, metadata={"ge": 0, "help":
         "resample up to this many INFRA_FAILED / UNKNOWN members per group (new trajectory ids <group>-r<n>, same "
         "group, only while the group's policy version is still the one served); 0 = no retries"})
@@ -68,6 +74,12 @@ class RolloutConfig:
     groups_per_wave: int = field(default=32, metadata={"ge": 1, "help":
         "groups in flight at once: with schedule=stream a new group starts as soon as there is room; with "
         "schedule=waves the next wave starts when the last one ended"})
+    follow: bool = field(default=False, metadata={"help":
+        "continuous mode: after a round of `groups`, keep launching the next round's groups (the next group "
+        "indices) with no barrier, so the engine never waits for a round's tail; stops after `rounds` rounds, once "
+        "stop_file exists, or on SIGTERM / SIGINT (new groups stop, the episodes in flight finish and ship)"})
+    rounds: int = field(default=0, metadata={"ge": 0, "help": "with follow: rounds to run (0 = until stopped)"})
+    stop_file: str = field(default="", metadata={"help": "with follow: stop starting new groups once this file exists"})
     flush_rows: int = field(default=256, metadata={"ge": 1, "help": "ship the spool after this many finished trajectories"})
     flush_seconds: float = field(default=10.0, metadata={"ge": 0, "help":
         "... or once the oldest unshipped finished trajectory is this many seconds old (shipped while other "
@@ -81,7 +93,8 @@ class RolloutConfig:
         "a partial micro-batch waits this long for more ready episodes (transformers)"})
     verify_timeout_s: float = field(default=30.0, metadata={"gt": 0, "help":
         "deadline per verifier call (INFRA_FAILED / verifier_timeout, null reward, past it)"})
-    verifier_concurrency: int = field(default=8, metadata={"ge": 1, "help": "verifier calls running at once"})
+    verifier_concurrency: int = field(default=0, metadata={"ge": 0, "help":
+        "verifier calls running at once; 0 = sized like tool_concurrency (max_verifier_concurrency bounds it)"})
     tool_latency_ms: float = field(default=0.0, metadata={"ge": 0, "help":
         "injected tool latency: mean of a lognormal, ms (0 = none); seeded by `seed`, recorded in the events"})
     tool_latency_sigma: float = field(default=0.0, metadata={"ge": 0, "help": "log-sd of the tool latency lognormal"})
@@ -259,6 +272,13 @@ def _check(cfg: RolloutConfig) -> None:
             raise ConfigError(f"{name} must be a probability in [0, 1]")
     if cfg.max_tokens_per_turn < 1 or cfg.max_total_tokens < cfg.max_tokens_per_turn:
         raise ConfigError("need 1 <= max_tokens_per_turn <= max_total_tokens")
+    if not cfg.group_redundancy >= 0:
+        raise ConfigError(f"group_redundancy must be >= 0 (got {cfg.group_redundancy}): the share of extra groups")
+    if cfg.follow and cfg.group_redundancy > 0:
+        raise ConfigError("follow and group_redundancy do not combine: continuous mode already runs the next round "
+                          "during a round's tail (cancelling stragglers would cut the next round's episodes)")
+    if cfg.follow and not (cfg.rounds or cfg.stop_file) and cfg.workers > 1:
+        raise ConfigError("follow with workers > 1 needs rounds or stop_file (SIGTERM stops a single worker only)")
     if cfg.lease_s <= 0:
         raise ConfigError("lease_s must be > 0")
     if cfg.hold_after_executed and not cfg.hold_file:

@@ -17,8 +17,20 @@ episode's latency. Only the loop's thread writes the spool and calls the
 engine. ``Schedule.order = "waves"`` keeps the old lockstep order (the
 baseline of benchmarks/bench_rollout.py).
 
+The tool and verifier pools are sized for I/O by default (``settings.pool_size``:
+the episodes in flight, at most ``POOL_CAP``, and never past the environment's
+declared ``max_tool_concurrency`` / ``max_verifier_concurrency``).
+
 ``EngineStats`` measures the engine: busy seconds and the waits per
-stage (engine queue, tool, verifier) that the rollout summary reports.
+stage (engine queue, tool, verifier) that the rollout summary reports, and
+per pool the time during which at least one call waited for a free slot
+(``pool_wait_s``): when that exceeds the engine's busy time, the pool, not
+the engine, bounded the run (the summary's ``bound_by``).
+
+Over-provisioning (``group_redundancy``): once the worker has the groups it
+needs it sets ``Harness.cancel_rest``; the loop then ends every episode still
+active as cancelled (``Harness.cancel``: EXPIRED / UNKNOWN / ``cancelled``,
+null reward, never a policy failure) and takes no new ones.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipeline.rollout.envs import ToolTimeout
+from pipeline.rollout.settings import pool_size
 
 if TYPE_CHECKING:  # the harness imports this module; these names are for the type checker only
     from pipeline.rollout.harness import Episode, Harness
@@ -48,6 +61,8 @@ class EngineStats:
         self.steps = 0
         self.rows = 0
         self.samples: dict[str, list[float]] = {k: [] for k in self.STAGES}
+        # per pool: (since, until) monotonic intervals a call waited for a free slot
+        self.slot_waits: dict[str, list[tuple[float, float]]] = {"tool": [], "verify": []}
 
     def busy(self, seconds: float, rows: int) -> None:
         self.busy_s += seconds
@@ -56,6 +71,20 @@ class EngineStats:
 
     def sample(self, stage: str, ms: float) -> None:
         self.samples[stage].append(ms)
+
+    def pool_wait_s(self) -> dict[str, float]:
+        """Per pool: seconds during which at least one call waited for a free slot
+        (the union of the waits, so 100 calls waiting the same second count 1 s)."""
+        out = {}
+        for kind, spans in self.slot_waits.items():
+            total, end = 0.0, -math.inf
+            for a, b in sorted(spans):
+                if b <= end:
+                    continue
+                total += b - max(a, end)
+                end = b
+            out[kind] = total
+        return out
 
 
 class VerifierTimeout(Exception):
@@ -74,6 +103,7 @@ class _Call:
     deadline: float = math.inf      # the call's own deadline (tool_timeout_s / verify_timeout_s)
     pause_s: float = 0.0            # injected latency (Latency)
     token: int = 0
+    published: float = 0.0         # runnable since (the spool synced): from here it waits for a slot
     finished: bool = False          # answered (its slot is free; the loop has yet to record it)
 
 
@@ -118,9 +148,12 @@ class _Scheduler:
         # call threads start the next queued call themselves, except where the loop must order
         # things: the crash-test faults (an exact crash point) and shipping before tools run
         self.chain = not crash and h.before_tools is None
-        self.bounds = {"tool": 1 if crash else max(1, int(h.limits.tool_concurrency)),
-                       "verify": max(1, int(h.limits.verifier_concurrency))}
         self.inflight_bound = max(1, int(h.schedule.max_inflight)) if h.schedule.max_inflight else 0
+        self.bounds = {"tool": 1 if crash else pool_size(h.limits.tool_concurrency, self.inflight_bound,
+                                                         getattr(h.env, "max_tool_concurrency", None)),
+                       "verify": pool_size(h.limits.verifier_concurrency, self.inflight_bound,
+                                           getattr(h.env, "max_verifier_concurrency", None))}
+        h.pool_bounds = dict(self.bounds)
         self.active = 0
         self.ship_first = False         # a committed action needs before_tools before its tool runs
         self._order = itertools.count()
@@ -179,8 +212,10 @@ class _Scheduler:
         if not self.staged:
             return
         self.h.spool.sync()
+        now = time.monotonic()
         with self.lock:
             for c in self.staged:
+                c.published = now
                 self.queues[c.kind].append(c)
         self.staged.clear()
 
@@ -211,6 +246,8 @@ class _Scheduler:
         c = q.popleft()
         c.token = next(self._token)
         c.started = time.monotonic()
+        if c.started > c.published:
+            self.h.stats.slot_waits[kind].append((c.published, c.started))
         timeout = self.h._tool_timeout() if kind == "tool" else float(self.h.limits.verify_timeout_s or math.inf)
         c.deadline = c.started + timeout
         self.running[c.token] = c
@@ -283,6 +320,7 @@ class _Scheduler:
                     del self.running[token]             # abandoned: its thread is a daemon, its answer ignored
                     overdue.append(c)
         for c in expired:
+            h.stats.slot_waits[c.kind].append((c.published, now))
             h._terminal(c.ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None,
                         {"error": f"the wall clock ran out while the {c.kind} call was queued "
                                   f"(wall_clock_s={wall_s:g})", "waited_ms": round((now - c.queued) * 1000, 3)})
@@ -416,6 +454,35 @@ class _Scheduler:
         h.spool.sync()          # every ACTION_COMMITTED is durable before any tool runs
         self._finished()
 
+    def _cancel(self) -> None:
+        """Over-provisioning: the worker has its groups (``Harness.cancel_rest``). Every
+        episode still active and not generating ends cancelled now: queued calls are
+        dropped, running ones abandoned (their answers ignored, as past a deadline);
+        a turn being generated (continuous engine) ends first and is cancelled at the
+        next turn of the loop. The worker's feed then starts nothing new (it only hands
+        over the episodes a restart left half-done, which end cancelled here too)."""
+        h = self.h
+        now = time.monotonic()
+        with self.lock:
+            calls = [c for q in self.queues.values() for c in q]
+            for q in self.queues.values():
+                q.clear()
+            for token, c in list(self.running.items()):
+                if not c.finished:
+                    del self.running[token]
+                    calls.append(c)
+        calls += self.staged
+        self.staged.clear()
+        for c in calls:
+            if c.published and not c.started:
+                h.stats.slot_waits[c.kind].append((c.published, now))
+        eps = [ep for _, ep, _ in self.ready] + [c.ep for c in calls]
+        self.ready.clear()
+        for ep in eps:
+            if not ep.done:
+                h.cancel(ep)
+        self._finished()
+
     # -- the loop ----------------------------------------------------------------------------
     def _more(self) -> None:
         if self.exhausted or (self.barrier and self.active):
@@ -435,6 +502,8 @@ class _Scheduler:
         self._engine()
         while True:
             self._collect(0)
+            if h.cancel_rest and self.active:
+                self._cancel()
             self._dispatch()
             self._more()
             if self.tick is not None:

@@ -2,7 +2,8 @@
 ``pipeline rollout`` (pipeline/rollout/run.py builds them from ``RolloutConfig``).
 
 ``Limits`` bound an episode (turns, tokens, wall clock) and its calls (tool and
-verifier deadlines and concurrency); ``Schedule`` says how episodes share the
+verifier deadlines and concurrency: ``pool_size`` sizes the tool and verifier
+pools for I/O); ``Schedule`` says how episodes share the
 engine; ``Faults`` injects seeded tool timeouts, environment crashes, verifier
 errors and the crash tests' kill / hold points.
 
@@ -30,9 +31,29 @@ class Limits:
     max_total_tokens: int = 64       # response tokens, policy + observation
     wall_clock_s: float = 120.0      # per trajectory
     tool_timeout_s: float = 0.0      # per tool call (0: the environment's tool_timeout_s, else 30s)
-    tool_concurrency: int = 8        # tool calls running at once
+    tool_concurrency: int = 0        # tool calls running at once (0: auto, ``pool_size``)
     verify_timeout_s: float = 30.0   # per verifier call (INFRA_FAILED / verifier_timeout past it)
-    verifier_concurrency: int = 8    # verifier calls running at once
+    verifier_concurrency: int = 0    # verifier calls running at once (0: auto, ``pool_size``)
+
+
+# The most tool (or verifier) calls an auto-sized pool runs at once: each is a
+# thread mostly waiting on I/O, so the pool follows the episodes in flight, up
+# to this many threads per worker.
+POOL_CAP = 256
+
+
+def pool_size(requested: int, inflight: int, declared: int | None = None) -> int:
+    """Threads of a tool or verifier pool. ``requested`` > 0 is the run's explicit
+    ``tool_concurrency`` / ``verifier_concurrency``; 0 (the default) sizes the pool
+    for I/O: the episodes in flight (``inflight``; 0 = unbounded), at most
+    ``POOL_CAP``. Either way an environment's declared limit
+    (``max_tool_concurrency`` / ``max_verifier_concurrency``, ``declared`` > 0)
+    bounds it: tools are usually I/O waits, not CPU work, but a backend may
+    allow only so many calls at once."""
+    n = int(requested) if requested and requested > 0 else min(POOL_CAP, int(inflight) if inflight > 0 else POOL_CAP)
+    if declared is not None and declared > 0:
+        n = min(n, int(declared))
+    return max(1, n)
 
 
 @dataclass(frozen=True)

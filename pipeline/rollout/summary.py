@@ -42,6 +42,12 @@ class RolloutSummary:
     engine_steps: int = 0
     verifiers_abandoned: int = 0                # verifier calls past their deadline
     waits_ms: dict[str, dict[str, float]] = field(default_factory=dict)   # stage -> {p50, p95, n}
+    pool_bounds: dict[str, int] = field(default_factory=dict)   # tool / verify -> threads of the pool (a worker's)
+    pool_wait_s: dict[str, float] = field(default_factory=dict)  # tool / verify -> s a call waited for a slot
+    bound_by: str = "engine"                    # engine | tool_pool | verify_pool: pool wait > engine busy
+    cancelled: int = 0                          # stragglers cancelled (group_redundancy): EXPIRED / cancelled
+    groups_complete: int | None = None          # complete groups (group_redundancy > 0 only)
+    rounds: int = 1                             # rounds of `groups` planned (continuous mode: more than 1)
     weight_switches: list[dict[str, Any]] = field(default_factory=list)   # {version, mode, seconds}
     samples: dict[str, list[float]] = field(default_factory=dict, repr=False)   # raw waits, merged across workers
 
@@ -75,8 +81,14 @@ def _merge(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: float) -> R
     for p in parts:
         for k in ("trajectories", "landed", "events", "quarantined", "generated_tokens", "tool_executions", "resumed",
                   "rollout_seconds", "tools_abandoned", "retries", "retries_denied", "engine_busy_s", "engine_steps",
-                  "verifiers_abandoned", "weight_switches"):
+                  "verifiers_abandoned", "weight_switches", "cancelled"):
             setattr(s, k, getattr(s, k) + p[k])
+        if p["groups_complete"] is not None:
+            s.groups_complete = (s.groups_complete or 0) + p["groups_complete"]
+        for kind, v in p["pool_wait_s"].items():
+            s.pool_wait_s[kind] = s.pool_wait_s.get(kind, 0.0) + v
+        s.pool_bounds = s.pool_bounds or dict(p["pool_bounds"])
+        s.rounds = max(s.rounds, p["rounds"])
         for stage, xs in p.get("samples", {}).items():
             s.samples.setdefault(stage, []).extend(xs)
         for k in ("statuses", "verdicts"):
@@ -97,4 +109,12 @@ def _merge(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: float) -> R
     s.tokens_per_s = s.generated_tokens / slowest if slowest else 0.0
     s.engine_busy_share = s.engine_busy_s / s.rollout_seconds if s.rollout_seconds else 0.0   # per engine
     s.waits_ms = _percentiles(s.samples)
+    s.bound_by = bound_by(s.engine_busy_s, s.pool_wait_s)
     return s
+
+
+def bound_by(engine_busy_s: float, pool_wait_s: dict[str, float]) -> str:
+    """``engine``, or the pool (``tool_pool`` / ``verify_pool``) whose calls waited for a
+    free slot longer than the engine was busy: that pool, not the engine, bounded the run."""
+    kind, waited = max(pool_wait_s.items(), key=lambda kv: kv[1], default=("", 0.0))
+    return f"{kind}_pool" if waited > engine_busy_s else "engine"

@@ -7,6 +7,14 @@ transaction version = batch sequence). Task seeds, episode ids and sampling
 seeds are functions of ``(run_id, seed, group, member)``, so a restarted
 run knows exactly which episodes it owes.
 
+Over-provisioning (``group_redundancy``): the plan holds ceil(N(1 + r))
+groups; once this worker's share of N is complete (every member ended, none
+cancelled, one policy version) the harness cancels the rest
+(``Harness.cancel``) and no retry starts. Continuous mode (``follow``): when a
+round's groups have all started, the next round's are planned (the next group
+indices) and start as room frees, so the engine never waits for a round's
+tail; SIGTERM / SIGINT, ``stop_file`` or ``rounds`` end it.
+
 ``_PolicyHolder`` serves the policy (and switches to a newer one when
 following); ``run_worker`` feeds the harness the worker's groups
 (pipeline/rollout/plan.py), resumes what is on record
@@ -15,16 +23,19 @@ following); ``run_worker`` feeds the harness the worker's groups
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import signal
 import sys
+import threading
 import time
 from collections import Counter, deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.rollout.engine import Sampling
-from pipeline.rollout.plan import _retries, _worker_share, plan, retry_id
-from pipeline.rollout.summary import RolloutSummary, _percentiles
+from pipeline.rollout.plan import _retries, _worker_share, launched_groups, plan, retry_id
+from pipeline.rollout.summary import RolloutSummary, _percentiles, bound_by
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
@@ -159,14 +170,33 @@ def run_worker(lake: Lake, cfg: RolloutConfig, worker: int, *, guard=None) -> Ro
                                       cfg.verifier_latency_ms, cfg.verifier_latency_sigma, cfg.slow_verifier_p,
                                       seed=cfg.seed))
     groups = plan(cfg, env, worker)
-    tasks = {eid: (task, gid, cfg.group_size) for _, gid, task, members in groups for eid, _ in members}
-    for _, gid, task, _ in groups:         # possible retries: known ids, so a restart resumes them too
-        tasks.update({retry_id(gid, n): (task, gid, cfg.group_size) for n in range(cfg.retry_group_budget)})
-    state = reconcile(lake, cfg, tasks, spool.records())
+    rounds = [1]                    # continuous mode (``follow``): rounds planned so far
+    stopping = [False]              # continuous mode: stop requested (SIGTERM / SIGINT / stop_file)
+    # over-provisioning: the groups this worker needs complete (its share of `groups`); None = all of them
+    need = _worker_share(cfg.groups, cfg.workers, worker) if cfg.group_redundancy > 0 else None
+
+    def tasks_of(groups) -> dict:
+        tasks = {eid: (task, gid, cfg.group_size) for _, gid, task, members in groups for eid, _ in members}
+        for _, gid, task, _ in groups:         # possible retries: known ids, so a restart resumes them too
+            tasks.update({retry_id(gid, n): (task, gid, cfg.group_size) for n in range(cfg.retry_group_budget)})
+        return tasks
+
+    state = reconcile(lake, cfg, tasks_of(groups), spool.records())
     budget = [_worker_share(cfg.retry_run_budget, cfg.workers, worker)
               - sum(1 for _, gid, _, _ in groups for n in range(cfg.retry_group_budget) if retry_id(gid, n) in state)]
     index = {gid: (k, task) for k, gid, task, _ in groups}
     todo = deque(groups)
+    opened: dict[str, int] = {}     # group -> its episodes not yet terminal (this invocation)
+    spoiled: set[str] = set()       # groups with a cancelled member or two policy versions
+    versions: dict[str, set[int]] = {}
+    complete = [0]
+    if need is not None:            # groups complete on record (a restart): every member and retry ended
+        for _, gid, _, members in groups:
+            ids = [eid for eid, _ in members] + [retry_id(gid, n) for n in range(cfg.retry_group_budget)
+                                                 if retry_id(gid, n) in state]
+            if all(eid in state and state[eid] is None for eid in ids):
+                complete[0] += 1
+        harness.cancel_rest = complete[0] >= need
     started: list = []             # every episode this invocation runs (retries look up their group's)
     last_poll = [0.0]
     draining = [False]
@@ -186,10 +216,28 @@ def run_worker(lake: Lake, cfg: RolloutConfig, worker: int, *, guard=None) -> Ro
             items.append(state[eid] if eid in state else (eid, seed))
         return items
 
+    def next_round() -> bool:
+        """Continuous mode: plan the next round's groups (the next ``launched_groups`` indices).
+        They start as soon as there is room, while the last round's tail still runs."""
+        if not cfg.follow or stopping[0] or (cfg.rounds and rounds[0] >= cfg.rounds):
+            return False
+        if cfg.stop_file and os.path.exists(cfg.stop_file):
+            stopping[0] = True
+            return False
+        more = plan(dataclasses.replace(cfg, group_offset=cfg.group_offset + rounds[0] * launched_groups(cfg)),
+                    env, worker)
+        rounds[0] += 1
+        state.update(reconcile(lake, cfg, tasks_of(more), spool.records()))
+        index.update({gid: (k, task) for k, gid, task, _ in more})
+        todo.extend(more)
+        return True
+
     def feed(free: int, active: int) -> list | None:
         out: list = []
-        while todo:
+        while todo or next_round():
             items = group_items(todo[0])
+            if harness.cancel_rest:     # enough groups: only episodes a restart left half-done, to end them
+                items = [w for w in items if not isinstance(w, tuple)]
             if not items:
                 todo.popleft()
                 continue
@@ -221,16 +269,35 @@ def run_worker(lake: Lake, cfg: RolloutConfig, worker: int, *, guard=None) -> Ro
                 else:
                     summary.resumed += 1
                 out.append(w)
+                versions.setdefault(gid, set()).add(w.policy_version)
+            opened[gid] = opened.get(gid, 0) + len(items)
             free -= len(items)
         started.extend(out)
         return out if out or todo else None
 
     def on_finish(ep) -> list:
         unshipped.append(ep)
+        if harness.cancel_rest:
+            return []                               # the run has its groups: no retries
         extra, budget[0] = _retries(cfg, harness, lambda: (None, holder.version), {ep.group_id: index[ep.group_id]},
                                     state, [ep], started, budget[0], summary)
         started.extend(extra)
+        if need is not None:
+            _group_progress(ep, extra)
         return extra
+
+    def _group_progress(ep, extra: list) -> None:
+        """Over-provisioning: count a group complete once all its episodes ended (none
+        cancelled, one policy version); with enough, the rest are cancelled."""
+        gid = ep.group_id
+        opened[gid] = opened.get(gid, 0) - 1 + len(extra)
+        versions.setdefault(gid, set()).update(e.policy_version for e in extra)
+        if ep.stop_reason == "cancelled" or len(versions.get(gid, ())) > 1:
+            spoiled.add(gid)
+        if opened[gid] == 0 and gid not in spoiled:
+            complete[0] += 1
+            if need is not None and complete[0] >= need:
+                harness.cancel_rest = True
 
     def tick() -> None:
         now = time.monotonic()
@@ -246,9 +313,15 @@ def run_worker(lake: Lake, cfg: RolloutConfig, worker: int, *, guard=None) -> Ro
 
     holder()                       # the engine starts before the clock of rolling out does
     harness.codec = holder.codec
+    restore = _stop_on_signals(stopping) if cfg.follow else {}
     t_run = time.perf_counter()
-    harness.run([], feed=feed, on_finish=on_finish, tick=tick)
+    try:
+        harness.run([], feed=feed, on_finish=on_finish, tick=tick)
+    finally:
+        for sig, handler in restore.items():
+            signal.signal(sig, handler)
     summary.rollout_seconds = time.perf_counter() - t_run
+    summary.rounds = rounds[0]
     _ship()
     spool.close()
     if door is not None:
@@ -265,6 +338,11 @@ def run_worker(lake: Lake, cfg: RolloutConfig, worker: int, *, guard=None) -> Ro
     summary.generated_tokens = sum(sum(e.mask) for e in finished)
     summary.policy_versions = sorted(holder.versions)
     summary.tool_executions = harness.tool_executions
+    summary.cancelled = harness.cancelled
+    summary.groups_complete = complete[0] if need is not None else None
+    summary.pool_bounds = dict(harness.pool_bounds)
+    summary.pool_wait_s = harness.stats.pool_wait_s()
+    summary.bound_by = bound_by(harness.stats.busy_s, summary.pool_wait_s)
     summary.tools_abandoned = harness.tools_abandoned
     summary.verifiers_abandoned = harness.verifiers_abandoned
     summary.engine_busy_s = harness.stats.busy_s
@@ -276,6 +354,19 @@ def run_worker(lake: Lake, cfg: RolloutConfig, worker: int, *, guard=None) -> Ro
     summary.seconds = time.perf_counter() - t0
     summary.tokens_per_s = summary.generated_tokens / summary.rollout_seconds if summary.rollout_seconds else 0.0
     return summary
+
+
+def _stop_on_signals(stopping: list[bool]) -> dict:
+    """Continuous mode: SIGTERM / SIGINT stop new groups from starting; the episodes in
+    flight finish and ship, and the run returns. Only in the main thread (where signal
+    handlers live); returns the handlers to restore."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum, frame) -> None:
+        stopping[0] = True
+
+    return {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
 
 
 def _add_ship(summary: RolloutSummary, rep) -> None:

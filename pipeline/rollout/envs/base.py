@@ -14,10 +14,15 @@ An environment is three methods and a few version strings:
   and declare ``idempotent = False`` if it cannot (the harness then never
   re-runs an action whose outcome is unknown after a crash).
   The harness runs a wave's tool calls concurrently (``tool_concurrency``
-  threads: ``step`` must be thread-safe, or run with ``tool_concurrency=1``)
+  threads: ``step`` must be thread-safe, or declare ``max_tool_concurrency = 1``)
   and each under a deadline: an environment may declare ``tool_timeout_s``
   (its own deadline, used unless the run sets one); a call past it ends the
   episode INFRA_FAILED / env_timeout and is abandoned, not waited for.
+  The pools are sized for I/O (by default one thread per episode in flight,
+  at most 256; pipeline/rollout/settings.py ``pool_size``): an environment
+  whose backend allows only so many calls at once declares
+  ``max_tool_concurrency`` (and ``max_verifier_concurrency`` for its
+  verifier), which bounds the pool whatever the run asks.
 - ``verify(task, answer, num_tool_calls)`` -> ``Verification``: the verdict
   (PASS / FAIL / UNKNOWN) and the reward, with named components.
 
