@@ -38,6 +38,7 @@ class ReportOptions:
     pass_k: int = 4               # the k of the second pass@k curve (pass@1 is always drawn)
     receipts: int = 25            # rows in the latest-receipts table
     train_x: str = "step"         # x axis of the training plots: step, time (s since the run's first step), samples
+    alert_bounds: tuple[tuple[str, float], ...] = ()   # (name, value) overrides of pipeline.report.alerts.ALERTS
 
 
 class _Queries:
@@ -67,11 +68,11 @@ class _Queries:
                 self.cache[key] = exc
         return self.cache[key]
 
-    def sql(self, text: str) -> pd.DataFrame | Exception:
+    def sql(self, text: str, **params) -> pd.DataFrame | Exception:
         from pipeline.query.duck import query
 
         try:
-            return query(self.lake, text, views=self.views()).to_pandas()
+            return query(self.lake, text, params=params or None, views=self.views()).to_pandas()
         except Exception as exc:
             return exc
 
