@@ -14,6 +14,17 @@ advantages are that value broadcast over ``loss_mask`` (``token_advantages``).
 - reinforce_batch_norm: (r - b) / (std_batch + eps) over the whole snapshot, b =
   the batch mean or a running mean carried between snapshots (REINFORCE++,
   Hu 2025); one sample per prompt is allowed.
+
+Per-turn credit (opt-in, not in the registry: ``turn_advantages``): where an
+environment records one reward per policy turn (``trajectories.turn_rewards``,
+docs/admission-rules.md "Per-turn credit"), GRPO with process supervision
+(Shao et al. 2024, DeepSeekMath, arXiv:2402.03300, section 4.1.3): each turn
+reward is normalized by the mean and population std of all turn rewards of
+its group, and the advantage of a turn is the sum of the normalized rewards of
+that turn and every later turn of the same trajectory (the return-to-go);
+``turn_token_advantages`` puts each turn's advantage on that turn's policy
+tokens (the k-th run of ``loss_mask`` 1s). The registered estimators and the
+snapshot format are unchanged by it.
 """
 
 from __future__ import annotations
@@ -120,3 +131,54 @@ def compute_advantages(name: str, rewards: np.ndarray, groups: np.ndarray, *, ep
 def token_advantages(advantage: float, loss_mask: np.ndarray) -> np.ndarray:
     """Per-token advantage: the member's advantage on policy tokens, 0 on observations.  # [T]"""
     return np.asarray(loss_mask, np.float64) * float(advantage)
+
+
+def turn_advantages(turn_rewards: list[np.ndarray], groups: np.ndarray, *, eps: float) -> list[np.ndarray]:
+    """Per member, one advantage per policy turn (DeepSeekMath's process-supervision GRPO, section 4.1.3).
+
+    ``turn_rewards[i]`` -- member i's rewards, one per policy turn (float64 [K_i], K_i >= 1);
+    ``groups`` -- group codes 0..G-1 (int64 [N]). With mu_g, sigma_g the mean and population std of
+    every turn reward of group g's members: r~_ik = (r_ik - mu_g) / (sigma_g + eps), and
+    A_ik = sum over k' >= k of r~_ik' (returns-to-go of the normalized turn rewards)."""
+    groups = np.asarray(groups, np.int64)
+    if len(turn_rewards) != groups.size:
+        raise ValueError(f"{len(turn_rewards)} members' turn rewards for {groups.size} group codes")
+    rs = [np.asarray(r, np.float64) for r in turn_rewards]
+    for i, r in enumerate(rs):
+        if r.ndim != 1 or r.size == 0 or not np.isfinite(r).all():
+            raise ValueError(f"member {i}: turn rewards must be a non-empty list of finite numbers, got {r.tolist()}")
+    if not rs:
+        return []
+    flat = np.concatenate(rs)                                                   # [sum K]
+    owner = np.repeat(groups, [r.size for r in rs])                             # [sum K] group of each turn
+    n_groups = int(groups.max()) + 1
+    count = np.bincount(owner, minlength=n_groups).astype(np.float64)           # [G]
+    mean = np.bincount(owner, weights=flat, minlength=n_groups) / np.maximum(count, 1)
+    dev = flat - mean[owner]
+    std = np.sqrt(np.bincount(owner, weights=dev * dev, minlength=n_groups) / np.maximum(count, 1))
+    norm = dev / (std[owner] + eps)                                             # [sum K]
+    out, at = [], 0
+    for r in rs:
+        part = norm[at:at + r.size]
+        out.append(np.cumsum(part[::-1])[::-1].copy())                          # returns-to-go [K_i]
+        at += r.size
+    return out
+
+
+def policy_turns(loss_mask: np.ndarray) -> np.ndarray:
+    """Turn index of every response token: k on the k-th run of policy tokens (loss_mask 1), -1 on
+    observation tokens.  # [T]"""
+    m = np.asarray(loss_mask, np.int8) == 1
+    starts = m & ~np.concatenate([[False], m[:-1]])
+    return np.where(m, np.cumsum(starts) - 1, -1)
+
+
+def turn_token_advantages(turn_adv: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
+    """Per-token advantage: turn k's advantage on the tokens of the k-th policy turn, 0 on
+    observations; a turn count that does not match the mask's policy runs is an error.  # [T]"""
+    turn = policy_turns(loss_mask)
+    adv = np.asarray(turn_adv, np.float64)
+    runs = int(turn.max()) + 1 if turn.size else 0
+    if runs != adv.size:
+        raise ValueError(f"{adv.size} turn advantages for {runs} policy turns in loss_mask")
+    return np.where(turn >= 0, adv[np.maximum(turn, 0)], 0.0)
