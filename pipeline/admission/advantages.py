@@ -15,7 +15,13 @@ advantages are that value broadcast over ``loss_mask`` (``token_advantages``).
   the batch mean or a running mean carried between snapshots (REINFORCE++,
   Hu 2025); one sample per prompt is allowed.
 
-Per-turn credit (opt-in, not in the registry: ``turn_advantages``): where an
+- grpo_turn (opt-in per-turn credit): the member's sequence-level advantage is
+  grpo's (what snapshot_members records, and what a group without complete
+  turn rewards trains on); materialization adds ``turn_advantages`` to the
+  snapshot payload (``turn_advantages`` below) and the trainer puts them on
+  each turn's tokens.
+
+Per-turn credit (``turn_advantages``): where an
 environment records one reward per policy turn (``trajectories.turn_rewards``,
 docs/admission-rules.md "Per-turn credit"), GRPO with process supervision
 (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300, section 4.1.3): each turn
@@ -23,8 +29,8 @@ reward is normalized by the mean and population std of all turn rewards of
 its group, and the advantage of a turn is the sum of the normalized rewards of
 that turn and every later turn of the same trajectory (the return-to-go);
 ``turn_token_advantages`` puts each turn's advantage on that turn's policy
-tokens (the k-th run of ``loss_mask`` 1s). The registered estimators and the
-snapshot format are unchanged by it.
+tokens (the k-th run of ``loss_mask`` 1s). The other estimators and their
+snapshots are unchanged by it.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import numpy as np
+
+from pipeline.snapshots.reader import policy_turns, turn_token_advantages  # noqa: F401  (the token side, re-exported)
 
 
 class Estimator(Protocol):
@@ -99,6 +107,17 @@ def rloo(rewards: np.ndarray, groups: np.ndarray, *, eps: float, scaling: str = 
     return np.where(count > 1, count / np.maximum(count - 1, 1) * (rewards - mean), 0.0)
 
 
+@register("grpo_turn", group_baseline=True)
+def grpo_turn(rewards: np.ndarray, groups: np.ndarray, *, eps: float, scaling: str = "group",
+              baseline: float | None = None) -> np.ndarray:
+    """The sequence-level part of per-turn credit: grpo (the turn-level part is ``turn_advantages``,
+    applied at materialization where the payload's turn rewards are read)."""
+    return grpo(rewards, groups, eps=eps, scaling=scaling, baseline=None)
+
+
+TURN_ESTIMATORS = frozenset({"grpo_turn"})   # estimators whose snapshots carry turn_advantages
+
+
 @register("reinforce_batch_norm", group_baseline=False)
 def reinforce_batch_norm(rewards: np.ndarray, groups: np.ndarray, *, eps: float, scaling: str = "group",
                          baseline: float | None = None) -> np.ndarray:
@@ -156,29 +175,11 @@ def turn_advantages(turn_rewards: list[np.ndarray], groups: np.ndarray, *, eps: 
     mean = np.bincount(owner, weights=flat, minlength=n_groups) / np.maximum(count, 1)
     dev = flat - mean[owner]
     std = np.sqrt(np.bincount(owner, weights=dev * dev, minlength=n_groups) / np.maximum(count, 1))
-    norm = dev / (std[owner] + eps)                                             # [sum K]
+    scale = std[owner] + eps
+    norm = np.divide(dev, scale, out=np.zeros_like(dev), where=scale > 0)      # [sum K]; equal rewards: 0
     out, at = [], 0
     for r in rs:
         part = norm[at:at + r.size]
         out.append(np.cumsum(part[::-1])[::-1].copy())                          # returns-to-go [K_i]
         at += r.size
     return out
-
-
-def policy_turns(loss_mask: np.ndarray) -> np.ndarray:
-    """Turn index of every response token: k on the k-th run of policy tokens (loss_mask 1), -1 on
-    observation tokens.  # [T]"""
-    m = np.asarray(loss_mask, np.int8) == 1
-    starts = m & ~np.concatenate([[False], m[:-1]])
-    return np.where(m, np.cumsum(starts) - 1, -1)
-
-
-def turn_token_advantages(turn_adv: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
-    """Per-token advantage: turn k's advantage on the tokens of the k-th policy turn, 0 on
-    observations; a turn count that does not match the mask's policy runs is an error.  # [T]"""
-    turn = policy_turns(loss_mask)
-    adv = np.asarray(turn_adv, np.float64)
-    runs = int(turn.max()) + 1 if turn.size else 0
-    if runs != adv.size:
-        raise ValueError(f"{adv.size} turn advantages for {runs} policy turns in loss_mask")
-    return np.where(turn >= 0, adv[np.maximum(turn, 0)], 0.0)

@@ -61,7 +61,8 @@ class AdmissionConfig:
     admit_incomplete: bool = field(default=True, metadata={
         "help": "Whether a timed-out incomplete group may be admitted (false: decision incomplete)."})
     advantage: str = field(default="grpo", metadata={
-        "help": "Advantage estimator: grpo, dr_grpo, rloo, reinforce_batch_norm (registry in advantages.py)."})
+        "help": "Advantage estimator: grpo, dr_grpo, rloo, reinforce_batch_norm, grpo_turn (per-turn credit "
+                "from trajectories.turn_rewards, docs/admission-rules.md; registry in advantages.py)."})
     advantage_scaling: Literal["group", "batch", "none"] = field(default="group", metadata={
         "help": "grpo only: divide centred rewards by the group std (group), by the std of all centred "
                 "rewards in the snapshot (batch), or not at all (none)."})

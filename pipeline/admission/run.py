@@ -46,6 +46,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.admission import candidates as cand
+from pipeline.admission.advantages import TURN_ESTIMATORS
 from pipeline.admission.config import AdmissionConfig, admission_config_hash
 from pipeline.admission.decide import conform, finalize, group_schema, member_schema
 from pipeline.errors import IntegrityError, PipelineError
@@ -441,8 +442,11 @@ def _publish_snapshot(lake: Lake, cfg, chash, admitted, snapshot_id, run_id, tv,
     extra = {"config_hash": chash, "advantage_estimator": cfg.advantage, "config": config_dict(cfg),
              "current_policy_version": current, "source_versions": source_versions, "num_groups": n_groups,
              "running_baseline": baseline}
+    if cfg.advantage in TURN_ESTIMATORS:
+        extra["turn_credit"] = True   # the payload has turn_advantages (pipeline.snapshots.TURN_COLUMNS)
     snap, tokens = materialize(lake, source_versions["trajectories"], admitted, snapshot_id=snapshot_id,
-                               batch_rows=cfg.batch_rows, manifest_extra=extra, sources=sources)
+                               batch_rows=cfg.batch_rows, manifest_extra=extra, sources=sources,
+                               turn_eps=cfg.eps if cfg.advantage in TURN_ESTIMATORS else None)
     tokens = int(snap.manifest.get("num_tokens", tokens))
     _crash_point("snapshot_files")
     row = {
