@@ -38,6 +38,7 @@ ALERTS = {
     "approx_kl_max": 0.05,        # KL band: a checkpoint's mean approx_kl (k3, policy vs its batch's old log-probs)
     "approx_kl_min": 0.0,         # outside [min, max]; min 0 = off (one on-policy step per batch measures ~0 KL)
     "clip_fraction_min": 0.0,     # the clip band's lower edge (its upper edge is clip_fraction); 0 = off
+    "verdict_disagreement": 0.05,  # share of re-verified groups whose re-verdict disagreed (admission's reverify)
     "component_share_drift": 0.3,  # a reward component's share of sum |components| moving by more than this between
                                    # a run's first and newest policy version, the hacking way: a heuristic (shaping)
                                    # component gaining, a fact component losing, an untagged one either way
@@ -289,6 +290,40 @@ def _component_drift(q: _Queries, B: dict[str, float]) -> list[tuple[str, str]]:
     return out
 
 
+REVERIFY_SQL = """
+SELECT count(*) AS decided,
+       count(*) FILTER (WHERE checks['reverify'] IS NOT NULL) AS reverified,
+       count(*) FILTER (WHERE checks['reverify'] LIKE '%(shadow sample)') AS shadow,
+       count(*) FILTER (WHERE decision = 'verdict_disagreement') AS disagreed
+FROM receipts
+WHERE ($run_id::VARCHAR IS NULL OR run_id = $run_id::VARCHAR)
+"""
+
+
+def reverification(q: _Queries) -> dict[str, float] | None:
+    """Admission's re-verification over the receipts (pipeline/admission/reverify.py): decided groups,
+    re-verified groups, of which shadow-sampled, of which held; None when nothing was re-verified."""
+    df = q.sql(REVERIFY_SQL, run_id=q.opts.run_id)
+    if not isinstance(df, pd.DataFrame) or df.empty or not df.reverified.iloc[0]:
+        return None
+    r = df.iloc[0]
+    return {"decided": int(r.decided), "reverified": int(r.reverified), "shadow": int(r.shadow),
+            "disagreed": int(r.disagreed), "shadow_rate": r.shadow / r.decided,
+            "disagreement_rate": r.disagreed / r.reverified}
+
+
+def _verdict_disagreement(q: _Queries, B: dict[str, float]) -> list[tuple[str, str]]:
+    rv = reverification(q)
+    if rv is None or rv["disagreement_rate"] <= B["verdict_disagreement"]:
+        return []
+    return [("verdict_disagreement",
+             f"Re-verification disagreed with the recorded verdict in {rv['disagreed']} of {rv['reverified']} "
+             f"re-verified groups ({rv['disagreement_rate']:.0%}, bound {B['verdict_disagreement']:.0%}); those "
+             f"groups are held as UNKNOWN (decision verdict_disagreement): the verifier is unreliable on these "
+             f"tasks; read the receipts' reverify check (Latest receipts).")]
+
+
 def reward_hacking_alarms(q: _Queries, B: dict[str, float]) -> list[tuple[str, str]]:
-    """The alarms that read several tables: train vs held-out gap, reward-component drift."""
-    return _train_heldout_gap(q, B) + _component_drift(q, B)
+    """The alarms that read several tables: train vs held-out gap, reward-component drift, verdicts
+    that re-verification doubted."""
+    return _train_heldout_gap(q, B) + _component_drift(q, B) + _verdict_disagreement(q, B)

@@ -344,6 +344,15 @@ def receipts(q: _Queries) -> Section:
         s.blocks.append(df)
         return s
     df = df.assign(snapshot_id=df.snapshot_id.map(lambda x: x[:12] if isinstance(x, str) else None))
+    from pipeline.report.alerts import reverification
+
+    rv = reverification(q)
+    if rv is not None:   # admission re-verified rewards (reverify_top / shadow_sample)
+        s.blocks.append(Note(
+            f"Re-verification: {rv['reverified']} of {rv['decided']} decided groups re-verified, "
+            f"{rv['shadow']} of them in the shadow verifier sample (rate {rv['shadow_rate']:.1%} of decided "
+            f"groups); {rv['disagreed']} disagreed (disagreement rate {rv['disagreement_rate']:.1%}) and are "
+            f"held as UNKNOWN (decision verdict_disagreement).", "info"))
     s.blocks.append(_table(df, ["decided_at", "run_id", "group_id", "task_id", "decision", "arrived_members",
                                 "valid", "reasons", "failed_checks", "reward_mean", "reward_std", "policy_lag",
                                 "difficulty", "length_bucket", "snapshot_id"]))
