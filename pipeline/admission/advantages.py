@@ -14,6 +14,23 @@ advantages are that value broadcast over ``loss_mask`` (``token_advantages``).
 - reinforce_batch_norm: (r - b) / (std_batch + eps) over the whole snapshot, b =
   the batch mean or a running mean carried between snapshots (REINFORCE++,
   Hu 2025); one sample per prompt is allowed.
+
+- grpo_turn (opt-in per-turn credit): the member's sequence-level advantage is
+  grpo's (what snapshot_members records, and what a group without complete
+  turn rewards trains on); materialization adds ``turn_advantages`` to the
+  snapshot payload (``turn_advantages`` below) and the trainer puts them on
+  each turn's tokens.
+
+Per-turn credit (``turn_advantages``): where an
+environment records one reward per policy turn (``trajectories.turn_rewards``,
+docs/admission-rules.md "Per-turn credit"), GRPO with process supervision
+(Shao et al. 2024, DeepSeekMath, arXiv:2402.03300, section 4.1.3): each turn
+reward is normalized by the mean and population std of all turn rewards of
+its group, and the advantage of a turn is the sum of the normalized rewards of
+that turn and every later turn of the same trajectory (the return-to-go);
+``turn_token_advantages`` puts each turn's advantage on that turn's policy
+tokens (the k-th run of ``loss_mask`` 1s). The other estimators and their
+snapshots are unchanged by it.
 """
 
 from __future__ import annotations
@@ -22,6 +39,8 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import numpy as np
+
+from pipeline.snapshots.reader import policy_turns, turn_token_advantages  # noqa: F401  (the token side, re-exported)
 
 
 class Estimator(Protocol):
@@ -88,6 +107,17 @@ def rloo(rewards: np.ndarray, groups: np.ndarray, *, eps: float, scaling: str = 
     return np.where(count > 1, count / np.maximum(count - 1, 1) * (rewards - mean), 0.0)
 
 
+@register("grpo_turn", group_baseline=True)
+def grpo_turn(rewards: np.ndarray, groups: np.ndarray, *, eps: float, scaling: str = "group",
+              baseline: float | None = None) -> np.ndarray:
+    """The sequence-level part of per-turn credit: grpo (the turn-level part is ``turn_advantages``,
+    applied at materialization where the payload's turn rewards are read)."""
+    return grpo(rewards, groups, eps=eps, scaling=scaling, baseline=None)
+
+
+TURN_ESTIMATORS = frozenset({"grpo_turn"})   # estimators whose snapshots carry turn_advantages
+
+
 @register("reinforce_batch_norm", group_baseline=False)
 def reinforce_batch_norm(rewards: np.ndarray, groups: np.ndarray, *, eps: float, scaling: str = "group",
                          baseline: float | None = None) -> np.ndarray:
@@ -120,3 +150,36 @@ def compute_advantages(name: str, rewards: np.ndarray, groups: np.ndarray, *, ep
 def token_advantages(advantage: float, loss_mask: np.ndarray) -> np.ndarray:
     """Per-token advantage: the member's advantage on policy tokens, 0 on observations.  # [T]"""
     return np.asarray(loss_mask, np.float64) * float(advantage)
+
+
+def turn_advantages(turn_rewards: list[np.ndarray], groups: np.ndarray, *, eps: float) -> list[np.ndarray]:
+    """Per member, one advantage per policy turn (DeepSeekMath's process-supervision GRPO, section 4.1.3).
+
+    ``turn_rewards[i]`` -- member i's rewards, one per policy turn (float64 [K_i], K_i >= 1);
+    ``groups`` -- group codes 0..G-1 (int64 [N]). With mu_g, sigma_g the mean and population std of
+    every turn reward of group g's members: r~_ik = (r_ik - mu_g) / (sigma_g + eps), and
+    A_ik = sum over k' >= k of r~_ik' (returns-to-go of the normalized turn rewards)."""
+    groups = np.asarray(groups, np.int64)
+    if len(turn_rewards) != groups.size:
+        raise ValueError(f"{len(turn_rewards)} members' turn rewards for {groups.size} group codes")
+    rs = [np.asarray(r, np.float64) for r in turn_rewards]
+    for i, r in enumerate(rs):
+        if r.ndim != 1 or r.size == 0 or not np.isfinite(r).all():
+            raise ValueError(f"member {i}: turn rewards must be a non-empty list of finite numbers, got {r.tolist()}")
+    if not rs:
+        return []
+    flat = np.concatenate(rs)                                                   # [sum K]
+    owner = np.repeat(groups, [r.size for r in rs])                             # [sum K] group of each turn
+    n_groups = int(groups.max()) + 1
+    count = np.bincount(owner, minlength=n_groups).astype(np.float64)           # [G]
+    mean = np.bincount(owner, weights=flat, minlength=n_groups) / np.maximum(count, 1)
+    dev = flat - mean[owner]
+    std = np.sqrt(np.bincount(owner, weights=dev * dev, minlength=n_groups) / np.maximum(count, 1))
+    scale = std[owner] + eps
+    norm = np.divide(dev, scale, out=np.zeros_like(dev), where=scale > 0)      # [sum K]; equal rewards: 0
+    out, at = [], 0
+    for r in rs:
+        part = norm[at:at + r.size]
+        out.append(np.cumsum(part[::-1])[::-1].copy())                          # returns-to-go [K_i]
+        at += r.size
+    return out

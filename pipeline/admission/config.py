@@ -61,7 +61,8 @@ class AdmissionConfig:
     admit_incomplete: bool = field(default=True, metadata={
         "help": "Whether a timed-out incomplete group may be admitted (false: decision incomplete)."})
     advantage: str = field(default="grpo", metadata={
-        "help": "Advantage estimator: grpo, dr_grpo, rloo, reinforce_batch_norm (registry in advantages.py)."})
+        "help": "Advantage estimator: grpo, dr_grpo, rloo, reinforce_batch_norm, grpo_turn (per-turn credit "
+                "from trajectories.turn_rewards, docs/admission-rules.md; registry in advantages.py)."})
     advantage_scaling: Literal["group", "batch", "none"] = field(default="group", metadata={
         "help": "grpo only: divide centred rewards by the group std (group), by the std of all centred "
                 "rewards in the snapshot (batch), or not at all (none)."})
@@ -104,6 +105,15 @@ class AdmissionConfig:
                 "prompt_template_rev, env_version, verifier_version whose values may differ across the admitted "
                 "groups. Default (): a snapshot holds one configuration; groups of any other are decided "
                 "batch_config_mismatch."})
+    reverify_top: int = field(default=0, metadata={"ge": 0,
+        "help": "Re-verify, in every admitted group, this many valid members of largest |advantage| with "
+                "`reverifier`; a group whose re-verdict differs is held as verdict_disagreement (0: off)."})
+    shadow_sample: float = field(default=0.0, metadata={"ge": 0, "le": 1,
+        "help": "Share of admitted groups (chosen by a hash of group_id) whose every member is re-verified "
+                "(a shadow verifier's sample; 0: off)."})
+    reverifier: str = field(default="", metadata={
+        "help": "module:callable re-verifier: called with the selected trajectories rows, returns one verdict "
+                "(PASS/FAIL/UNKNOWN) per row (needed when reverify_top or shadow_sample is set)."})
     quality: bool = field(default=True, metadata={
         "help": "Run the great-expectations suites (from schemas/) on candidates and on the snapshot."})
     batch_rows: int = field(default=65536, metadata={"ge": 1,
@@ -150,6 +160,11 @@ class AdmissionConfig:
                                   hint=f"choose among {', '.join(BATCH_FIELDS)}")
         if self.batch_rows < 1:
             raise ConfigError("batch_rows must be >= 1")
+        if self.reverify_top < 0 or not (0 <= self.shadow_sample <= 1):
+            raise ConfigError("reverify_top must be >= 0 and shadow_sample in [0, 1]")
+        if (self.reverify_top or self.shadow_sample) and ":" not in self.reverifier:
+            raise ConfigError("reverify_top/shadow_sample need a reverifier (module:callable)",
+                              hint="e.g. reverifier=mypkg.checks:reverify (docs/admission-rules.md, Re-verification)")
         if self.truncation not in ("score_zero", "filter", "soft_penalty"):
             raise ConfigError(f"truncation {self.truncation!r}: expected score_zero, filter or soft_penalty")
         if self.truncation == "soft_penalty" and not (0 < self.overlong_interval <= self.overlong_max_len):
@@ -183,6 +198,9 @@ class AdmissionConfig:
             d.pop("overlong_interval")
         if not self.mix_batch_fields:  # likewise
             d.pop("mix_batch_fields")
+        if not (self.reverify_top or self.shadow_sample):   # likewise: off
+            for k in ("reverify_top", "shadow_sample", "reverifier"):
+                d.pop(k)
         return d
 
 

@@ -36,17 +36,24 @@ SOURCE = ("trajectory_id", "content_hash", "run_id", "task_id", "group_size", "p
 RANK = "__rank"
 
 
-def _spill(sources, admitted: pa.Table, path: str, batch_rows: int) -> tuple[int, int, list[np.ndarray]]:
-    """Pass 1: admitted rows -> IPC file of sorted runs. Returns (rows, response tokens, run ranks)."""
+def _spill(sources, admitted: pa.Table, path: str, batch_rows: int,
+           turns: dict[int, tuple[np.ndarray | None, int]] | None = None) -> tuple[int, int, list[np.ndarray]]:
+    """Pass 1: admitted rows -> IPC file of sorted runs. Returns (rows, response tokens, run ranks).
+
+    ``turns`` (per-turn credit): filled with rank -> (the row's turn_rewards or None, its number of
+    policy turns), small per row, for ``turn_advantage_column`` before pass 2."""
     ids = admitted.column("trajectory_id").combine_chunks()
     want_hash = admitted.column("content_hash").combine_chunks()
     # The id filter runs on each batch in Arrow: ids are random, file statistics
     # could prune nothing, and a row must never be hidden by them.
     # Modest readahead: token payload batches are large (docs/dependency-notes.md: whole-table
     # reads are the memory danger); pyarrow's defaults buffer up to 16 x 4.
-    scanners = [dataset.scanner(columns=list(SOURCE), filter=flt, batch_size=batch_rows, batch_readahead=4,
-                                fragment_readahead=2) for dataset, flt in sources]
-    schema = scanners[0].projected_schema.append(pa.field(RANK, pa.int64()))
+    extra = ["turn_rewards"] if turns is not None else []
+    scanners = [dataset.scanner(columns=list(SOURCE) + [c for c in extra if c in dataset.schema.names], filter=flt,
+                                batch_size=batch_rows, batch_readahead=4, fragment_readahead=2)
+                for dataset, flt in sources]
+    proj = scanners[0].projected_schema
+    schema = pa.schema([f for f in proj if f.name in SOURCE]).append(pa.field(RANK, pa.int64()))
     rows = tokens = 0
     runs: list[np.ndarray] = []
     with pa.OSFile(path, "wb") as f, pa.ipc.new_file(f, schema) as w:
@@ -63,6 +70,16 @@ def _spill(sources, admitted: pa.Table, path: str, batch_rows: int) -> tuple[int
                 raise IntegrityError("a trajectory's content_hash changed between admission and materialization",
                                      hint="rerun pipeline admit")
             r = rank.cast(pa.int64()).to_numpy()
+            if turns is not None:
+                from pipeline.admission.advantages import policy_turns
+
+                tr = (b.column("turn_rewards").to_pylist() if "turn_rewards" in b.schema.names
+                      else [None] * b.num_rows)
+                for k, (rk, mask) in enumerate(zip(r.tolist(), b.column("loss_mask").to_pylist())):
+                    pt = policy_turns(np.asarray(mask, np.int8))
+                    turns[rk] = (None if tr[k] is None else np.asarray(tr[k], np.float64),
+                                 int(pt.max()) + 1 if pt.size else 0)
+                b = b.drop_columns(["turn_rewards"]) if "turn_rewards" in b.schema.names else b
             order = np.argsort(r, kind="stable")
             run = pa.RecordBatch.from_arrays(list(b.columns) + [pa.array(r)], schema=schema).take(pa.array(order))
             w.write_batch(run)
@@ -72,8 +89,30 @@ def _spill(sources, admitted: pa.Table, path: str, batch_rows: int) -> tuple[int
     return rows, tokens, runs
 
 
+def turn_advantage_column(admitted: pa.Table, turns: dict[int, tuple[np.ndarray | None, int]], *,
+                          eps: float) -> pa.Array:
+    """Per admitted member (rank order), its turn advantages (advantages.turn_advantages over its
+    group), or null for every member of a group where one member lacks turn rewards or records a
+    count other than its policy turns: that group trains on the sequence-level advantage."""
+    from pipeline.admission.advantages import turn_advantages
+
+    gid = admitted.column("group_id").to_pylist()
+    out: list[list[float] | None] = [None] * len(gid)
+    by_group: dict[str, list[int]] = {}
+    for rk, g in enumerate(gid):
+        by_group.setdefault(g, []).append(rk)
+    for ranks in by_group.values():
+        recs = [turns[rk] for rk in ranks]
+        if any(tr is None or tr.size != n or n == 0 for tr, n in recs):
+            continue
+        adv = turn_advantages([tr for tr, _ in recs], np.zeros(len(ranks), np.int64), eps=eps)  # type: ignore[misc]
+        for rk, a in zip(ranks, adv):
+            out[rk] = a.tolist()
+    return pa.array(out, pa.list_(pa.float64()))
+
+
 def _parts(path: str, runs: list[np.ndarray], admitted: pa.Table, snapshot_id: str,
-           batch_rows: int) -> Iterator[pa.Table]:
+           batch_rows: int, turn_adv: pa.Array | None = None) -> Iterator[pa.Table]:
     """Pass 2: merge the sorted runs window by window, joined with the decision columns."""
     total = sum(len(r) for r in runs)
     for lo in range(0, total, batch_rows):
@@ -100,29 +139,37 @@ def _parts(path: str, runs: list[np.ndarray], admitted: pa.Table, snapshot_id: s
         for c in SOURCE:
             if c not in cols:
                 cols[c] = t.column(c)
+        if turn_adv is not None:
+            cols["turn_advantages"] = turn_adv.slice(lo, t.num_rows)
         yield pa.table(cols)
         del t, dec
 
 
 def materialize(lake: Lake, version: int, admitted: pa.Table, *, snapshot_id: str, batch_rows: int,
                 manifest_extra: dict[str, Any], spill_dir: str | None = None,
-                sources: list[tuple[Any, Any]] | None = None) -> tuple[Snapshot, int]:
+                sources: list[tuple[Any, Any]] | None = None,
+                turn_eps: float | None = None) -> tuple[Snapshot, int]:
     """Write snapshot ``snapshot_id`` of ``admitted`` (snapshot_members columns,
     sorted by group_id, trajectory_id). Returns (snapshot, response tokens).
 
     ``sources`` -- (dataset, filter) pairs that hold every admitted row (the
-    ones admission read its candidates from); by default the whole version."""
+    ones admission read its candidates from); by default the whole version.
+    ``turn_eps`` -- per-turn credit (advantage grpo_turn): the payload gains
+    ``turn_advantages`` (``turn_advantage_column``, this eps); None: it has no such column."""
     if not sources:
         sources = [(lake.dataset("trajectories", version), None)]
     spill_dir = spill_dir or os.environ.get("PIPELINE_SPILL_DIR") or None
     with tempfile.TemporaryDirectory(prefix="admit-spill-", dir=spill_dir) as tmp:
         path = os.path.join(tmp, "payload.arrow")
-        rows, tokens, runs = _spill(sources, admitted, path, batch_rows)
+        turns: dict[int, tuple[np.ndarray | None, int]] | None = {} if turn_eps is not None else None
+        rows, tokens, runs = _spill(sources, admitted, path, batch_rows, turns)
         if rows != admitted.num_rows:
             raise IntegrityError(f"materialization found {rows} of {admitted.num_rows} admitted trajectories "
                                  f"in trajectories@{version}", hint="rerun pipeline admit")
         extra = dict(manifest_extra)
         extra["num_tokens"] = tokens
-        snap = write_snapshot_stream(lake, _parts(path, runs, admitted, snapshot_id, batch_rows),
+        turn_adv = turn_advantage_column(admitted, turns, eps=turn_eps) \
+            if turns is not None and turn_eps is not None else None
+        snap = write_snapshot_stream(lake, _parts(path, runs, admitted, snapshot_id, batch_rows, turn_adv),
                                      snapshot_id=snapshot_id, manifest_extra=extra)
     return snap, tokens

@@ -46,6 +46,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.admission import candidates as cand
+from pipeline.admission.advantages import TURN_ESTIMATORS
 from pipeline.admission.config import AdmissionConfig, admission_config_hash
 from pipeline.admission.decide import conform, finalize, group_schema, member_schema
 from pipeline.errors import IntegrityError, PipelineError
@@ -314,8 +315,15 @@ def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_ver
         members, groups, qsummary, n_cands = _decisions_from_engine(
             lake, tv, cfg, engine, decided, current, now, dask_scheduler, timings, sources, plan)
         members, groups, _tok, deferred = scoping.apply(members, groups, scope, _policy_tokenizer(lake, current))
+        prev_baseline = _previous_baseline(lake, cfg)
         dec = finalize(members, groups, cfg, config_hash=chash, current_policy_version=current,
-                       previous_baseline=_previous_baseline(lake, cfg))
+                       previous_baseline=prev_baseline)
+        reverified = None
+        if cfg.reverify_top or cfg.shadow_sample:   # rewards that can be doubted (reverify.py)
+            from pipeline.admission import reverify
+
+            dec, reverified = reverify.apply(dec, members, groups, sources, cfg, config_hash=chash,
+                                             current_policy_version=current, previous_baseline=prev_baseline)
         timings["decide_s"] = time.perf_counter() - t0
         admitted = dec.admitted
         n_admit_groups = dec.counts.get("admit", 0)
@@ -326,7 +334,8 @@ def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_ver
         rows = receipts.num_rows
         result = AdmissionResult(run_id, snapshot_id, current, chash, engine, dry_run, receipts, dict(dec.counts),
                                  n_admit_groups, admitted.num_rows, 0, source_versions,
-                                 {"candidates": qsummary, "candidate_rows": n_cands, "deferred_groups": deferred},
+                                 {"candidates": qsummary, "candidate_rows": n_cands, "deferred_groups": deferred,
+                                  **({"reverify": reverified.as_dict()} if reverified is not None else {})},
                                  target, attempt, timings,
                                  admitted)
         if dry_run or not rows:
@@ -441,8 +450,11 @@ def _publish_snapshot(lake: Lake, cfg, chash, admitted, snapshot_id, run_id, tv,
     extra = {"config_hash": chash, "advantage_estimator": cfg.advantage, "config": config_dict(cfg),
              "current_policy_version": current, "source_versions": source_versions, "num_groups": n_groups,
              "running_baseline": baseline}
+    if cfg.advantage in TURN_ESTIMATORS:
+        extra["turn_credit"] = True   # the payload has turn_advantages (pipeline.snapshots.TURN_COLUMNS)
     snap, tokens = materialize(lake, source_versions["trajectories"], admitted, snapshot_id=snapshot_id,
-                               batch_rows=cfg.batch_rows, manifest_extra=extra, sources=sources)
+                               batch_rows=cfg.batch_rows, manifest_extra=extra, sources=sources,
+                               turn_eps=cfg.eps if cfg.advantage in TURN_ESTIMATORS else None)
     tokens = int(snap.manifest.get("num_tokens", tokens))
     _crash_point("snapshot_files")
     row = {

@@ -33,6 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="x axis of the training plots: optimizer step (default), wall time or samples")
     p.add_argument("--pass-k", type=int, default=4, help="k of the second pass@k curve (default: 4)")
     p.add_argument("--receipts", type=int, default=25, help="rows in the latest-receipts table (default: 25)")
+    p.add_argument("--alert-bound", action="append", default=[], metavar="NAME=VALUE",
+                   help="override one alert threshold (repeatable; names and defaults: "
+                        "docs/report-alerts.md)")
     p.add_argument("--check", action="store_true",
                    help=f"exit {EXIT_ALERT} when any alert fires (for cron or CI; the report is still written, and "
                         "--json lists the alerts as alert_checks: [{check, message}])")
@@ -49,11 +52,13 @@ def _report(args: argparse.Namespace) -> int | None:
 
     if args.pass_k < 1 or args.receipts < 1:
         raise PipelineError("--pass-k and --receipts must be >= 1")
+    bounds = _alert_bounds(args.alert_bound)
     lake = open_lake(args)
     if args.run_id is not None:
         _require_run(lake, args.run_id)
     result = write_report(lake, args.out, ReportOptions(
-        run_id=args.run_id, bucket=args.bucket, pass_k=args.pass_k, receipts=args.receipts, train_x=args.train_x))
+        run_id=args.run_id, bucket=args.bucket, pass_k=args.pass_k, receipts=args.receipts, train_x=args.train_x,
+        alert_bounds=bounds))
     emit(result, args, text=_text)
     if args.check and result.get("alerts"):
         from pipeline.cli import note
@@ -61,6 +66,23 @@ def _report(args: argparse.Namespace) -> int | None:
         note(f"{len(result['alerts'])} alert(s) fired (report --check exits {EXIT_ALERT})")
         return EXIT_ALERT
     return None
+
+
+def _alert_bounds(items: list[str]) -> tuple[tuple[str, float], ...]:
+    """``--alert-bound NAME=VALUE`` pairs, checked (unknown name, not a number: a one-line error)."""
+    from pipeline.errors import ConfigError
+    from pipeline.report.alerts import bounds
+
+    pairs = []
+    for item in items:
+        name, eq, value = item.partition("=")
+        try:
+            pairs.append((name.strip(), float(value)))
+        except ValueError:
+            raise ConfigError(f"--alert-bound {item!r}: expected NAME=VALUE with a number"
+                              + ("" if eq else " (no '=')")) from None
+    bounds(tuple(pairs))   # raises on an unknown name or a non-finite value
+    return tuple(pairs)
 
 
 def _require_run(lake, run_id: str) -> None:

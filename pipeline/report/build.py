@@ -38,6 +38,7 @@ class ReportOptions:
     pass_k: int = 4               # the k of the second pass@k curve (pass@1 is always drawn)
     receipts: int = 25            # rows in the latest-receipts table
     train_x: str = "step"         # x axis of the training plots: step, time (s since the run's first step), samples
+    alert_bounds: tuple[tuple[str, float], ...] = ()   # (name, value) overrides of pipeline.report.alerts.ALERTS
 
 
 class _Queries:
@@ -67,11 +68,11 @@ class _Queries:
                 self.cache[key] = exc
         return self.cache[key]
 
-    def sql(self, text: str) -> pd.DataFrame | Exception:
+    def sql(self, text: str, **params) -> pd.DataFrame | Exception:
         from pipeline.query.duck import query
 
         try:
-            return query(self.lake, text, views=self.views()).to_pandas()
+            return query(self.lake, text, params=params or None, views=self.views()).to_pandas()
         except Exception as exc:
             return exc
 
@@ -343,6 +344,15 @@ def receipts(q: _Queries) -> Section:
         s.blocks.append(df)
         return s
     df = df.assign(snapshot_id=df.snapshot_id.map(lambda x: x[:12] if isinstance(x, str) else None))
+    from pipeline.report.alerts import reverification
+
+    rv = reverification(q)
+    if rv is not None:   # admission re-verified rewards (reverify_top / shadow_sample)
+        s.blocks.append(Note(
+            f"Re-verification: {rv['reverified']} of {rv['decided']} decided groups re-verified, "
+            f"{rv['shadow']} of them in the shadow verifier sample (rate {rv['shadow_rate']:.1%} of decided "
+            f"groups); {rv['disagreed']} disagreed (disagreement rate {rv['disagreement_rate']:.1%}) and are "
+            f"held as UNKNOWN (decision verdict_disagreement).", "info"))
     s.blocks.append(_table(df, ["decided_at", "run_id", "group_id", "task_id", "decision", "arrived_members",
                                 "valid", "reasons", "failed_checks", "reward_mean", "reward_std", "policy_lag",
                                 "difficulty", "length_bucket", "snapshot_id"]))

@@ -10,6 +10,8 @@ admission writes and every trainer reads.
     for batch in snap.batches(256): ...
 """
 
-from pipeline.snapshots.reader import MEMBER_COLUMNS, SnapshotReader, collate, member, open  # noqa: A004
+from pipeline.snapshots.reader import (  # noqa: A004
+    MEMBER_COLUMNS, TURN_COLUMNS, SnapshotReader, collate, member, open, policy_turns, turn_token_advantages)
 
-__all__ = ["MEMBER_COLUMNS", "SnapshotReader", "collate", "member", "open"]
+__all__ = ["MEMBER_COLUMNS", "TURN_COLUMNS", "SnapshotReader", "collate", "member", "open", "policy_turns",
+           "turn_token_advantages"]

@@ -4,6 +4,8 @@ The format itself is in :mod:`pipeline.snapshots.format`."""
 
 from __future__ import annotations
 
+import itertools
+
 import hashlib
 import json
 from typing import TYPE_CHECKING, Any, Iterable
@@ -27,8 +29,8 @@ def write_snapshot_files(lake: Lake, payload: pa.Table, *, snapshot_id: str,
     Idempotent: if a complete snapshot with this id exists (manifest present and
     verifying), it is returned untouched: immutable means never rewritten.
     """
-    spec = table_spec("snapshot_payload")
-    payload = payload.select(spec.names).cast(spec.arrow_schema())
+    schema = payload_schema(payload.column_names)
+    payload = payload.select(schema.names).cast(schema)
     payload = payload.sort_by([("group_id", "ascending"), ("trajectory_id", "ascending")])
     return write_snapshot_stream(lake, [payload], snapshot_id=snapshot_id, manifest_extra=manifest_extra)
 
@@ -78,9 +80,24 @@ def _barrier_point(snapshot_id: str) -> None:
         time.sleep(0.0005)
 
 
+# payload columns present only in some snapshots (schemas/snapshot_payload.yaml): a snapshot without them
+# has none, so its bytes are what they were before the column existed
+OPTIONAL_PAYLOAD = ("turn_advantages",)
+
+
+def payload_schema(names: Iterable[str]) -> pa.Schema:
+    """The payload schema of a snapshot whose parts have columns ``names``."""
+    have = set(names)
+    full = table_spec("snapshot_payload").arrow_schema()
+    return pa.schema([f for f in full if f.name not in OPTIONAL_PAYLOAD or f.name in have])
+
+
 def _write_payload(fs: Any, path: str, parts: Iterable[pa.Table | pa.RecordBatch]) -> tuple[str, int, int]:
     """Stream the sorted parts into one Parquet file -> (sha256, bytes, rows)."""
-    schema = table_spec("snapshot_payload").arrow_schema()
+    it = iter(parts)
+    head = next(it, None)
+    schema = payload_schema(head.schema.names if head is not None else ())
+    parts = itertools.chain([head] if head is not None else [], it)
     rows = 0
     last_key: tuple[str, str] | None = None
     with fs.open_output_stream(path) as raw:

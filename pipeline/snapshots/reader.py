@@ -16,7 +16,9 @@ pipeline/snapshots/format.py; this module only reads it). A member is one
 admitted trajectory: token ids (``prompt_ids``, ``response_ids``), the loss
 mask (1 = policy-sampled token; observation tokens are 0), the behaviour
 log-probs (``response_logprobs``, 0 where the mask is 0), the sequence
-``advantage`` (per-token advantage = advantage * loss_mask), its ``group_id``
+``advantage`` (per-token advantage = advantage * loss_mask; in a snapshot of
+per-turn credit, manifest ``turn_credit: true``, ``turn_advantages`` give turn
+k's advantage to the k-th run of policy tokens where not null), its ``group_id``
 and ``group_size``, ``reward``, ``policy_version`` and ``policy_lag``. The
 project's own trainer (pipeline/train/data.py) reads snapshots through this.
 """
@@ -36,6 +38,26 @@ if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
 
 MEMBER_COLUMNS = ["trajectory_id", "group_id", "group_size", "advantage", "reward", "policy_lag", "policy_version",
                   "token_policy_versions", "prompt_ids", "response_ids", "response_logprobs", "loss_mask"]
+TURN_COLUMNS = ["turn_advantages"]   # in the payload of a snapshot whose manifest says turn_credit: true
+
+
+def policy_turns(loss_mask: np.ndarray) -> np.ndarray:
+    """Turn index of every response token: k on the k-th run of policy tokens (loss_mask 1), -1 on
+    observation tokens.  # [T]"""
+    m = np.asarray(loss_mask, np.int8) == 1
+    starts = m & ~np.concatenate([[False], m[:-1]])
+    return np.where(m, np.cumsum(starts) - 1, -1)
+
+
+def turn_token_advantages(turn_adv: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
+    """Per-token advantage: turn k's advantage on the tokens of the k-th policy turn, 0 on
+    observations; a turn count that does not match the mask's policy runs is an error.  # [T]"""
+    turn = policy_turns(loss_mask)
+    adv = np.asarray(turn_adv, np.float64)
+    runs = int(turn.max()) + 1 if turn.size else 0
+    if runs != adv.size:
+        raise ValueError(f"{adv.size} turn advantages for {runs} policy turns in loss_mask")
+    return np.where(turn >= 0, adv[np.maximum(turn, 0)], 0.0)
 
 
 class SnapshotReader:
@@ -58,12 +80,17 @@ class SnapshotReader:
     def __len__(self) -> int:
         return int(self.manifest["num_members"])
 
+    @property
+    def columns(self) -> list[str]:
+        """The member columns a trainer reads: MEMBER_COLUMNS, and TURN_COLUMNS in a snapshot of per-turn credit."""
+        return MEMBER_COLUMNS + (TURN_COLUMNS if self.manifest.get("turn_credit") else [])
+
     def table(self, columns: list[str] | None = None) -> pa.Table:
         """The members (schemas/snapshot_payload.yaml), in snapshot order
         (group_id, trajectory_id). ``columns`` default: MEMBER_COLUMNS."""
         from pipeline.snapshots.format import read_snapshot_table
 
-        cols = list(columns or MEMBER_COLUMNS)
+        cols = list(columns or self.columns)
         if self._table is None or not set(cols) <= set(self._table.column_names):
             # verified at open (files rehashed just before): read without hashing twice;
             # an unverified reader rehashes the bytes it parses
@@ -97,7 +124,7 @@ def member(table: pa.Table, i: int) -> dict[str, Any]:
     ``trajectory_id``, ``policy_version``, ``policy_lag``."""
     import torch
 
-    row = {c: table.column(c)[i] for c in MEMBER_COLUMNS if c in table.column_names}
+    row = {c: table.column(c)[i] for c in MEMBER_COLUMNS + TURN_COLUMNS if c in table.column_names}
 
     def arr(name, dtype):
         return torch.from_numpy(np.asarray(row[name].values.to_numpy(zero_copy_only=False), dtype=dtype).copy())
@@ -114,6 +141,8 @@ def member(table: pa.Table, i: int) -> dict[str, Any]:
         "behaviour_logprobs": arr("response_logprobs", np.float32),
         "advantage": torch.tensor(float(row["advantage"].as_py()), dtype=torch.float64),
         "reward": torch.tensor(float(row["reward"].as_py()), dtype=torch.float64),
+        **({"turn_advantages": arr("turn_advantages", np.float64)}
+           if "turn_advantages" in row and row["turn_advantages"].is_valid else {}),
     }
 
 
@@ -162,7 +191,11 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
         m = x["loss_mask"].to(torch.float32)
         out["loss_mask"][b, p:p + r] = m
         out["behaviour_logprobs"][b, p:p + r] = x["behaviour_logprobs"] * m
-        out["advantages"][b, p:p + r] = float(x["advantage"]) * m
+        if "turn_advantages" in x:   # per-turn credit: turn k's advantage on turn k's tokens
+            out["advantages"][b, p:p + r] = torch.from_numpy(
+                turn_token_advantages(x["turn_advantages"].numpy(), x["loss_mask"].numpy()).astype(np.float32))
+        else:
+            out["advantages"][b, p:p + r] = float(x["advantage"]) * m
     out["group_id"] = [x["group_id"] for x in items]
     out["trajectory_id"] = [x["trajectory_id"] for x in items]
     return out

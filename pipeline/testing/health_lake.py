@@ -53,6 +53,11 @@ class HealthLakeSpec:
     metrics: bool = True          # per-step training metrics of every checkpoint after version 0
     evaluations: bool = True      # a held-out evaluation of every checkpoint (greedy, and 4 samples)
     steps_per_checkpoint: int = 8
+    # reward-hacking shapes (the report's alarms; None: a healthy lake)
+    hacked_from: int | None = None    # rollouts of this policy version on pass 95% of the time, while held-out
+                                      # success stays at this version's level: train outruns held-out
+    shaping_from: int | None = None   # rollouts of this policy version on also carry an untagged shaping
+                                      # component length_bonus = 2.0: its share of the reward drifts up
 
 
 def make_version_batch(spec: HealthLakeSpec, run: str, version: int, offset: int, n: int) -> pa.Table:
@@ -67,7 +72,8 @@ def make_version_batch(spec: HealthLakeSpec, run: str, version: int, offset: int
     start = START + timedelta(hours=6 * version, seconds=offset)
     t = make_trajectories(n, seed=seed, group_size=spec.group_size, run_id=run, policy_version=version,
                           id_prefix=f"{run}-v{version}-o{offset}-", start=start,
-                          reward_p=min(0.2 + 0.15 * version, 0.9), with_hash=False, **kwargs)
+                          reward_p=0.95 if spec.hacked_from is not None and version >= spec.hacked_from
+                          else min(0.2 + 0.15 * version, 0.9), with_hash=False, **kwargs)
     # make_trajectories spaces rows 1 s apart: squeeze each version into ~5 hours
     span_s = 5 * 3600
     created = pa.array([start + timedelta(seconds=int(s)) for s in
@@ -93,7 +99,9 @@ def make_version_batch(spec: HealthLakeSpec, run: str, version: int, offset: int
             comps.append(None)
         else:
             comps.append([("task_success", float(reward[i])), ("format", 1.0 if fmt_ok[i] else 0.0),
-                          ("tool_cost", -0.01 * float(tools[i]))])
+                          ("tool_cost", -0.01 * float(tools[i]))]
+                         + ([("length_bonus", 2.0)] if spec.shaping_from is not None and version >= spec.shaping_from
+                            else []))
     reward_arr = pa.array(np.where(infra | expired, np.nan, reward), pa.float64(),
                           mask=infra | expired)
     repl = {
@@ -239,12 +247,13 @@ def _checkpoints(spec: HealthLakeSpec, snaps: dict[tuple[str, int], str]) -> pa.
 
 
 def _evaluations(spec: HealthLakeSpec, ck: pa.Table) -> pa.Table:
-    """Rows shaped like schemas/evaluations.yaml: held-out success rises with the version."""
+    """Rows shaped like schemas/evaluations.yaml: held-out success rises with the version (up to
+    ``spec.hacked_from``)."""
     rows = []
     for cid, v, created in zip(ck.column("checkpoint_id").to_pylist(), ck.column("policy_version").to_pylist(),
                                ck.column("created_at").to_pylist()):
         for samples in (1, 4):
-            p1 = min(0.95, 0.2 + 0.12 * v)
+            p1 = min(0.95, 0.2 + 0.12 * (v if spec.hacked_from is None else min(v, spec.hacked_from)))
             pk = {1: p1} if samples == 1 else {1: p1, 2: min(1.0, p1 * 1.4), 4: min(1.0, p1 * 1.7)}
             rows.append({
                 "eval_id": f"eval-{cid}-{samples}", "policy_version": v, "checkpoint_id": cid, "env": "arithmetic-tool",

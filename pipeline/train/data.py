@@ -27,6 +27,7 @@ import pyarrow as pa
 
 from pipeline.errors import PipelineError
 from pipeline.snapshots import MEMBER_COLUMNS as COLUMNS  # one list of member columns
+from pipeline.snapshots import TURN_COLUMNS, turn_token_advantages
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
@@ -56,6 +57,8 @@ class Members:
     ref_logprobs: list[np.ndarray | None] = field(default_factory=list)
     current_logprobs: list[np.ndarray | None] = field(default_factory=list)  # the starting weights' (= old in recompute)
     policy_version: np.ndarray | None = None     # [N] int64: the version that started each member
+    # per-turn credit (snapshots of advantage grpo_turn): per member, [K_i] float64 or None (advantage applies)
+    turn_advantages: list[np.ndarray | None] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.trajectory_id)
@@ -85,7 +88,7 @@ def _lists(col: pa.ChunkedArray, dtype) -> list[np.ndarray | None]:
 
 def members_from_table(table: pa.Table) -> Members:
     """Columnar members from a snapshot payload table (schemas/snapshot_payload.yaml)."""
-    t = table.select(COLUMNS)
+    t = table.select(COLUMNS + [c for c in TURN_COLUMNS if c in table.column_names])
     return Members(
         trajectory_id=t.column("trajectory_id").to_pylist(),
         group_id=t.column("group_id").to_pylist(),
@@ -99,6 +102,8 @@ def members_from_table(table: pa.Table) -> Members:
         loss_mask=_lists(t.column("loss_mask"), np.int8),              # type: ignore[arg-type]
         token_versions=_lists(t.column("token_policy_versions"), np.int32),
         policy_version=t.column("policy_version").to_numpy().astype(np.int64),
+        turn_advantages=_lists(t.column("turn_advantages"), np.float64) if "turn_advantages" in t.column_names
+        else [],
     )
 
 
@@ -110,7 +115,7 @@ def load_members(lake: Lake, snapshot_id: str) -> tuple[Members, dict[str, Any]]
     import pipeline.snapshots
 
     snap = pipeline.snapshots.open(lake, snapshot_id)
-    return members_from_table(snap.table(COLUMNS)), snap.verification  # type: ignore[return-value]
+    return members_from_table(snap.table(snap.columns)), snap.verification  # type: ignore[return-value]
 
 
 def _fail(m: Members, i: int, what: str, hint: str | None = None) -> TrainDataError:
@@ -156,6 +161,13 @@ def check_members(m: Members, *, vocab_size: int, max_positions: int | None = No
             raise _fail(m, i, "rollout log-probs on policy tokens must be finite and <= 0")
         if not np.isfinite(m.advantage[i]):
             raise _fail(m, i, f"advantage {m.advantage[i]} is not finite")
+        ta = m.turn_advantages[i] if m.turn_advantages else None
+        if ta is not None:
+            from pipeline.snapshots import policy_turns
+
+            turns = int(policy_turns(mask).max()) + 1 if mask.size else 0
+            if ta.size != turns or not np.isfinite(ta).all():
+                raise _fail(m, i, f"turn_advantages {ta.tolist()} must be finite, one per policy turn ({turns})")
         lo = min(int(p.min()), int(r.min()))
         hi = max(int(p.max()), int(r.max()))
         if lo < 0 or hi >= vocab_size:
@@ -211,7 +223,11 @@ def collate(m: Members, idx: Sequence[int], *, need: tuple[str, ...] = ()) -> di
         input_ids[b, P[b]:P[b] + R[b]] = r
         mk = m.loss_mask[i].astype(np.float32)
         mask[b, :R[b]] = mk
-        adv[b, :R[b]] = np.float32(m.advantage[i]) * mk
+        turn_adv = m.turn_advantages[i] if m.turn_advantages else None
+        if turn_adv is None:
+            adv[b, :R[b]] = np.float32(m.advantage[i]) * mk
+        else:   # per-turn credit: turn k's advantage on turn k's tokens
+            adv[b, :R[b]] = turn_token_advantages(turn_adv, m.loss_mask[i]).astype(np.float32)
         j = np.flatnonzero(mk)
         rows.append(b * L + P[b] - 1 + j)
         cols.append(b * Rmax + j)

@@ -24,7 +24,9 @@ An environment is three methods and a few version strings:
   ``max_tool_concurrency`` (and ``max_verifier_concurrency`` for its
   verifier), which bounds the pool whatever the run asks.
 - ``verify(task, answer, num_tool_calls)`` -> ``Verification``: the verdict
-  (PASS / FAIL / UNKNOWN) and the reward, with named components.
+  (PASS / FAIL / UNKNOWN) and the reward, with named components, and
+  optionally its ``evidence`` (text) and ``confidence`` (in [0, 1]), the
+  contract's ``verifier_evidence`` / ``verifier_confidence``.
 
 A single-turn environment simply has no tools (``step`` raises). Example,
 a complete environment in 25 lines::
@@ -110,6 +112,9 @@ class Verification:
     reward: float | None            # None only with UNKNOWN
     components: dict[str, float] = field(default_factory=dict)
     format_ok: bool = True
+    # optional, recorded beside the reward components (trajectories.verifier_evidence / verifier_confidence):
+    evidence: str | None = None     # what the verdict rests on (parsed answer vs reference, a judge's rationale)
+    confidence: float | None = None  # in [0, 1]; None = the verifier does not say
 
 
 class ToolError(PipelineError):
