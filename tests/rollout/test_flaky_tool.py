@@ -141,15 +141,26 @@ def test_a_failing_tool_is_infra_failed_by_default_and_zero_when_naive(tmp_path,
 # (8 seeds, 16 x 8 rollouts, lr 1e-3, 5 updates, warm-start tool fraction 0.5, 50% timeouts):
 # gates_on minus infra_as_zero, mean held-out success over the 5 updated versions, was
 # +0.66 .. +0.99 on 7 seeds (the naive run stopped calling the tool within one update)
-# and +0.02 on seed 6 (its naive run kept the tool). Seed 0: 1.00 vs 0.00 after the first
-# update, 0.98 vs 0.00 after the fifth.
-SIGN_SEED = 0
+# and +0.02 on seed 6 (its naive run kept the tool).
+# A run's bits follow the CPU's instruction set: the warm start's matmuls (MKL) and ATen's
+# vector kernels round differently on AVX2 and AVX-512 hosts, so the same seed gives a
+# different version 0 on another host, and which side of the threshold a seed's naive run
+# lands on is then a fresh draw. Seed 0 (1.00 vs 0.00 on the benchmark's host) keeps the
+# tool on an AVX-512/AMX host: version 0 held-out 0.83 vs the benchmark's 0.78 (100 tasks,
+# same code and packages), and after 2 updates 1.00 vs 1.00 natively, and also with the kernels forced to AVX2
+# or to baseline SSE (ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS / MKL_CBWR,
+# ONEDNN_MAX_CPU_ISA). Seed 3 holds the margin wherever it was measured: after 2 updates
+# 0.81 vs 0.01 on the benchmark's host (its 100 held-out tasks), and on the AVX-512 host
+# 0.82 vs 0.00 (native), 0.82 vs 0.00 (all AVX2), 0.80 vs 0.00 (MKL AVX2), 0.66 vs 0.00
+# (baseline SSE).
+SIGN_SEED = 3
 SIGN_ITERATIONS = 2
 SIGN_MARGIN = 0.3
 
 def _closed_loop(lake, env: str, *, seed: int, iterations: int, groups: int, group_size: int, lr: float,
-                 timeout_p: float, eval_n: int) -> list[float]:
-    """rollout -> admit (defaults) -> train -> held-out greedy success, ``iterations`` times."""
+                 timeout_p: float, eval_n: int) -> tuple[list[float], list[float]]:
+    """rollout -> admit (defaults) -> train -> held-out greedy success, ``iterations`` times;
+    (success per updated version, tool-use rate per updated version)."""
     from pipeline.admission.config import AdmissionConfig
     from pipeline.admission.run import admit
     from pipeline.policy_store import resolve_policy
@@ -158,15 +169,17 @@ def _closed_loop(lake, env: str, *, seed: int, iterations: int, groups: int, gro
     from pipeline.train.config import TrainConfig
     from pipeline.train.run import train_snapshot
 
-    curve = []
+    curve, tool_use = [], []
     for k in range(1, iterations + 1):
         run_rollout(lake, env=env, groups=groups, group_size=group_size, seed=seed * 1000 + k,
                     tool_timeout_p=timeout_p, group_offset=k * 1000, run_id=f"{env}-{seed}", policy="latest")
         a = admit(lake, AdmissionConfig(), command="test")
         if a.snapshot_id:
             train_snapshot(lake, a.snapshot_id, TrainConfig(lr=lr, seed=seed * 100 + k), progress=False)
-        curve.append(float(evaluate(resolve_policy(lake), "flaky-tool", n=eval_n, seed=0)["success_rate"]))
-    return curve
+        ev = evaluate(resolve_policy(lake), "flaky-tool", n=eval_n, seed=0)
+        curve.append(float(ev["success_rate"]))
+        tool_use.append(float(ev["tool_use_rate"]))
+    return curve, tool_use
 
 
 @pytest.mark.slow
@@ -179,8 +192,8 @@ def test_sign_gated_run_ends_ahead_of_the_naive_one(tmp_path):
 
     Seed and scale are the benchmark's (benchmarks/bench_gates.py --env flaky-tool,
     benchmarks/results/gates-flaky-tool.json) shortened to SIGN_ITERATIONS updates;
-    see SIGN_MARGIN's comment for the margins measured there. Measured: 143 s wall
-    (56 s CPU) on the shared 2-core box at load ~10, 0.97 GB peak RSS."""
+    see SIGN_SEED's comment for the margins measured there and why seed 3. Measured:
+    19 s wall (20 s CPU) on the shared 2-core box at load ~2.5, 1.0 GB peak RSS."""
     import shutil
 
     from pipeline.demo import warm_start_overrides
@@ -193,9 +206,10 @@ def test_sign_gated_run_ends_ahead_of_the_naive_one(tmp_path):
         _REGISTRY[naive] = type("FlakyToolInfraAsZeroTest", (FlakyTool,), {"name": naive,
                                                                          "infra_failure_reward": 0.0})
     init_policy(Lake(tmp_path / "v0"), seed=SIGN_SEED, tool_fraction=0.5, **warm_start_overrides("flaky-tool"))
-    curves = {}
+    curves, tool_use = {}, {}
     for name, env in (("gated", "flaky-tool"), ("naive", naive)):
         shutil.copytree(tmp_path / "v0", tmp_path / name)
-        curves[name] = _closed_loop(Lake(tmp_path / name), env, seed=SIGN_SEED, iterations=SIGN_ITERATIONS,
-                                    groups=16, group_size=8, lr=1e-3, timeout_p=TRAIN_TOOL_TIMEOUT_P, eval_n=50)
-    assert curves["gated"][-1] - curves["naive"][-1] >= SIGN_MARGIN, curves
+        curves[name], tool_use[name] = _closed_loop(Lake(tmp_path / name), env, seed=SIGN_SEED,
+                                                    iterations=SIGN_ITERATIONS, groups=16, group_size=8, lr=1e-3,
+                                                    timeout_p=TRAIN_TOOL_TIMEOUT_P, eval_n=50)
+    assert curves["gated"][-1] - curves["naive"][-1] >= SIGN_MARGIN, {"success": curves, "tool_use": tool_use}
