@@ -52,7 +52,7 @@ def _lake_dir(n: int, median: int) -> Path:
 def build(n: int, median: int) -> Path:
     """Create (or reuse) the benchmark lake."""
     from pipeline.lake.delta import Lake
-    from pipeline.lake.ingest import stamp_derived
+    from pipeline.landing.ingest import stamp_derived
     from pipeline.testing.trajectories import make_trajectories
 
     root = _lake_dir(n, median)
@@ -164,7 +164,7 @@ def _small(reps: int, history: int) -> dict:
     from pipeline.admission.config import AdmissionConfig
     from pipeline.admission.run import admit
     from pipeline.lake.delta import Lake
-    from pipeline.lake.ingest import stamp_derived
+    from pipeline.landing.ingest import stamp_derived
     from pipeline.testing.trajectories import make_trajectories
 
     root = Path(tempfile.mkdtemp(prefix="bench-admit-small-"))

@@ -44,7 +44,7 @@ def _build_history(lake, n: int) -> None:
     """N trajectories landed in 100k appends, admitted, then compacted."""
     from pipeline.admission.config import AdmissionConfig
     from pipeline.admission.run import admit
-    from pipeline.lake.ingest import stamp_derived
+    from pipeline.landing.ingest import stamp_derived
     from pipeline.maintain import maintain
 
     start = datetime(2026, 10, 1, tzinfo=timezone.utc)

@@ -44,7 +44,7 @@ WRITER = f"""
 import json, os, sys, time
 sys.path.insert(0, {str(ROOT)!r})
 from pipeline.lake.delta import Lake
-from pipeline.lake.ingest import stamp_derived
+from pipeline.landing.ingest import stamp_derived
 from pipeline.testing.trajectories import make_trajectories
 lake = Lake(sys.argv[1]); w = int(sys.argv[2]); start = sys.argv[3]; batches = int(sys.argv[4]); tag = sys.argv[5]
 def batch(k):
@@ -99,7 +99,7 @@ def _one(lake_factory, store: dict | None, procs: int, batches: int, tag: str) -
     """One warm process landing every row of the P x B batches in one append."""
     import pyarrow as pa
 
-    from pipeline.lake.ingest import stamp_derived
+    from pipeline.landing.ingest import stamp_derived
     from pipeline.testing.trajectories import make_trajectories
 
     lake = lake_factory(f"one-{tag}")

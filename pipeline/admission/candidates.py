@@ -1,7 +1,7 @@
 """Candidate members: the scalar view of trajectories that admission decides on.
 
 Decisions never touch token payload. The two per-token facts they need were
-reduced to scalars once, when the row landed (pipeline/lake/ingest.py
+reduced to scalars once, when the row landed (pipeline/landing/ingest.py
 ``stamp_derived``): ``oldest_version`` = min over the response tokens'
 sampling versions that are >= 0 (observation tokens carry -1), falling back to
 ``policy_version`` when there is none; ``response_len`` = number of response

@@ -34,8 +34,8 @@ def __getattr__(name: str) -> Any:  # lazy: `import pipeline.lake` must not impo
         from pipeline.lake.ref import as_lake
 
         return as_lake
-    if name == "IngestReport":
-        from pipeline.lake.ingest import IngestReport
+    if name == "IngestReport":  # defined by the landing layer above (pipeline.landing.ingest): resolved at run
+        import importlib           # time, never a static upward import (pipeline/lake/ingest.py says why)
 
-        return IngestReport
+        return importlib.import_module("pipeline.landing.ingest").IngestReport
     raise AttributeError(name)

@@ -4,7 +4,7 @@
     pipeline lake migrate --lake ./lake --dry-run    # what it would rewrite
 
 Lakes written before the write protocol lack the derived columns later versions
-compute once, when a row lands (pipeline/lake/ingest.py ``stamp_derived``):
+compute once, when a row lands (pipeline/landing/ingest.py ``stamp_derived``):
 ``row_key`` on every keyed table (what every append dedupes against), and on
 trajectories ``oldest_version``, ``response_len`` and ``prompt_hash`` (what
 admission decides on instead of token lists). Their rows read those columns as
@@ -164,7 +164,7 @@ def backfill(name: str, rows: pa.Table) -> pa.Table:
     (``row_key`` is computed by the lake's writer from the key columns)."""
     if name != "trajectories" or rows.num_rows == 0:
         return rows
-    from pipeline.lake.ingest import list_min_nonneg, prompt_hashes
+    from pipeline.lake.derived import list_min_nonneg, prompt_hashes
 
     tpv = list_min_nonneg(rows.column("token_policy_versions"))
     pv = np.asarray(rows.column("policy_version").to_numpy(), np.int64)

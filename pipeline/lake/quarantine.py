@@ -45,7 +45,7 @@ def quarantine_rows(rejects: list[tuple[int, str, str, str | None]], *, raw: pa.
     return pa.Table.from_pylist(rows, schema=table_spec("quarantine").arrow_schema())
 
 
-def _tid(raw: pa.Table, raw_lines: list[str] | None, row: int) -> str | None:
+def row_trajectory_id(raw: pa.Table, raw_lines: list[str] | None, row: int) -> str | None:
     if "trajectory_id" in raw.column_names:
         v = raw.column("trajectory_id")[row].as_py()
         return v if isinstance(v, str) else (None if v is None else str(v))

@@ -3,6 +3,15 @@ batches to a NATS JetStream stream (one per lake, one subject per table); one
 committer per table (``pipeline serve``) lands them through the ingest path
 and commits each flush once, exactly once across restarts.
 
+The landing door itself, one for every writer (validate, stamp, dedupe, quarantine, append):
+
+- :mod:`.ingest`: files and in-memory tables (``land_files``, ``land_table``: ``pipeline ingest`` /
+  ``ingest_table``), their per-source step ``check_source`` and its core ``validate_stamp``;
+- :mod:`.rows`: ``land_rows``, one batch of in-memory rows under an application transaction
+  (rollout spool shipping, the simulator's lake mode).
+
+The front door for a fleet:
+
 - :mod:`.wire`: subjects, headers, payload (the contract another language reads);
 - :mod:`.producer`: :func:`connect` -> ``append(table, rows)`` / ``ingest_table(rows)``;
 - :mod:`.door`: a flush's messages through validate, stamp, dedupe, quarantine (the ingest path's own steps);

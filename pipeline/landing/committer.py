@@ -2,7 +2,7 @@
 
 It pulls the table's subject through a durable pull consumer, lands every
 message through the ingest path (validate, stamp, dedupe, quarantine:
-:func:`pipeline.lake.ingest._check_source`, the function ``pipeline ingest``
+:func:`pipeline.landing.ingest.check_source`, the function ``pipeline ingest``
 runs per file), and commits a whole flush as ONE Delta commit carrying the
 application transaction ``appId = <stream>/<consumer>``, ``version = the last
 stream sequence`` of the flush (the kafka-delta-ingest rule). Only then are
@@ -213,10 +213,10 @@ class TableCommitter:
 def _seen(lake: Lake, table: str, read_version: int | None, keys: KeySet):
     """The ingest path's dedupe state over the in-memory keys (trajectories), or
     a key set the events path extends."""
-    from pipeline.lake.ingest import _Seen
+    from pipeline.landing.ingest import Seen
 
     accepted = pa.table({"trajectory_id": pa.array([], pa.string()), "content_hash": pa.array([], pa.string())})
-    return _Seen(lake, None, read_version, keys, accepted)
+    return Seen(lake, None, read_version, keys, accepted)
 
 
 # -- the network half ------------------------------------------------------------------------

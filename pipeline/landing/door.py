@@ -1,6 +1,6 @@
 """One message through the landing door: decode, validate, stamp, dedupe,
 quarantine. The per-source steps are the ingest path's own
-(:func:`pipeline.lake.ingest._check_source` for trajectories,
+(:func:`pipeline.landing.ingest.check_source` for trajectories,
 :func:`pipeline.lake.validate.validate_table` for events), so a batch that
 ``pipeline ingest`` would refuse is refused here with the same reasons.
 
@@ -39,7 +39,7 @@ def message_problem(table: str, headers: dict[str, str], decoded: wire.Decoded) 
 def check_rows(seen: Any, table: str, payload: bytes, headers: dict[str, str], *, msg_id: str, source: str
                ) -> tuple[pa.Table | None, pa.Table | None, RowStats]:
     """(rows to land (stamped) or None, quarantine rows or None, counts) of one message."""
-    from pipeline.lake.ingest import IngestReport, _check_source
+    from pipeline.landing.ingest import IngestReport, check_source
     from pipeline.lake.quarantine import FILE_ROW, quarantine_rows
     from pipeline.lake.validate import safe_raw
 
@@ -57,11 +57,11 @@ def check_rows(seen: Any, table: str, payload: bytes, headers: dict[str, str], *
     assert raw is not None
     if table == "events":
         return _check_events(seen, raw, msg_id=msg_id, source=source, ingest_id=ingest_id)
-    from pipeline.lake.ingest import _as_arrow
+    from pipeline.landing.ingest import as_arrow
 
-    raw = _as_arrow(raw)                  # view / dictionary types decoded as ingest_table does
+    raw = as_arrow(raw)                  # view / dictionary types decoded as ingest_table does
     report = IngestReport(ingest_id=ingest_id)
-    to_land, rej = _check_source(seen, raw, None, [], report, source=source)
+    to_land, rej = check_source(seen, raw, None, [], report, source=source)
     stats.rows_read, stats.duplicates = report.rows_read, report.duplicates
     q = quarantine_rows(sorted(rej), raw=safe_raw(raw), raw_lines=None, source=source, fingerprint=msg_id,
                         ingest_id=ingest_id) if rej else None
@@ -74,11 +74,12 @@ def _check_events(seen: Any, raw: pa.Table, *, msg_id: str, source: str, ingest_
     before (or earlier in this flush) is a duplicate (the spool's rule)."""
     from pipeline.lake.delta import row_keys
     from pipeline.lake.quarantine import quarantine_rows
-    from pipeline.lake.validate import safe_raw, validate_table
+    from pipeline.lake.validate import safe_raw
+    from pipeline.landing.ingest import validate_stamp
     from pipeline.schema import ROW_KEY, table_spec
 
     stats = RowStats(rows_read=raw.num_rows)
-    v = validate_table(raw, table="events")
+    v, _ = validate_stamp(raw, ingest_id, table="events", stamped=False)
     q = None
     if v.rejects:
         shown = safe_raw(raw)
@@ -176,15 +177,15 @@ def _check_group(seen: Any, members: list[tuple[Incoming, pa.Table]]
     problem of every row (the caller checks them one by one)."""
     import pyarrow.compute as pc
 
-    from pipeline.lake.ingest import IngestReport, _as_arrow, _check_source
+    from pipeline.landing.ingest import IngestReport, as_arrow, check_source
     from pipeline.lake.quarantine import quarantine_rows
     from pipeline.lake.validate import safe_raw
 
-    parts = [_as_arrow(t) for _, t in members]
+    parts = [as_arrow(t) for _, t in members]
     raw = pa.concat_tables(parts)
     offsets = np.cumsum([0] + [p.num_rows for p in parts])
     report = IngestReport(ingest_id="serve:flush")
-    to_land, rej = _check_source(seen, raw, None, [], report, source="flush")
+    to_land, rej = check_source(seen, raw, None, [], report, source="flush")
     if report.file_problems:
         return None
     stats = RowStats(rows_read=report.rows_read, duplicates=report.duplicates)

@@ -81,9 +81,9 @@ class AsyncProducer:
         sequence for this batch (a resend after a crash then has the same ids:
         ``<producer>:<seq>``, or ``<producer>:<seq>.<part>`` when split), under
         ``producer_id`` when given (one connection, several deterministic producers)."""
-        from pipeline.lake.ingest import _as_arrow   # the same conversion ingest_table applies
+        from pipeline.landing.ingest import as_arrow   # the same conversion ingest_table applies
 
-        data = rows if isinstance(rows, pa.Table) else _as_arrow(rows)
+        data = rows if isinstance(rows, pa.Table) else as_arrow(rows)
         subject = wire.subject(self.stream, table)
         parts = wire.split(data, self._nc.max_payload)
         if seq is None:

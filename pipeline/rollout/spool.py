@@ -14,15 +14,20 @@ is appended (fsynced) to ``<worker>.batches.jsonl`` *before* anything is
 written to Delta, so a retried or restarted shipper lands exactly the same
 rows again under the same application transaction ``(app_id = worker id,
 txn_version = seq)``, which ``Lake.append`` turns into a no-op when it had
-already landed. Trajectory rows go through the lake's validation
-(``validate_table`` + ``stamp_derived``); rejects go to ``quarantine``.
+already landed. A batch goes through the landing door
+(:func:`pipeline.landing.rows.land_rows`: validate, stamp, quarantine, append,
+in the order quarantine -> trajectories -> events); rejects go to ``quarantine``.
 
 The transaction alone is not enough when the spool is gone (a lost disk, a
 rerun with another ``--workers``: another app id): trajectories and events
-land through ``_land``, which is exactly-once by the table's key —
+land by ``Lake.append``'s keyed append, which drops every row whose key is
+already in the table —
 ``trajectory_id``, and ``(episode_id, step_id, action_id, event_type)`` for
 events — whoever ships them (the lake's keyed append,
-docs/write-protocol.md).
+docs/write-protocol.md), so a batch shipped again from a new spool, under
+another worker id or by a second process lands nothing twice. A trajectory
+re-sampled after its first landing comes back as a conflict: the first
+landing stands, the re-run is dropped.
 """
 
 from __future__ import annotations
@@ -174,19 +179,6 @@ def _drop_torn_tail(path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
-def _land(lake: Lake, table: str, rows: pa.Table, *, command: str, app_id: str, txn_version: int) -> int:
-    """Land ``rows`` in ``table`` (trajectories or events) under the app transaction
-    ``(app_id, txn_version)``; returns the rows landed. ``Lake.append`` drops every
-    row whose key is already in the table (``trajectory_id``; ``(episode_id,
-    step_id, action_id, event_type)``), serialised with every other keyed append
-    (docs/write-protocol.md), so a batch shipped again from a new spool, under
-    another worker id or by a second process lands nothing twice. A trajectory
-    re-sampled after its first landing comes back as a conflict: the first
-    landing stands, the re-run is dropped."""
-    res = lake.append(table, rows, command=command, app_id=app_id, txn_version=txn_version)
-    return res.rows if res.landed else 0
-
-
 def ship_all(lake: Lake, spool_dir: str | os.PathLike[str], *, fsync: bool = True,
              command: str = "pipeline rollout") -> ShipReport:
     """Ship every worker spool found in ``spool_dir`` (one run's), whichever worker
@@ -226,9 +218,7 @@ def _spool_worker_id(path: Path) -> str | None:
 def ship(lake: Lake, spool: Spool, *, command: str = "pipeline rollout") -> ShipReport:
     """Cut the pending tail into a batch and land every batch not yet in the lake
     (also the ones a crashed run declared but never landed)."""
-    from pipeline.lake.ingest import stamp_derived
-    from pipeline.lake.quarantine import quarantine_rows
-    from pipeline.lake.validate import validate_table
+    from pipeline.landing.rows import land_rows
 
     report = ShipReport()
     app_id = spool.worker_id
@@ -239,44 +229,25 @@ def ship(lake: Lake, spool: Spool, *, command: str = "pipeline rollout") -> Ship
         recs = lines[start:end]
         events = [r for r in recs if r["kind"] == "event"]
         trajs = [r for r in recs if r["kind"] == "trajectory"]
-        # written in the order quarantine -> trajectories -> events: the last table present tells
-        # whether the whole batch landed
+        # written in the order quarantine -> trajectories -> events (land_rows): the last table present
+        # tells whether the whole batch landed
         last = "events" if events else "trajectories"
         landed_seq = landed[last]
         if landed_seq is not None and landed_seq >= seq:
             report.skipped += 1
             continue
-        ingest_id = f"rollout:{app_id}:{seq}"
-        q_tables, land_traj, land_ev = [], None, None
+        rows = {}
         if trajs:
-            raw = _trajectory_table(trajs, datetime.now(timezone.utc))
-            v = validate_table(raw)
-            land_traj = stamp_derived(v.valid, ingest_id) if v.valid.num_rows else None
-            if v.rejects:
-                q_tables.append(quarantine_rows(
-                    [(r.row, r.code, r.message, raw.column("trajectory_id")[r.row].as_py()) for r in v.rejects],
-                    raw=raw, raw_lines=None, source=str(spool.path), fingerprint=f"{app_id}:{seq}",
-                    ingest_id=ingest_id))
+            rows["trajectories"] = _trajectory_table(trajs, datetime.now(timezone.utc))
         if events:
-            raw_ev = _events_table(events)
-            ve = validate_table(raw_ev, table="events")
-            land_ev = ve.valid if ve.valid.num_rows else None
-            if ve.rejects:
-                q_tables.append(quarantine_rows(
-                    [(r.row, r.code, r.message, raw_ev.column("episode_id")[r.row].as_py()) for r in ve.rejects],
-                    raw=raw_ev, raw_lines=None, source=str(spool.path), fingerprint=f"{app_id}:{seq}:events",
-                    ingest_id=ingest_id, target="events"))
-        if q_tables:
-            q = pa.concat_tables(q_tables)
-            res = lake.append("quarantine", q, command=command, app_id=app_id, txn_version=seq)
-            report.quarantined += q.num_rows if res.landed else 0
-            for code in q.column("reason_code").to_pylist() if res.landed else []:
-                report.reasons[code] = report.reasons.get(code, 0) + 1
-        if land_traj is not None:
-            report.trajectories += _land(lake, "trajectories", land_traj, command=command, app_id=app_id,
-                                         txn_version=seq)
-        if land_ev is not None:
-            report.events += _land(lake, "events", land_ev, command=command, app_id=app_id, txn_version=seq)
+            rows["events"] = _events_table(events)
+        res = land_rows(lake, rows, command=command, ingest_id=f"rollout:{app_id}:{seq}", source=str(spool.path),
+                        fingerprint=f"{app_id}:{seq}", app_id=app_id, txn_version=seq)
+        report.quarantined += res.quarantined
+        for code, n in res.reasons.items():
+            report.reasons[code] = report.reasons.get(code, 0) + n
+        report.trajectories += res.landed.get("trajectories", 0)
+        report.events += res.landed.get("events", 0)
         report.batches += 1
     return report
 

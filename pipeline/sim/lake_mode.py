@@ -33,7 +33,6 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.config import config_hash
-from pipeline.errors import PipelineError
 from pipeline.sim.config import SimConfig
 from pipeline.sim.gate import EXPIRED, INFRA_FAILED, VALID, Decision, FreshnessGate
 
@@ -223,30 +222,20 @@ class LakeGate:
         self.decided = 0
 
     def _land(self, sim, idx: list[int], now: float) -> None:
-        from pipeline.lake.ingest import stamp_derived
-        from pipeline.lake.quarantine import quarantine_rows
-        from pipeline.lake.validate import validate_table
+        """One admission run's rows through the landing door, one transaction
+        version (``seq``) per run. Our own rows: a rejected trajectory is a bug
+        in trajectory_rows but is quarantined like ingest; a rejected event
+        fails the run before anything is written (``strict``)."""
+        from pipeline.landing.rows import land_rows
 
-        raw = trajectory_rows(sim, idx, now)
-        checked = validate_table(raw)
         ingest_id = f"{self.app_id}:{self.seq}"
-        if checked.rejects:  # our own rows: a reject is a bug in trajectory_rows, but quarantine it like ingest
-            q = quarantine_rows([(r.row, r.code, r.message, raw.column("trajectory_id")[r.row].as_py())
-                                 for r in checked.rejects], raw=raw, raw_lines=None, source="simulate",
-                                fingerprint=ingest_id, ingest_id=ingest_id)
-            self.lake.append("quarantine", q, command="simulate", app_id=self.app_id, txn_version=self.seq)
-            self.quarantined += q.num_rows
-        if checked.valid.num_rows:
-            res = self.lake.append("trajectories", stamp_derived(checked.valid, ingest_id), command="simulate",
-                                   config_hash=config_hash(self.cfg), app_id=self.app_id, txn_version=self.seq)
-            self.landed += res.rows if res.landed else 0
-        events = validate_table(event_rows(sim, idx), table="events")
-        if events.rejects:
-            raise PipelineError(f"simulated events violate schemas/events.yaml: {events.rejects[:3]}",
-                                hint="a bug in pipeline/sim/lake_mode.py event_rows; please report it")
-        res = self.lake.append("events", events.valid, command="simulate", config_hash=config_hash(self.cfg),
-                               app_id=self.app_id, txn_version=self.seq)
-        self.events += res.rows if res.landed else 0
+        res = land_rows(self.lake, {"trajectories": trajectory_rows(sim, idx, now), "events": event_rows(sim, idx)},
+                        command="simulate", ingest_id=ingest_id, source="simulate", fingerprint=ingest_id,
+                        app_id=self.app_id, txn_version=self.seq, config_hash=config_hash(self.cfg),
+                        strict=("events",))
+        self.quarantined += res.offered_quarantine
+        self.landed += res.landed.get("trajectories", 0)
+        self.events += res.landed.get("events", 0)
 
     def decide(self, sim, groups, members, now, current_version) -> list[Decision]:
         from pipeline.admission.run import admit

@@ -145,7 +145,7 @@ def _sampled_earlier(t: pa.Table, rows: np.ndarray, version: int) -> pa.Table:
 def build_health_lake(lake: Lake, spec: HealthLakeSpec = HealthLakeSpec()) -> dict[str, int]:
     """Write trajectories (+ receipts, snapshot_members, checkpoints, events per ``spec``)."""
     from pipeline.admission.candidates import extract, source_columns
-    from pipeline.lake.ingest import stamp_derived
+    from pipeline.landing.ingest import stamp_derived
 
     counts = {"trajectories": 0, "receipts": 0, "snapshot_members": 0, "checkpoints": 0, "events": 0}
     seq = 0
