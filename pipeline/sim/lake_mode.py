@@ -121,6 +121,7 @@ def trajectory_rows(sim, idx: Sequence[int], now: float) -> pa.Table:
         "response_logprobs": pa.ListArray.from_arrays(off, pa.array(logp)),
         "loss_mask": pa.ListArray.from_arrays(off, pa.array(mask)),
         "tool_schema_version": pa.array(["sim-tools/1"] * n),
+        "env_state_hash": pa.nulls(n, pa.string()),
     }
     spec = table_spec("trajectories")
     fields = [c.arrow_field() for c in spec.ingest_columns if c.name != "content_hash"]

@@ -90,6 +90,7 @@ def make_trajectories(n: int, *, seed: int = 0, group_size: int = 4, run_id: str
         "response_logprobs": lst(logp),
         "loss_mask": lst(mask),
         "tool_schema_version": pa.nulls(n, pa.string()),
+        "env_state_hash": pa.nulls(n, pa.string()),
     }
     spec = table_spec("trajectories")
     fields = [c.arrow_field() for c in spec.ingest_columns if c.name != "content_hash"]
