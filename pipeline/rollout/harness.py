@@ -236,13 +236,13 @@ class Harness:
         ``on_finish(ep)`` is told of each terminal episode and may return new ones
         (retries); ``tick()`` runs at every turn of the loop (the worker ships
         finished trajectories there)."""
-        for ep in episodes:
-            self._restore(ep)
         return _Scheduler(self, episodes, feed, on_finish, tick).run()
 
-    def _restore(self, ep: Episode) -> None:
+    def restore(self, ep: Episode) -> None:
         """A stateful episode rebuilt after a crash: its state again from the recorded
-        snapshot, with the actions it had executed re-applied (``Stateful.open``)."""
+        snapshot, with the actions it had executed re-applied (``Stateful.open``);
+        the scheduler calls it as it takes the episode in. One that cannot be
+        restored ends INFRA_FAILED / ENV_ERROR."""
         if ep.replay is None or ep.done or not isinstance(self.env, Stateful):
             return
         replay, ep.replay = ep.replay, None
@@ -389,7 +389,7 @@ class Harness:
         self.tool_executions += 1
         try:
             out, cut = self._fit_observation(ep, out)
-        except ValueError as exc:          # the episode's observation budget is spent: the environment's doing
+        except observe.BudgetSpent as exc:   # the episode's observation budget is spent: the environment's doing
             self._terminal(ep, "INFRA_FAILED", "ENV_ERROR", "obs_budget", None, None, {"error": str(exc)})
             return
         p["output"] = out

@@ -32,11 +32,15 @@ from typing import Callable
 MARKER = "...(truncated {n} tokens)"
 
 
+class BudgetSpent(ValueError):
+    """Not even the truncation marker fits the observation budget left."""
+
+
 def fit(output: str, ids: Callable[[str], list[int]], cap: int, keep: str = "head") -> tuple[str, dict | None]:
     """``output`` cut so that ``len(ids(text)) <= cap`` (``ids``: the observation
     tokens a text adds to the context, wrappers included), with the marker in
     place of the cut. Returns (text, None) when it fits as it is, (text, record)
-    when cut; raises ``ValueError`` when not even the marker fits (the caller
+    when cut; raises ``BudgetSpent`` when not even the marker fits (the caller
     ends the episode ``obs_budget``)."""
     if keep not in ("head", "tail"):
         raise ValueError(f"obs_keep {keep!r}: expected head or tail")
@@ -52,7 +56,7 @@ def fit(output: str, ids: Callable[[str], list[int]], cap: int, keep: str = "hea
 
     lo, hi = 0, len(output)       # the longest kept prefix / suffix (in characters) that fits
     if len(ids(cut(0)[0])) > cap:
-        raise ValueError(f"an observation budget of {cap} tokens cannot hold the truncation marker")
+        raise BudgetSpent(f"an observation budget of {cap} tokens cannot hold the truncation marker")
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if len(ids(cut(mid)[0])) <= cap:

@@ -161,3 +161,11 @@ def test_a_crashed_sql_episode_resumes_from_its_snapshot_to_the_same_trajectory(
         same = ("response_ids", "loss_mask", "status", "verdict", "reward", "env_state_hash", "num_tool_calls")
         assert {k: row[k] for k in same} == {k: ref[k] for k in same}
         assert not copy.exists()    # closed once the episode ended
+    # a snapshot whose bytes changed cannot be the recorded state: the episode ends an environment outcome
+    snap = store / "snapshots" / f"{task.meta['snapshot']}.sqlite"
+    snap.write_bytes(snap.read_bytes() + b"\0")
+    shutil.copytree(tmp_path / "crash", tmp_path / "resume-tampered")
+    h, spool = _harness(SqlAgent(store=store), Scripted(TURNS(task)), tmp_path / "resume-tampered")
+    ep = rebuild(spool.records(), {"sql-g0-0": (task, "g0", 1)})["sql-g0-0"]
+    h.run([ep])
+    assert (ep.status, ep.verdict, ep.reward) == ("INFRA_FAILED", "ENV_ERROR", None)

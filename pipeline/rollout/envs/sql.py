@@ -165,7 +165,10 @@ class SqlAgent:
 
     @staticmethod
     def _run(path: Path, action: str) -> str:
-        con = sqlite3.connect(path)
+        try:       # mode=rw: a copy closed meanwhile (an abandoned call) is an error, never a new empty file
+            con = sqlite3.connect(f"file:{path}?mode=rw", uri=True)
+        except sqlite3.OperationalError as exc:
+            raise ToolError(f"sql-agent: cannot open {path.name}: {exc}") from None
         try:
             rows = con.execute(action).fetchmany(MAX_ROWS)
             con.commit()
