@@ -76,7 +76,7 @@ from pipeline.rollout.envs.base import tool_schema_version
 from pipeline.rollout.scheduler import EngineStats, VerifierTimeout, _Scheduler
 from pipeline.rollout.settings import Faults, Latency, Limits, Schedule
 
-HARNESS_VERSION = "harness/2"
+HARNESS_VERSION = "harness/3"   # 3: tool output past a budget is an environment outcome (obs_budget), issue 41
 DEFAULT_TOOL_TIMEOUT_S = 30.0
 TERMINAL_STATES = ("ACCEPTED", "REJECTED", "INFRA_FAILED", "EXPIRED")
 
