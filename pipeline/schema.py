@@ -75,6 +75,8 @@ class ColumnSpec:
     unique: bool = False
     ingest: str = "required"  # "required" (per `required`), "optional" (computed if absent), "derived"
     hashed: bool = True  # false: an ingest column outside content_hash (recorded metadata; hash version unchanged)
+    # ``hashed: when_present``: outside the header, hashed in the trailer when not null (schemas/README.md)
+    hashed_when_present: bool = False
 
     @property
     def arrow_type(self) -> pa.DataType:
@@ -146,6 +148,10 @@ def _column(raw: dict[str, Any], table: str) -> ColumnSpec:
     extra = set(raw) - known
     if extra:
         raise ValueError(f"schemas/{table}.yaml column {raw.get('name')}: unknown keys {sorted(extra)}")
+    if raw.get("hashed", True) not in (True, False, "when_present") or (
+            raw.get("hashed") == "when_present" and (raw.get("type") != "string" or raw.get("required"))):
+        raise ValueError(f"schemas/{table}.yaml column {raw.get('name')}: hashed is true, false or when_present "
+                         "(an optional string column only)")
     parse_type(raw["type"])  # fail early on a typo
     return ColumnSpec(
         name=raw["name"],
@@ -160,7 +166,8 @@ def _column(raw: dict[str, Any], table: str) -> ColumnSpec:
         non_empty=bool(raw.get("non_empty", False)),
         unique=bool(raw.get("unique", False)),
         ingest=raw.get("ingest", "required"),
-        hashed=bool(raw.get("hashed", True)),
+        hashed=raw.get("hashed", True) is True,
+        hashed_when_present=raw.get("hashed") == "when_present",
     )
 
 
@@ -234,7 +241,9 @@ def markdown(names: tuple[str, ...] = TABLES) -> str:
                 rules.append("optional on ingest")
             if c.ingest == "derived":
                 rules.append("derived by the lake")
-            if not c.hashed and c.ingest != "derived":
+            if c.hashed_when_present:
+                rules.append("in content_hash when not null")
+            elif not c.hashed and c.ingest != "derived":
                 rules.append("not in content_hash")
             req = "yes" if c.required else "no"
             rows.append(f"| {c.name} | `{c.type_text}` | {req} | {_cell('; '.join(rules))} | {_cell(c.description)} |")

@@ -9,7 +9,7 @@
 --   quality:*  > infra_failed > expired > no_reward (UNKNOWN/ENV_ERROR verdict or null reward)
 --   > out_of_vocabulary (a token id >= $vocab_size, when set; max_token_id null = not recorded)
 --   > policy_/tokenizer_/template_/env_/verifier_/temperature_/top_p_/task_version_/harness_/
---     tool_schema_/prompt_mismatch (first field that
+--     tool_schema_/prompt_/env_state_mismatch (first field that
 --     differs from the group's reference configuration: the most common tuple among
 --     members left after the exclusions; ties -> higher policy_version, then the
 --     lexicographically smaller tuple)
@@ -46,7 +46,7 @@ m AS (
 cfg AS (
     SELECT group_id, policy_version, tokenizer_rev, prompt_template_rev, env_version,
            verifier_version, temperature, top_p, task_version, harness_version, tool_schema_version,
-           prompt_hash, count(*) AS n
+           prompt_hash, env_state_hash, count(*) AS n
     FROM m WHERE member_reason IS NULL
     GROUP BY ALL
 ),
@@ -56,7 +56,7 @@ ref AS (
             PARTITION BY group_id
             ORDER BY n DESC, policy_version DESC, tokenizer_rev, prompt_template_rev, env_version,
                      verifier_version, temperature, top_p, task_version, harness_version,
-                     tool_schema_version, prompt_hash) AS rk
+                     tool_schema_version, prompt_hash, env_state_hash) AS rk
         FROM cfg)
     WHERE rk = 1
 )
@@ -75,6 +75,7 @@ SELECT m.trajectory_id, m.group_id, m.group_size, m.content_hash, m.reward, m.qu
                 WHEN m.harness_version <> r.harness_version THEN 'harness_mismatch'
                 WHEN m.tool_schema_version <> r.tool_schema_version THEN 'tool_schema_mismatch'
                 WHEN m.prompt_hash <> r.prompt_hash THEN 'prompt_mismatch'
+                WHEN m.env_state_hash <> r.env_state_hash THEN 'env_state_mismatch'
                 WHEN CAST($current_policy_version AS BIGINT) - m.oldest_version > $max_policy_lag THEN 'stale_policy'
                 WHEN $max_queue_wait_ms IS NOT NULL AND m.queue_wait_ms > $max_queue_wait_ms THEN 'stale_wait'
            END) AS reason,
@@ -82,6 +83,7 @@ SELECT m.trajectory_id, m.group_id, m.group_size, m.content_hash, m.reward, m.qu
        r.prompt_template_rev AS ref_prompt_template_rev, r.env_version AS ref_env_version,
        r.verifier_version AS ref_verifier_version, r.temperature AS ref_temperature,
        r.top_p AS ref_top_p, r.task_version AS ref_task_version, r.harness_version AS ref_harness_version,
-       r.tool_schema_version AS ref_tool_schema_version, r.prompt_hash AS ref_prompt_hash
+       r.tool_schema_version AS ref_tool_schema_version, r.prompt_hash AS ref_prompt_hash,
+       r.env_state_hash AS ref_env_state_hash
        /*COMPONENTS*/
 FROM m LEFT JOIN ref r USING (group_id)

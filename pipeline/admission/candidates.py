@@ -29,6 +29,7 @@ SCALARS = (
     "tokenizer_rev", "prompt_template_rev", "env_version", "verifier_version", "temperature",
     "status", "verdict", "reward", "difficulty", "num_tool_calls", "finished_at", "queue_wait_ms",
     "content_hash", "stop_reason", "top_p", "task_version", "harness_version", "tool_schema_version",
+    "env_state_hash",
 )
 DERIVED = ("oldest_version", "response_len", "prompt_hash", "max_token_id")  # stored per row at landing
 
@@ -49,8 +50,9 @@ def candidate_schema(cfg: AdmissionConfig) -> pa.Schema:
     fields.append(pa.field("response_len", pa.int64(), False))
     fields.append(pa.field("prompt_hash", pa.string(), False))
     fields.append(pa.field("max_token_id", pa.int64()))      # null: landed before it was recorded
-    i = [f.name for f in fields].index("tool_schema_version")
-    fields[i] = fields[i].with_nullable(False)
+    for name in ("tool_schema_version", "env_state_hash"):
+        i = [f.name for f in fields].index(name)
+        fields[i] = fields[i].with_nullable(False)
     fields += [pa.field(f"comp_{c}", pa.float64()) for c in cfg.components]
     return pa.schema(fields)
 
@@ -84,6 +86,8 @@ def extract(batch: pa.Table | pa.RecordBatch, cfg: AdmissionConfig,
     cols["prompt_hash"] = t.column("prompt_hash")
     cols["max_token_id"] = (pc.cast(t.column("max_token_id"), pa.int64()) if "max_token_id" in t.column_names
                             else pa.nulls(t.num_rows, pa.int64()))
+    if "env_state_hash" not in t.column_names:     # a table landed before the column existed
+        cols["env_state_hash"] = pa.nulls(t.num_rows, pa.string())
     for name in NULLABLE_KEYS:
         cols[name] = pc.cast(cols[name], pa.string()).fill_null("")
     reward = t.column("reward")

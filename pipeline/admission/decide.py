@@ -26,7 +26,7 @@ from pipeline.admission.config import AdmissionConfig
 from pipeline.admission.rules import BATCH_FIELDS, REF_FIELDS
 
 _S, _F = pa.string(), pa.float64()
-REF_TYPES = (pa.int64(), _S, _S, _S, _S, _F, _F, _S, _S, _S, _S)
+REF_TYPES = (pa.int64(), _S, _S, _S, _S, _F, _F, _S, _S, _S, _S, _S)
 
 
 def bucket_labels(values: np.ndarray, edges) -> np.ndarray:

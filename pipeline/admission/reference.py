@@ -22,7 +22,7 @@ MISMATCH = (("policy_version", "policy_mismatch"), ("tokenizer_rev", "tokenizer_
             ("verifier_version", "verifier_mismatch"), ("temperature", "temperature_mismatch"),
             ("top_p", "top_p_mismatch"), ("task_version", "task_version_mismatch"),
             ("harness_version", "harness_mismatch"), ("tool_schema_version", "tool_schema_mismatch"),
-            ("prompt_hash", "prompt_mismatch"))
+            ("prompt_hash", "prompt_mismatch"), ("env_state_hash", "env_state_mismatch"))
 REF = tuple(f for f, _ in MISMATCH)
 
 
@@ -43,7 +43,7 @@ def _capped_reward(row: dict, cfg: AdmissionConfig):
 
 def _key(row: dict, f: str):
     v = row.get(f)
-    return "" if v is None and f in ("tool_schema_version", "prompt_hash") else v  # unrecorded == unrecorded
+    return "" if v is None and f in ("tool_schema_version", "prompt_hash", "env_state_hash") else v  # unrecorded == unrecorded
 
 
 def _ref_config(rows: list[dict]) -> tuple | None:

@@ -35,13 +35,13 @@ COMPARABILITY = (
     ("verifier_version", "verifier_mismatch"), ("temperature", "temperature_mismatch"),
     ("top_p", "top_p_mismatch"), ("task_version", "task_version_mismatch"),
     ("harness_version", "harness_mismatch"), ("tool_schema_version", "tool_schema_mismatch"),
-    ("prompt_hash", "prompt_mismatch"),
+    ("prompt_hash", "prompt_mismatch"), ("env_state_hash", "env_state_mismatch"),
 )
 REF_FIELDS = tuple(f for f, _ in COMPARABILITY)
 MISMATCH_REASONS = tuple(r for _, r in COMPARABILITY)
 # comparability fields that may be null (unrecorded, or rows landed before the
 # column existed): compared as "" so that unrecorded equals unrecorded
-NULLABLE_KEYS = ("tool_schema_version", "prompt_hash")
+NULLABLE_KEYS = ("tool_schema_version", "prompt_hash", "env_state_hash")
 
 # -- 3. freshness ------------------------------------------------------------------------------
 STALE_POLICY, STALE_WAIT = "stale_policy", "stale_wait"

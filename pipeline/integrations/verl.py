@@ -194,7 +194,7 @@ def from_dataproto(batch, *, run_id: str, policy_version: int, tokenizer_rev: st
         "tokenizer_rev": tokenizer_rev, "prompt_template_rev": prompt_template_rev,
         "harness_version": _harness_version(), "env_version": env_version, "verifier_version": verifier_version,
         "temperature": 1.0, "top_p": 1.0, "sampling_seed": None, "status": "ACCEPTED", "difficulty": None,
-        "tool_schema_version": None,
+        "tool_schema_version": None, "env_state_hash": None,
         "turn_rewards": None, "verifier_confidence": None, "verifier_evidence": None,
         "created_at": now, "finished_at": now, "queue_wait_ms": 0,
     }

@@ -9,7 +9,9 @@ written from the text alone. In short: SHA-256 over
 (the ingest columns except ``content_hash``, in schema order), the name,
 0x00, a presence byte and 8 bytes (i64 value, binary64 bits, µs since epoch,
 or the byte length / element / entry count), and the payload sections hold
-the variable-length bytes the header counts.
+the variable-length bytes the header counts; a ``TRAILER`` then holds each
+``hashed: when_present`` column that is not null (name, 0x00, u64 byte length,
+bytes), so a row that leaves them null hashes as it always did.
 
 The layout is fixed-width where it can be so the whole table hashes in a few
 vectorized passes plus one SHA-256 per row. NaN/±inf, null list elements, null
@@ -38,6 +40,21 @@ _HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 def hashed_columns(table_name: str = "trajectories") -> list[ColumnSpec]:
     return [c for c in table_spec(table_name).ingest_columns if c.name != "content_hash" and c.hashed]
+
+
+def trailer_columns(table_name: str = "trajectories") -> list[ColumnSpec]:
+    """The ``hashed: when_present`` columns: in the trailer when not null."""
+    return [c for c in table_spec(table_name).ingest_columns if c.hashed_when_present]
+
+
+def _trailer(table: pa.Table, spec: ColumnSpec) -> list[bytes]:
+    """Per row: ``name 0x00 u64(len) utf8`` when the value is not null, else nothing
+    (a column absent from ``table`` is null)."""
+    if spec.name not in table.column_names:
+        return [b""] * table.num_rows
+    head = spec.name.encode() + b"\x00"
+    return [b"" if v is None else head + struct.pack("<Q", len(b := v.encode())) + b
+            for v in table.column(spec.name).to_pylist()]
 
 
 def _header_field(col: pa.ChunkedArray | pa.Array, spec: ColumnSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -144,6 +161,7 @@ def content_hashes(table: pa.Table, table_name: str = "trajectories") -> pa.Arra
     maps = [_map_payloads(table.column(c.name).combine_chunks()) for c in cols
             if pa.types.is_map(c.arrow_type)]
     lists = [_list_values(table.column(c.name).combine_chunks(), c) for c in cols if c.is_list]
+    trailers = [_trailer(table, c) for c in trailer_columns(table_name)]
     sha = hashlib.sha256
 
     def digest(lo: int, hi: int) -> list[str]:
@@ -156,6 +174,8 @@ def content_hashes(table: pa.Table, table_name: str = "trajectories") -> pa.Arra
                 h.update(m[i])
             for off, buf, _w in lists:
                 h.update(buf[off[i]:off[i + 1]])
+            for tr in trailers:
+                h.update(tr[i])
             out.append(h.hexdigest())
         return out
 
@@ -181,5 +201,8 @@ def content_hash(row: Mapping[str, Any], table_name: str = "trajectories") -> st
     missing = [c.name for c in cols if c.name not in row]
     if missing:
         raise KeyError(f"row lacks column(s) {missing}")
-    t = pa.Table.from_pylist([{c.name: row[c.name] for c in cols}], schema=schema)
+    more = trailer_columns(table_name)             # absent == null: hashed as before they existed
+    schema = pa.schema(list(schema) + [c.arrow_field().with_nullable(True) for c in more])
+    t = pa.Table.from_pylist([{c.name: row[c.name] for c in cols} | {c.name: row.get(c.name) for c in more}],
+                             schema=schema)
     return content_hashes(t, table_name)[0].as_py()

@@ -23,6 +23,7 @@ Terminal outcomes (status / verdict / stop_reason / reward):
 - final ``<ans>…<eos>``, verifier PASS/FAIL     ACCEPTED / PASS|FAIL / eos / reward
 - hard format failure (no ``<ans>N<eos>``)      REJECTED / FAIL / eos|stop_sequence / 0.0
 - per-turn or total token limit                 REJECTED / FAIL / max_length / 0.0
+- past a token budget through tool output alone INFRA_FAILED / ENV_ERROR / obs_budget / null
 - turn limit (a tool call on the last turn)     REJECTED / FAIL / max_steps / 0.0
 - wall-clock limit                              EXPIRED / UNKNOWN / wall_clock / null
 - tool timeout (injected, or past the deadline) INFRA_FAILED / ENV_ERROR / env_timeout / null
@@ -34,6 +35,10 @@ Terminal outcomes (status / verdict / stop_reason / reward):
 (An environment that sets ``infra_failure_reward`` to a number gets the naive
 scoring instead: a tool timeout ends REJECTED / FAIL / env_timeout with that
 reward. It exists for the gate ablations in benchmarks/bench_gates.py.)
+
+Tool output has its own budget when ``Limits`` sets one (per turn and per
+episode, cut to fit with a marker the policy sees; pipeline/rollout/observe.py):
+a verbose tool is an environment outcome, never the policy's failure.
 
 A null reward is "no valid evaluation" and never 0.0: admission drops those
 members from group baselines instead of counting them as policy failures.
@@ -64,13 +69,14 @@ from typing import Any, Callable
 
 from pipeline import vocab
 from pipeline.rollout import codec as codecs
+from pipeline.rollout import observe
 from pipeline.rollout.engine import Engine, Request, Sampling, derive_seed
-from pipeline.rollout.envs import Environment, Task, ToolError, ToolTimeout, Verification
+from pipeline.rollout.envs import Environment, Stateful, Task, ToolError, ToolTimeout, Verification
 from pipeline.rollout.envs.base import tool_schema_version
 from pipeline.rollout.scheduler import EngineStats, VerifierTimeout, _Scheduler
 from pipeline.rollout.settings import Faults, Latency, Limits, Schedule
 
-HARNESS_VERSION = "harness/2"
+HARNESS_VERSION = "harness/3"   # 3: tool output past a budget is an environment outcome (obs_budget), issue 41
 DEFAULT_TOOL_TIMEOUT_S = 30.0
 TERMINAL_STATES = ("ACCEPTED", "REJECTED", "INFRA_FAILED", "EXPIRED")
 
@@ -104,6 +110,8 @@ class Episode:
     final_turn: list[int] | None = None
     finished_mono: float = 0.0       # monotonic time of TERMINAL (the worker's ship lag)
     written: set = field(default_factory=set)   # event keys (step, action, type) already recorded
+    env_state_hash: str | None = None   # a stateful environment's starting snapshot (``Stateful.open``)
+    replay: list[str] | None = None     # rebuilt after a crash: the actions executed so far, to re-apply
 
     @property
     def done(self) -> bool:
@@ -197,6 +205,9 @@ class Harness:
         # [i28 rendering] the codec renders the prompt: text protocol, or the env's chat messages
         ep = Episode(episode_id, group_id, group_size, task, seed, self.codec.prompt_ids(task),
                      policy_version=policy_version)
+        if isinstance(self.env, Stateful):       # the episode's own state, from the task's snapshot
+            ep.env_state_hash = self.env.open(episode_id, task)
+            extra = (extra or {}) | {"env_state_hash": ep.env_state_hash}
         payload = {"task_id": task.task_id, "prompt_ids": ep.prompt_ids, "seed": seed, "group_size": group_size,
                    "difficulty": task.difficulty, "schedule": self.schedule.order}
         if self.latency.active:
@@ -227,6 +238,24 @@ class Harness:
         finished trajectories there)."""
         return _Scheduler(self, episodes, feed, on_finish, tick).run()
 
+    def restore(self, ep: Episode) -> None:
+        """A stateful episode rebuilt after a crash: its state again from the recorded
+        snapshot, with the actions it had executed re-applied (``Stateful.open``);
+        the scheduler calls it as it takes the episode in. One that cannot be
+        restored ends INFRA_FAILED / ENV_ERROR."""
+        if ep.replay is None or ep.done or not isinstance(self.env, Stateful):
+            return
+        replay, ep.replay = ep.replay, None
+        try:
+            state = self.env.open(ep.episode_id, ep.task, replay)
+        except ToolError as exc:
+            state, err = None, str(exc)
+        else:
+            err = f"the snapshot is {state}, the episode started from {ep.env_state_hash}"
+        if state is None or state != ep.env_state_hash:
+            self._terminal(ep, "INFRA_FAILED", "ENV_ERROR", "stop_sequence", None, None,
+                           {"error": f"cannot restore the episode's state: {err}"})
+
     # -- one turn ------------------------------------------------------------------------
     def _start_turn(self, ep: Episode, version: int) -> None:
         """GENERATING: the turn's context is final (a pending observation joins it first)."""
@@ -247,7 +276,12 @@ class Harness:
                         self.sampling.stop_ids if self.codec.char else self.codec.stop_ids)
 
     def _budget(self, ep: Episode) -> int:
-        return max(1, min(self.limits.max_tokens_per_turn, self.limits.max_total_tokens - len(ep.response_ids)))
+        return max(1, min(self.limits.max_tokens_per_turn, self.limits.max_total_tokens - self._spent(ep)))
+
+    def _spent(self, ep: Episode) -> int:
+        """Tokens counted against ``max_total_tokens``: every response token, or the
+        policy's alone when observations have their own budget."""
+        return sum(ep.mask) if self.limits.obs_budget else len(ep.response_ids)
 
     def _request(self, ep: Episode) -> Request:
         return Request(tuple(self.next_turn_context(ep)), 1, derive_seed(ep.seed, ep.turns))
@@ -275,7 +309,7 @@ class Harness:
         elif call is not None and self.env.multi_turn:
             if ep.turns >= self.limits.max_turns:
                 self._reject(ep, "max_steps", turn_payload)
-            elif len(ep.response_ids) >= self.limits.max_total_tokens:
+            elif self._spent(ep) >= self.limits.max_total_tokens:
                 self._reject(ep, "max_length", turn_payload)
             else:
                 aid = f"a{ep.turns - 1}"
@@ -353,9 +387,14 @@ class Harness:
                            {"error": f"{type(out).__name__}: {out}"})
             return
         self.tool_executions += 1
+        try:
+            out, cut = self._fit_observation(ep, out)
+        except observe.BudgetSpent as exc:   # the episode's observation budget is spent: the environment's doing
+            self._terminal(ep, "INFRA_FAILED", "ENV_ERROR", "obs_budget", None, None, {"error": str(exc)})
+            return
         p["output"] = out
         self._event(ep, "ACTION_EXECUTED", step=p["step"], action_id=p["action_id"], state="TOOL_WAITING",
-                    payload={"output": out} | meta)
+                    payload={"output": out} | ({"truncated": cut} if cut else {}) | meta)
         self._executed += 1
         if self.faults.kill_after_executed and self._executed == self.faults.kill_after_executed:
             self.spool.sync()
@@ -363,6 +402,18 @@ class Harness:
         if self.faults.hold_after_executed and self._executed == self.faults.hold_after_executed:
             self.spool.sync()
             _hold(self.faults.hold_file)
+
+    def _fit_observation(self, ep: Episode, out: Any) -> tuple[Any, dict | None]:
+        """A tool's output cut to the observation budget left (pipeline/rollout/observe.py):
+        (output, the cut's record or None). ``ValueError`` when nothing fits."""
+        lim = self.limits
+        if not lim.obs_budget or not isinstance(out, str):
+            return out, None
+        caps = [c for c in (lim.max_obs_tokens_per_turn,) if c > 0]
+        if lim.max_obs_tokens > 0:
+            caps.append(lim.max_obs_tokens - (len(ep.mask) - sum(ep.mask)))
+        last = ep.response_ids[-1] if ep.response_ids else None
+        return observe.fit(out, lambda text: self.observation_ids(text, last), min(caps), lim.obs_keep)
 
     def _observe(self, ep: Episode) -> None:
         """OBSERVATION_PERSISTED: the executed call's output joins the context."""
@@ -378,8 +429,12 @@ class Harness:
                     payload={"obs": obs})
         if self._past_wall_clock(ep):
             self._terminal(ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None, None)
-        elif len(ep.response_ids) >= self.limits.max_total_tokens:
-            self._reject(ep, "max_length", {})
+        elif self._spent(ep) >= self.limits.max_total_tokens:
+            # past the budget through the tool's output alone: an environment outcome, never the
+            # policy's failure (it was REJECTED / max_length with reward 0 before issue 41)
+            self._terminal(ep, "INFRA_FAILED", "ENV_ERROR", "obs_budget", None, None,
+                           {"error": f"the observation took the episode past max_total_tokens "
+                                     f"({len(ep.response_ids)} >= {self.limits.max_total_tokens})"})
 
     # -- verification ----------------------------------------------------------------------
     def _verify_call(self, ep: Episode, pause_s: float) -> Verification:
@@ -426,6 +481,11 @@ class Harness:
             "status": status, "verdict": verdict, "stop_reason": stop_reason, "reward": reward})
         ep.finished_mono = time.monotonic()
         self._ended.append(ep)
+        self._close(ep)
+
+    def _close(self, ep: Episode) -> None:
+        if isinstance(self.env, Stateful):
+            self.env.close(ep.episode_id)
 
     def cancel(self, ep: Episode) -> None:
         """End an over-provisioned straggler: EXPIRED / UNKNOWN / cancelled, null reward.
@@ -445,6 +505,7 @@ class Harness:
             "status": "EXPIRED", "verdict": "UNKNOWN", "stop_reason": "cancelled", "reward": None, "row": False})
         ep.finished_mono = time.monotonic()
         self._ended.append(ep)
+        self._close(ep)
 
     def trajectory_row(self, ep: Episode, finished: datetime) -> dict[str, Any]:
         s = self.sampling
@@ -462,7 +523,7 @@ class Harness:
             "created_at": ep.created_at.isoformat(), "finished_at": max(finished, ep.created_at).isoformat(),
             "queue_wait_ms": 0, "prompt_ids": list(ep.prompt_ids), "response_ids": list(ep.response_ids),
             "response_logprobs": list(ep.logprobs), "loss_mask": list(ep.mask),
-            "tool_schema_version": tool_schema_version(self.env),
+            "tool_schema_version": tool_schema_version(self.env), "env_state_hash": ep.env_state_hash,
         }
 
 

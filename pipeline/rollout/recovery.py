@@ -61,6 +61,8 @@ def rebuild(records: list[dict[str, Any]], tasks: dict[str, tuple[Task, str, int
         ep = Episode(eid, group_id, group_size, task, int(cp["seed"]), list(cp["prompt_ids"]),
                      policy_version=int(created["policy_version"]))
         ep.written = set(evs)
+        ep.env_state_hash = cp.get("env_state_hash")
+        executed: list[str] = []           # a stateful episode's executed actions, re-applied on restore
         ep.created_at = datetime.fromisoformat(created["created_at"]) if isinstance(created["created_at"], str) \
             else created["created_at"]
         for r in rows:
@@ -82,6 +84,7 @@ def rebuild(records: list[dict[str, Any]], tasks: dict[str, tuple[Task, str, int
                 ep.pending["waiting"] = True
             elif et == "ACTION_EXECUTED" and ep.pending is not None:
                 ep.pending["output"] = p["output"]
+                executed.append(ep.pending["text"])
             elif et == "OBSERVATION_PERSISTED":
                 ep.response_ids += p["obs"]
                 ep.logprobs += [0.0] * len(p["obs"])
@@ -95,6 +98,7 @@ def rebuild(records: list[dict[str, Any]], tasks: dict[str, tuple[Task, str, int
                 ep.state = "VERIFYING"
         if ep.state == "CREATED" or (ep.state == "GENERATING" and ep.pending is None):
             ep.state = "GENERATING" if ep.turns else "CREATED"
+        ep.replay = executed if ep.env_state_hash is not None else None
         out[eid] = ep
     return out
 

@@ -54,6 +54,14 @@ class RolloutConfig:
     max_turns: int = field(default=4, metadata={"ge": 1, "help": "model turns per trajectory (stop_reason max_steps)"})
     max_tokens_per_turn: int = field(default=16, metadata={"ge": 1, "help": "tokens per model turn (max_length)"})
     max_total_tokens: int = field(default=64, metadata={"ge": 1, "help": "response tokens in total (max_length)"})
+    max_obs_tokens_per_turn: int = field(default=0, metadata={"ge": 0, "help":
+        "observation budget: the most tokens one tool result adds (cut to fit, with a marker the policy sees: "
+        "...(truncated N tokens)); with any obs cap set, max_total_tokens counts the policy's tokens only; 0 = off"})
+    max_obs_tokens: int = field(default=0, metadata={"ge": 0, "help":
+        "observation budget of a whole episode (spent: INFRA_FAILED / obs_budget, never the policy's failure); "
+        "0 = off"})
+    obs_keep: Literal["head", "tail"] = field(default="head", metadata={"help":
+        "which end of an over-long tool output the policy sees"})
     wall_clock_s: float = field(default=120.0, metadata={"gt": 0, "help": "per trajectory (EXPIRED, wall_clock)"})
     tool_timeout_s: float = field(default=0.0, metadata={"ge": 0, "help":
         "deadline per tool call, enforced by the harness (the call runs in a thread; past the deadline the episode "

@@ -176,6 +176,9 @@ class _Scheduler:
             if ep.done:
                 continue
             self.active += 1
+            h.restore(ep)                           # a stateful episode rebuilt after a crash
+            if ep.done:
+                continue
             p = ep.pending
             if p is not None and "output" in p:     # executed before a crash: the observation joins next turn
                 self.ready.append((next(self._order), ep, now))

@@ -28,12 +28,21 @@ from pipeline.rollout.engine import derive_seed
 class Limits:
     max_turns: int = 4
     max_tokens_per_turn: int = 16
-    max_total_tokens: int = 64       # response tokens, policy + observation
+    max_total_tokens: int = 64       # response tokens: policy + observation, or the policy's alone with an obs cap
     wall_clock_s: float = 120.0      # per trajectory
     tool_timeout_s: float = 0.0      # per tool call (0: the environment's tool_timeout_s, else 30s)
     tool_concurrency: int = 0        # tool calls running at once (0: auto, ``pool_size``)
     verify_timeout_s: float = 30.0   # per verifier call (INFRA_FAILED / verifier_timeout past it)
     verifier_concurrency: int = 0    # verifier calls running at once (0: auto, ``pool_size``)
+    # the observation budget (pipeline/rollout/observe.py; 0 = off: observations count toward max_total_tokens)
+    max_obs_tokens_per_turn: int = 0  # observation tokens one tool result may add (cut to fit, with a marker)
+    max_obs_tokens: int = 0          # observation tokens of a whole episode
+    obs_keep: Literal["head", "tail"] = "head"   # which end of an over-long tool output the policy sees: head | tail
+
+    @property
+    def obs_budget(self) -> bool:
+        """Observations have their own budget (a cap is set): max_total_tokens is the policy's alone."""
+        return self.max_obs_tokens_per_turn > 0 or self.max_obs_tokens > 0
 
 
 # The most tool (or verifier) calls an auto-sized pool runs at once: each is a

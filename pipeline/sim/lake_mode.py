@@ -123,6 +123,7 @@ def trajectory_rows(sim, idx: Sequence[int], now: float) -> pa.Table:
         "turn_rewards": pa.nulls(n, pa.list_(pa.float64())),
         "verifier_confidence": pa.nulls(n, pa.float64()),
         "verifier_evidence": pa.nulls(n, pa.string()),
+        "env_state_hash": pa.nulls(n, pa.string()),
     }
     spec = table_spec("trajectories")
     fields = [c.arrow_field() for c in spec.ingest_columns if c.name != "content_hash"]

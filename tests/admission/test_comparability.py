@@ -39,6 +39,7 @@ def test_prompt_hash_is_the_prompt_identity():
     ("harness_version", "h-2", "harness_mismatch"),
     ("tool_schema_version", "calc/2", "tool_schema_mismatch"),
     ("prompt_ids", [9, 9, 9], "prompt_mismatch"),
+    ("env_state_hash", "b" * 64, "env_state_mismatch"),
 ])
 def test_member_differing_in_a_new_key_field_is_excluded(tmp_path, field, value, reason):
     lake = Lake(tmp_path)
@@ -50,6 +51,23 @@ def test_member_differing_in_a_new_key_field_is_excluded(tmp_path, field, value,
     assert dict(r["excluded_members"]) == {"g-3": reason}
     assert r["ref_tool_schema_version"] == "calc/1" and r["ref_top_p"] == 1.0 and r["ref_task_version"] == "v1"
     assert r["ref_prompt_hash"] == prompt_hashes(pa.array([[1, 2]], pa.list_(pa.int32())))[0].as_py()
+
+
+def test_group_from_two_database_states_is_refused(tmp_path):
+    """Issue 41: members of a stateful environment's group that started from two
+    different snapshots are not comparable: only one state's members can be kept
+    (the others excluded, env_state_mismatch), and two of four left is below a
+    group minimum of three: the group is refused."""
+    lake = Lake(tmp_path)
+    rows = [traj(f"g-{k}", "g", reward=float(k % 2)) | {"env_state_hash": ("a" if k < 2 else "b") * 64}
+            for k in range(4)]
+    same = [traj(f"h-{k}", "h", reward=float(k % 2)) | {"env_state_hash": "a" * 64} for k in range(4)]
+    land(lake, rows + same)
+    admit(lake, AdmissionConfig(quality=False, min_valid_members=3), now=NOW)
+    rec = _receipts(lake)
+    assert sorted(dict(rec["g"]["excluded_members"]).values()) == ["env_state_mismatch"] * 2
+    assert rec["g"]["decision"] != "admit" and rec["g"]["snapshot_id"] is None
+    assert rec["h"]["decision"] == "admit" and rec["h"]["ref_env_state_hash"] == "a" * 64
 
 
 def test_unrecorded_tool_schema_equals_unrecorded(tmp_path):

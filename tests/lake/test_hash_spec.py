@@ -67,6 +67,15 @@ def _finite(x) -> float:
 _WIDTH = {"int32": "<i", "int8": "<b", "float32": "<f"}
 
 
+def trailer_columns() -> list[str]:
+    """The README's ``hashed: when_present`` columns (the TRAILER), in order."""
+    text = SPEC.read_text()
+    block = text[text.index("<!-- hash-trailer:begin -->"):text.index("<!-- hash-trailer:end -->")]
+    rows = re.findall(r"^\| (\d+) \| (\w+) \| string \|$", block, flags=re.M)
+    assert [int(r[0]) for r in rows] == list(range(1, len(rows) + 1))
+    return [name for _, name in rows]
+
+
 def canonical_form(row: dict) -> bytes:
     """The canonical byte string of one row given in the JSON-lines ingest form."""
     header, strings, maps, lists = [], [], [], []
@@ -101,7 +110,12 @@ def canonical_form(row: dict) -> bytes:
         else:
             raise AssertionError(f"type {typ} not in the spec")
         header.append(entry)
-    return b"".join(header) + b"".join(strings) + b"".join(maps) + b"".join(lists)
+    trailer = []
+    for name in trailer_columns():
+        if row.get(name) is not None:
+            b = row[name].encode("utf-8")
+            trailer.append(name.encode("utf-8") + b"\x00" + _u64(len(b)) + b)
+    return b"".join(header) + b"".join(strings) + b"".join(maps) + b"".join(lists) + b"".join(trailer)
 
 
 def spec_hash(row: dict) -> str:
@@ -134,7 +148,7 @@ def test_the_column_rule_applied_to_the_yaml_gives_the_readme_table():
 
     cols = yaml.safe_load((ROOT / "schemas" / "trajectories.yaml").read_text())["columns"]
     by_rule = [(c["name"], c["type"]) for c in cols
-               if c.get("ingest") != "derived" and c["name"] != "content_hash" and c.get("hashed", True)]
+               if c.get("ingest") != "derived" and c["name"] != "content_hash" and c.get("hashed", True) is True]
     assert spec_columns() == by_rule
     excluded = _excluded()
     assert set(excluded) == {c["name"] for c in cols} - {n for n, _ in by_rule}
@@ -143,8 +157,11 @@ def test_the_column_rule_applied_to_the_yaml_gives_the_readme_table():
             why = excluded[c["name"]]
             if c.get("ingest") == "derived":
                 assert "derived" in why, c["name"]
+            elif c.get("hashed") == "when_present":
+                assert "hashed: when_present" in why and c["name"] in trailer_columns(), c["name"]
             elif c["name"] != "content_hash":
                 assert c.get("hashed") is False and "hashed: false" in why, c["name"]
+    assert trailer_columns() == [c["name"] for c in cols if c.get("hashed") == "when_present"]
 
 
 def test_golden_vectors_independent_implementation():
@@ -160,6 +177,7 @@ def test_golden_vectors_independent_implementation():
     by = {v["name"]: v["content_hash"] for v in vectors}
     assert by["negative_zero"] != by["positive_zero"]  # -0.0 is not normalized
     assert by["tool_schema_version_not_hashed"] == by["basic"]   # hashed: false
+    assert by["env_state_hash_null"] == by["basic"] != by["env_state_hash_present"]   # hashed: when_present
     assert by["timestamp_offsets"] == by["basic"]   # the same instants written with other offsets
 
 
@@ -298,6 +316,9 @@ def _make_vectors() -> list[dict]:
                                       {"\uffff": 1.0, "\U0001f600": 2.0, "\u00e9": 3.0, "e": 4.0, "E": 5.0}},
         "timestamp_offsets": b() | {"created_at": "2026-10-31T19:00:00.000001-05:00",
                                     "finished_at": "2026-11-01T09:31:30.500000+09:30"},
+        # hashed: when_present (issue 41): null hashes as before the column existed; a value joins the trailer
+        "env_state_hash_null": b() | {"env_state_hash": None},
+        "env_state_hash_present": b() | {"env_state_hash": "5e" * 32},
     }
     from pipeline.lake.contenthash import content_hashes
     from pipeline.lake.jsonl import parse_jsonl

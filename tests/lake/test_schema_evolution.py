@@ -14,7 +14,7 @@ from pipeline.lake.ingest import stamp_derived
 from pipeline.schema import table_spec
 from pipeline.testing.trajectories import make_trajectories
 
-NEW = ("prompt_hash", "tool_schema_version")
+NEW = ("prompt_hash", "tool_schema_version", "env_state_hash")
 
 
 def test_existing_table_gains_new_columns(tmp_path):

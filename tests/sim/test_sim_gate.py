@@ -83,7 +83,7 @@ def test_gate_decides_like_the_real_admission_engine():
                           min_reward_std=rules.min_reward_std, length_edges=(), tool_call_edges=(), reward_std_edges=())
     base = {"tokenizer_rev": "tok-1", "prompt_template_rev": "tmpl-1", "env_version": "env-1",
             "verifier_version": "ver-1", "temperature": 1.0, "top_p": 1.0, "task_version": "v1",
-            "harness_version": "h-1", "tool_schema_version": "", "prompt_hash": "p"}
+            "harness_version": "h-1", "tool_schema_version": "", "prompt_hash": "p", "env_state_hash": ""}
     rows, groups = [], []
     for g in range(80):
         n = rnd.randint(1, 6)

@@ -71,6 +71,16 @@ The answer the harness hands to ``verify`` is the text between ``<ans>`` and
 ``<eos>`` of the final turn, or None when the final turn is not
 ``<ans>…<eos>`` (a hard format failure; ``answer_format`` below).
 
+Stateful environments (``Stateful``, optional; docs/how-to/stateful-environments.md,
+with ``sql-agent`` as the example): ``open(episode_id, task, replay=())``
+creates the episode's own state from the task's content-addressed snapshot and
+returns the snapshot's hash (the trajectory's ``env_state_hash``: members of a
+group share it, admission refuses a group whose members do not); after a crash
+the harness calls it again with the actions already executed, in order, which
+``open`` re-applies to a fresh copy; ``step`` finds the episode's state by its
+key (``<episode_id>/<action_id>``); ``close(episode_id)`` drops it once the
+episode has ended.
+
 Chat rendering (``ChatRendering``, optional): for a policy whose tokenizer has
 a chat template, the environment renders a task as chat messages
 (``chat_messages``: system, user, any worked example turns) and reads the
@@ -88,6 +98,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
@@ -163,6 +174,15 @@ class ChatRendering(Protocol):
     def chat_action(self, name: str, arguments: dict[str, Any]) -> str | None: ...
 
     def chat_answer(self, text: str) -> str | None: ...
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """An environment whose episodes each start from a recorded state (see the module docstring)."""
+
+    def open(self, episode_id: str, task: Task, replay: Sequence[str] = ()) -> str: ...
+
+    def close(self, episode_id: str) -> None: ...
 
 
 COMPONENT_TAGS = ("fact", "heuristic")
