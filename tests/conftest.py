@@ -111,9 +111,11 @@ def require_modules(*modules: str) -> None:
                      "install the dev extras with `bash scripts/setup-env.sh --test`")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def require_module():
-    """``require_module("tensorboard", ...)``: skip locally / fail under CI=true when one does not import."""
+    """``require_module("tensorboard", ...)``: skip locally / fail under CI=true when one does not import. A
+    fixture, not an import: ``from conftest import`` is ambiguous once a test directory has a conftest.py of its
+    own (tests/landing/, tests/rollout/, ...) and picks whichever was imported first."""
     return require_modules
 
 

@@ -45,10 +45,8 @@ def _build(src: Path, out: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    from conftest import require_modules
-
-    require_modules("mkdocs", "material")
+def site(tmp_path_factory, require_module) -> Path:
+    require_module("mkdocs", "material")
     src = _copy_site(tmp_path_factory.mktemp("docs-src"))
     out = tmp_path_factory.mktemp("site")
     r = _build(src, out)
@@ -68,11 +66,9 @@ def test_site_builds_strict_with_every_page(site):
     assert "fonts.googleapis.com" not in (site / "index.html").read_text(), "the site fetches fonts from outside"
 
 
-def test_strict_build_fails_on_a_broken_link(tmp_path):
+def test_strict_build_fails_on_a_broken_link(tmp_path, require_module):
     """The strict build is what catches a broken link: the same build of a page with one fails."""
-    from conftest import require_modules
-
-    require_modules("mkdocs", "material")
+    require_module("mkdocs", "material")
     src = _copy_site(tmp_path / "src")
     index = src / "docs" / "index.md"
     index.write_text(index.read_text() + "\nSee [the missing page](no-such-page.md).\n")
@@ -143,10 +139,8 @@ STATE = """JSON.stringify({
 
 @pytest.mark.slow
 @pytest.mark.chromium
-def test_site_renders_and_searches_offline_in_headless_chromium(site, tmp_path, chromium_bin):
-    from conftest import require_modules
-
-    require_modules("websockets")
+def test_site_renders_and_searches_offline_in_headless_chromium(site, tmp_path, chromium_bin, require_module):
+    require_module("websockets")
     from websockets.sync.client import connect
 
     served = _Served(site)
