@@ -9,8 +9,9 @@ Every version a trainer publishes records how its weights are rebuilt, in its
 - ``{"kind": "delta", "file": "delta/<sha256>.safetensors", "base": PARENT_ID, "sha256": D,
   "chain": k, "bytes": n, "full_bytes": m, "changed": c, "elements": e}``: the elements
   that differ from the parent's published weights, as flat indices and the new
-  bit patterns (``<name>::idx``, ``<name>::val`` per tensor; a tensor whose shape or
-  dtype changed is stored whole as ``<name>::full``). The file is content-addressed
+  bit patterns (``<name>::idx``, ``<name>::val`` per tensor; where one bit per
+  element is smaller than the indices, the indices as a bit mask ``<name>::mask``;
+  a tensor whose shape or dtype changed is stored whole as ``<name>::full``). The file is content-addressed
   (its name is its sha256) and listed in the row's ``file_sha256``.
 
 ``D`` is ``weights_digest`` of the version's weights (names, dtypes, shapes, raw
@@ -64,7 +65,8 @@ def weights_digest(weights: dict[str, torch.Tensor]) -> str:
 def make_delta(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
     """(tensors, names): what turns ``base`` into ``new`` exactly. Per tensor of ``new``
     with the same shape and dtype in ``base``: the flat indices of the elements whose
-    bits differ and their new bits (nothing when none differ); else the whole tensor.
+    bits differ (int32, or a packed bit mask where that is smaller) and their new
+    bits (nothing when none differ); else the whole tensor.
     ``names`` lists the tensors of ``new`` (a tensor of ``base`` not in it is dropped)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in new.items():
@@ -76,9 +78,32 @@ def make_delta(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> t
         idx = torch.nonzero(_bits(b) != nb, as_tuple=True)[0]
         if idx.numel() == 0:
             continue
-        out[f"{name}::idx"] = idx.to(torch.int32 if nb.numel() < 2**31 else torch.int64)
+        width = 4 if nb.numel() < 2**31 else 8
+        if idx.numel() * width <= (nb.numel() + 7) // 8:
+            out[f"{name}::idx"] = idx.to(torch.int32 if width == 4 else torch.int64)
+        else:                                   # dense change: one bit per element is smaller than the indices
+            out[f"{name}::mask"] = _pack(_bits(b) != nb)
         out[f"{name}::val"] = nb[idx].clone()
     return out, list(new)
+
+
+_SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
+
+
+def _pack(mask: torch.Tensor) -> torch.Tensor:
+    """A flat bool tensor as bits, 8 to a byte, most significant first (numpy.packbits's order)."""
+    pad = (-mask.numel()) % 8
+    m = torch.cat([mask, mask.new_zeros(pad)]).view(-1, 8).to(torch.uint8)
+    return (m << _SHIFTS).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``_pack``'s inverse: the flat indices of the set bits among the first ``n``."""
+    bits = ((packed.to(torch.uint8).unsqueeze(1) >> _SHIFTS) & 1).reshape(-1)
+    if bits.numel() < n or bool(bits[n:].any()):
+        raise IntegrityError(f"weight delta mask of {packed.numel()} bytes does not fit its base ({n} elements)",
+                             hint="the delta does not belong to this base")
+    return torch.nonzero(bits[:n], as_tuple=True)[0]
 
 
 def apply_delta(base: dict[str, torch.Tensor], delta: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
@@ -97,6 +122,9 @@ def apply_delta(base: dict[str, torch.Tensor], delta: dict[str, torch.Tensor], n
                                  hint="the delta does not belong to this base")
         t = b.detach().clone().contiguous()
         idx, val = delta.get(f"{name}::idx"), delta.get(f"{name}::val")
+        mask = delta.get(f"{name}::mask")
+        if mask is not None and idx is None:
+            idx = _unpack(mask, t.numel())
         if idx is not None and val is not None:
             flat = _bits(t)
             if (idx.numel() != val.numel() or val.dtype != flat.dtype
@@ -186,8 +214,7 @@ def write_version_weights(root: Path, weights: dict[str, torch.Tensor], *, paren
     rel = f"{DELTA_DIR}/{sha}.safetensors"
     (root / DELTA_DIR).mkdir(parents=True, exist_ok=True)
     (root / rel).write_bytes(data)
-    changed = sum(v.numel() for k, v in delta.items() if k.endswith("::idx")) + \
-        sum(v.numel() for k, v in delta.items() if k.endswith("::full"))
+    changed = sum(v.numel() for k, v in delta.items() if k.endswith(("::val", "::full")))
     return {"kind": "delta", "file": rel, "base": parent_id, "sha256": digest, "chain": chain, "bytes": len(data),
             "full_bytes": full, "changed": int(changed), "elements": int(sum(t.numel() for t in weights.values()))}
 
