@@ -164,3 +164,53 @@ def test_policy_export_writes_loadable_hf_weights_equal_to_the_recorded_digest(c
     cp = subprocess.run([sys.executable, "-m", "pipeline", "policy", "export", "--lake", str(lake.uri),
                          "--version", "5", "--out", str(tmp_path / "again")], capture_output=True, text=True)
     assert cp.returncode != 0 and "is missing" in cp.stderr and not (tmp_path / "again").exists()
+
+
+def test_hf_engine_applies_the_deltas_in_place_and_falls_back_to_a_full_load_when_off_the_chain(chain):
+    from pipeline.policy_store import resolve_policy
+    from pipeline.rollout.backends import switch_weights
+    from pipeline.rollout.hf import HFEngine
+
+    lake, ws, recs = chain
+
+    def served(engine):
+        return wd.weights_digest({k: v.detach() for k, v in engine.model.state_dict().items() if k in ws[0]})
+
+    engine = HFEngine(resolve_policy(lake, "c3").hf_dir)             # an anchor (chain c3 <- c4 <- c5)
+    deltas = wd.delta_path(lake, "c3", "c5")
+    assert deltas is not None and len(deltas) == 2
+    engine, rec = switch_weights(engine, resolve_policy(lake, "c5").hf_dir, deltas=deltas)
+    assert rec["mode"] == "delta" and served(engine) == recs[4]["sha256"]      # bitwise the published c5
+    # c1 is not on c6's chain (c6 is an anchor): the reader loads the full weights
+    assert wd.delta_path(lake, "c1", "c6") is None and wd.delta_path(lake, "c5", "c6") is None
+    engine, rec = switch_weights(engine, resolve_policy(lake, "c6").hf_dir, deltas=None)
+    assert rec["mode"] == "in_place" and served(engine) == recs[5]["sha256"]
+    # a damaged delta on the way is refused before the engine is touched
+    from pipeline.policy_store import published_dir
+
+    (published_dir(lake, "c5") / recs[4]["file"]).write_bytes(b"x")
+    with pytest.raises(IntegrityError, match="sha256 mismatch"):
+        wd.delta_path(lake, "c3", "c5")
+
+
+def test_a_following_rollout_worker_switches_by_delta(lake):
+    """The worker's policy holder applies a newly published version's delta to the engine it serves."""
+    from pipeline.rollout.run import RolloutConfig
+    from pipeline.rollout.worker import _PolicyHolder
+    from pipeline.testing.train_fixtures import publish_tiny_policy
+
+    publish_tiny_policy(lake, checkpoint_id="tiny-v0")
+    w0 = wd.load_hf_weights(wd_hf(lake, "tiny-v0"))
+    w1 = _nudge(w0, 0.01, 1)
+    rec1 = _publish(lake, "c1", "tiny-v0", w1, w0, None, anchor_every=8)
+    holder = _PolicyHolder(lake, RolloutConfig(follow_latest=True))
+    engine, v = holder()
+    assert v == 1 and holder.checkpoint_id == "c1"
+    w2 = _nudge(w1, 0.01, 2)
+    rec = _publish(lake, "c2", "c1", w2, w1, rec1, anchor_every=8)
+    assert rec["kind"] == "delta"
+    engine2, v2 = holder()
+    assert v2 == 2 and engine2 is engine and [s["mode"] for s in holder.switches] == ["delta"]
+    sd = engine.model.state_dict()
+    assert wd.weights_digest({k: sd[k] for k in w2}) == rec["sha256"]
+    holder.close()

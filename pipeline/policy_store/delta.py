@@ -332,3 +332,26 @@ def export_version(lake: Lake, spec: str | int, out: Path) -> dict[str, Any]:
     return {"policy_version": int(row["policy_version"]), "checkpoint_id": row["checkpoint_id"], "out": str(out),
             "weights_sha256": weights_digest(weights), "recorded_sha256": rec.get("sha256"),
             "rebuilt_from": [r["checkpoint_id"] for r in chain_of(checkpoint_rows(lake), row["checkpoint_id"])]}
+
+
+def delta_path(lake: Lake, from_id: str | None, to_id: str) -> list[tuple[dict[str, torch.Tensor], list[str]]] | None:
+    """The deltas (decoded, each file checked against its row) that take the weights of
+    published version ``from_id`` to ``to_id``, oldest first; None when ``from_id`` is not
+    on ``to_id``'s chain after its anchor (a reader that far behind loads the full weights)."""
+    from pipeline.policy_store import checkpoint_rows
+
+    if from_id is None or from_id == to_id:
+        return None
+    try:
+        chain = chain_of(checkpoint_rows(lake), to_id)
+    except IntegrityError:
+        return None
+    ids = [r["checkpoint_id"] for r in chain]
+    if from_id not in ids:
+        return None
+    out = []
+    for row in chain[ids.index(from_id) + 1:]:
+        rec = weights_record(row) or {}
+        what = f"policy version {row['policy_version']} ({row['checkpoint_id']}): {rec.get('file')}"
+        out.append(decode(_read_file(lake, row, rec["file"]), what=what))
+    return out

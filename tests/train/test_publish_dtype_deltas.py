@@ -58,6 +58,20 @@ def test_bf16_follow_equals_the_chain_and_every_version_rebuilds_from_its_deltas
         assert wd.weights_digest(got) == rec["sha256"] == wd.weights_digest(wd.load_hf_weights(hf))
     assert all(0 < r["changed"] < r["elements"] and r["bytes"] < r["full_bytes"] for r in recs[1:])
 
+    # a rollout engine following the line: from v1, by the two deltas in place, or by loading v3's file; both
+    # serve v3's bf16 weights upcast to the engine's fp32, as a fresh engine does
+    from pipeline.rollout.backends import switch_weights
+    from pipeline.rollout.hf import HFEngine
+
+    v1, v3 = (published_dir(lake, res.versions[i]["checkpoint_id"]) / "hf" for i in (0, 2))
+    want = {k: t.float() for k, t in wd.load_hf_weights(v3).items()}
+    for deltas, mode in ((wd.delta_path(lake, res.versions[0]["checkpoint_id"], res.versions[2]["checkpoint_id"]),
+                          "delta"), (None, "in_place")):
+        engine, rec = switch_weights(HFEngine(v1), v3, deltas=deltas)
+        sd = engine.model.state_dict()
+        assert rec["mode"] == mode and all(sd[k].dtype == torch.float32 for k in want)
+        assert wd.weights_digest({k: sd[k] for k in want}) == wd.weights_digest(want)
+
     lake2, _ = tlake2
     assert _more(lake2, 2) == sids[1:]
     chain = [train_snapshot(lake2, sid, CFG, progress=False) for sid in sids]
