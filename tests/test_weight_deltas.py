@@ -176,11 +176,16 @@ def test_hf_engine_applies_the_deltas_in_place_and_falls_back_to_a_full_load_whe
     def served(engine):
         return wd.weights_digest({k: v.detach() for k, v in engine.model.state_dict().items() if k in ws[0]})
 
-    engine = HFEngine(resolve_policy(lake, "c3").hf_dir)             # an anchor (chain c3 <- c4 <- c5)
+    engine = HFEngine(resolve_policy(lake, "c1").hf_dir)
+    engine, rec = switch_weights(engine, resolve_policy(lake, "c3").hf_dir)   # c3 (an anchor) by a full load
+    assert rec["mode"] == "in_place"        # the served tensors now come from c3's file (memory-mapped)
     deltas = wd.delta_path(lake, "c3", "c5")
     assert deltas is not None and len(deltas) == 2
     engine, rec = switch_weights(engine, resolve_policy(lake, "c5").hf_dir, deltas=deltas)
     assert rec["mode"] == "delta" and served(engine) == recs[4]["sha256"]      # bitwise the published c5
+    from pipeline.policy_store.care import verify_checkpoints
+
+    assert verify_checkpoints(lake)["problems"] == []       # writing the served weights never writes c3's file
     # c1 is not on c6's chain (c6 is an anchor): the reader loads the full weights
     assert wd.delta_path(lake, "c1", "c6") is None and wd.delta_path(lake, "c5", "c6") is None
     engine, rec = switch_weights(engine, resolve_policy(lake, "c6").hf_dir, deltas=None)

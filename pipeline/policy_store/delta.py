@@ -138,6 +138,28 @@ def apply_delta(base: dict[str, torch.Tensor], delta: dict[str, torch.Tensor], n
     return out
 
 
+def changes(delta: dict[str, torch.Tensor], numel: dict[str, int]):
+    """Per tensor a delta touches: (name, flat indices, new bit patterns, None) or
+    (name, None, None, whole tensor), for a reader that writes them into weights it
+    holds (``numel``: its tensors' sizes). A delta that does not fit is an IntegrityError."""
+    for name in sorted({k.rsplit("::", 1)[0] for k in delta}):
+        full = delta.get(f"{name}::full")
+        if full is not None:
+            yield name, None, None, full
+            continue
+        if name not in numel:
+            raise IntegrityError(f"weight delta names {name}, which the served weights lack",
+                                 hint="the delta does not belong to this base")
+        idx, val, mask = delta.get(f"{name}::idx"), delta.get(f"{name}::val"), delta.get(f"{name}::mask")
+        if idx is None and mask is not None:
+            idx = _unpack(mask, numel[name])
+        if idx is None or val is None or idx.numel() != val.numel() or (
+                idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= numel[name])):
+            raise IntegrityError(f"weight delta of {name} does not fit its base ({numel[name]} elements)",
+                                 hint="the delta does not belong to this base")
+        yield name, idx.long(), val, None
+
+
 def nbytes(weights: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in weights.values())
 

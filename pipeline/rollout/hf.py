@@ -200,7 +200,7 @@ class HFEngine:
         when the architecture or the dtype is not one this can apply to."""
         import json
 
-        from pipeline.policy_store.delta import apply_delta
+        from pipeline.policy_store.delta import changes
 
         def arch(d: Path) -> dict:
             cfg = json.loads((Path(d) / "config.json").read_text())
@@ -212,14 +212,26 @@ class HFEngine:
         if dtype is None or arch(hf_dir) != arch(self.hf_dir):
             return False
         served = self.model.state_dict()
-        for delta, names in deltas:
-            touched = sorted({k.rsplit("::", 1)[0] for k in delta})
-            if set(names) != set(n for n in names if n in served) or any(n not in served for n in touched):
+        numel = {k: v.numel() for k, v in served.items()}
+        width = torch.empty(0, dtype=dtype).element_size()
+        for _, names in deltas:
+            if any(n not in served or not served[n].is_contiguous() for n in names):
                 return False
-            base = {n: served[n].detach().to(dtype) for n in touched}
-            new = apply_delta(base, delta, touched)
-            for n in touched:
-                served[n].copy_(new[n].to(served[n].dtype))
+        for delta, _names in deltas:
+            for name, idx, val, full in changes(delta, numel):
+                p = served[name]
+                if full is not None:
+                    if full.shape != p.shape:
+                        return self.load_weights(hf_dir)       # a reshaped tensor: the full load decides
+                    p.copy_(full.to(p.dtype))
+                    continue
+                if val.element_size() != width:
+                    from pipeline.errors import IntegrityError
+
+                    raise IntegrityError(f"weight delta of {name} has {val.element_size()}-byte values, the "
+                                         f"published dtype {dtype} {width}", hint="the delta does not belong here")
+                # the new values in the published dtype, written into the served (fp32) parameter
+                p.view(-1)[idx] = val.view(dtype).to(p.dtype)
         self.hf_dir = hf_dir
         return True
 
