@@ -217,20 +217,22 @@ class HFEngine:
         for _, names in deltas:
             if any(n not in served or not served[n].is_contiguous() for n in names):
                 return False
-        for delta, _names in deltas:
-            for name, idx, val, full in changes(delta, numel):
-                p = served[name]
-                if full is not None:
-                    if full.shape != p.shape:
-                        return self.load_weights(hf_dir)       # a reshaped tensor: the full load decides
-                    p.copy_(full.to(p.dtype))
-                    continue
-                if val.element_size() != width:
-                    from pipeline.errors import IntegrityError
+        # every change checked (indices in range, values of the published width) before one is written:
+        # a delta that does not fit raises with the served weights untouched
+        todo = [c for delta, _ in deltas for c in changes(delta, numel)]
+        for name, _idx, val, full in todo:
+            if full is None and val.element_size() != width:
+                from pipeline.errors import IntegrityError
 
-                    raise IntegrityError(f"weight delta of {name} has {val.element_size()}-byte values, the "
-                                         f"published dtype {dtype} {width}", hint="the delta does not belong here")
-                # the new values in the published dtype, written into the served (fp32) parameter
+                raise IntegrityError(f"weight delta of {name} has {val.element_size()}-byte values, the "
+                                     f"published dtype {dtype} {width}", hint="the delta does not belong here")
+            if full is not None and full.shape != served[name].shape:
+                return self.load_weights(hf_dir)           # a reshaped tensor: the full load decides
+        for name, idx, val, full in todo:
+            p = served[name]
+            if full is not None:
+                p.copy_(full.to(p.dtype))
+            else:       # the new values in the published dtype, written into the served (fp32) parameter
                 p.view(-1)[idx] = val.view(dtype).to(p.dtype)
         self.hf_dir = hf_dir
         return True
