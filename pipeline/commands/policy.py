@@ -1,4 +1,4 @@
-"""`pipeline policy init | import | list | eval | repair`: policy versions."""
+"""`pipeline policy init | import | list | eval | repair | export`: policy versions."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import argparse
 def register(sub: argparse._SubParsersAction) -> None:
     from pipeline.cli import add_config_options, common, config_keys_epilog
 
-    pol = sub.add_parser("policy", help="policy versions: init (version 0), import, list, eval, repair")
+    pol = sub.add_parser("policy", help="policy versions: init (version 0), import, list, eval, repair, export")
     psub = pol.add_subparsers(dest="policy_command", metavar="ACTION")
     i = common(psub.add_parser(
         "init", help="build the tokenizer + tiny Llama, warm-start it, publish policy version 0",
@@ -55,6 +55,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter))
     r.add_argument("--dry-run", action="store_true", help="report what would be retired; change nothing")
     r.set_defaults(handler=_repair)
+    x = common(psub.add_parser(
+        "export", help="write a published version's weights as a plain Hugging Face directory",
+        description="Rebuild a published version's weights from its anchor and the sparse deltas after it\n"
+                    "(docs/resident-trainer.md, section 3), check them against the digest its checkpoints row\n"
+                    "recorded (a missing or modified delta is refused: nothing is written), and write them with\n"
+                    "its config and tokenizer files to --out (model.safetensors): a directory transformers,\n"
+                    "vLLM or `pipeline policy import` load.",
+        formatter_class=argparse.RawDescriptionHelpFormatter))
+    x.add_argument("--version", required=True, metavar="N", help="policy version, checkpoint id or 'latest'")
+    x.add_argument("--out", required=True, metavar="DIR", help="a new or empty directory")
+    x.set_defaults(handler=_export)
     e = common(psub.add_parser(
         "eval", help="greedy success on the environment's fixed held-out set",
         description="Greedy (temperature 0) episodes on the first N tasks of the environment's held-out split,\n"
@@ -188,3 +199,15 @@ def _repair(args: argparse.Namespace) -> int | None:
         + ([f"ok: {r['checked']} published version(s), none damaged"] if not r["repaired"] and not r["unrepairable"]
            else [])))
     return EXIT_NOTHING_DONE if r["unrepairable"] else None
+
+
+def _export(args: argparse.Namespace) -> int | None:
+    from pathlib import Path
+
+    from pipeline.cli import emit, open_lake
+    from pipeline.policy_store.delta import export_version
+
+    r = export_version(open_lake(args), args.version, Path(args.out))
+    emit(r, args, lambda r: f"policy version {r['policy_version']} ({r['checkpoint_id']}) -> {r['out']}: weights "
+                            f"{r['weights_sha256'][:16]} rebuilt from {len(r['rebuilt_from'])} file set(s)")
+    return None

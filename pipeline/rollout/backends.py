@@ -30,14 +30,19 @@ def make_engine(name: str, hf_dir: str | Path, *, threads: int | None = None, **
 
 
 def switch_weights(engine: Engine, hf_dir: str | Path, *, mode: Literal["in_place", "rebuild"] = "in_place",
-                   threads: int | None = None) -> tuple[Engine, dict]:
-    """Serve the policy in ``hf_dir`` from now on: load its weights into the
-    running engine (``engine.load_weights``, which returns False when the
-    architecture differs) or, failing that or with ``mode="rebuild"``, close the
-    engine and build a new one. Returns the engine and ``{mode, seconds}``."""
+                   threads: int | None = None, deltas: list | None = None) -> tuple[Engine, dict]:
+    """Serve the policy in ``hf_dir`` from now on: apply its sparse weight
+    ``deltas`` to the weights the engine holds (``engine.apply_weight_deltas``,
+    when given and the engine has it: mode ``delta``), else load its weights
+    into the running engine (``engine.load_weights``, which returns False when
+    the architecture differs) or, failing that or with ``mode="rebuild"``, close
+    the engine and build a new one. Returns the engine and ``{mode, seconds}``."""
     import time
 
     t0 = time.perf_counter()
+    apply = getattr(engine, "apply_weight_deltas", None)
+    if mode == "in_place" and deltas and apply is not None and apply(Path(hf_dir), deltas):
+        return engine, {"mode": "delta", "deltas": len(deltas), "seconds": time.perf_counter() - t0}
     load = getattr(engine, "load_weights", None)
     if mode == "in_place" and load is not None and load(Path(hf_dir)):
         return engine, {"mode": "in_place", "seconds": time.perf_counter() - t0}

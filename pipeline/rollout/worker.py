@@ -95,8 +95,17 @@ class _PolicyHolder:
                 if self.engine is None:
                     self.engine = make_engine(self.cfg.engine, hf_dir, threads=self.cfg.threads)
                 else:
+                    deltas, read_s = None, 0.0
+                    if self.cfg.weight_switch == "in_place" and ckpt is not None and self.checkpoint_id is not None:
+                        from pipeline.policy_store.delta import delta_path
+
+                        t0 = time.perf_counter()       # the deltas' reading counts in the switch's seconds
+                        deltas = delta_path(self.lake, self.checkpoint_id, ckpt)
+                        read_s = time.perf_counter() - t0
                     self.engine, rec = switch_weights(self.engine, hf_dir, mode=self.cfg.weight_switch,
-                                                      threads=self.cfg.threads)
+                                                      threads=self.cfg.threads, deltas=deltas)
+                    if rec["mode"] == "delta":
+                        rec["seconds"] += read_s
                     self.switches.append(rec | {"version": version})
                 self.codec = codec.load(hf_dir, env=self.env, render=self.cfg.render)
                 self.checkpoint_id = ckpt

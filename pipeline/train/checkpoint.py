@@ -147,11 +147,16 @@ def load_state(strategy: DeepSpeedStrategy, root: Path) -> dict[str, Any] | None
 # -- the published checkpoint ---------------------------------------------------
 
 
-def export_hf(lm: PreTrainedModel, parent_hf: Path, out: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+PUBLISH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def export_hf(lm: PreTrainedModel, parent_hf: Path, out: Path, state: dict[str, torch.Tensor] | None = None,
+              dtype: str = "float32") -> None:
     """HF directory of the trained weights: tokenizer and other files copied
-    from the parent policy, then config + safetensors (fp32) from ``state``
-    (the consolidated state dict; ZeRO-3 keeps only partitions in ``lm``) or
-    else from the model itself."""
+    from the parent policy, then config + safetensors from ``state`` (the
+    consolidated state dict; ZeRO-3 keeps only partitions in ``lm``) or else
+    from the model itself, in ``dtype`` (``publish_dtype``: what rollout engines
+    load; the trainer's own weights are not changed)."""
     out.mkdir(parents=True, exist_ok=True)
     for p in sorted(parent_hf.iterdir()):
         if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES) and p.name not in (
@@ -159,21 +164,30 @@ def export_hf(lm: PreTrainedModel, parent_hf: Path, out: Path, state: dict[str, 
             shutil.copy2(p, out / p.name)
     if state is None:
         state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in lm.state_dict().items()}
+    to = PUBLISH_DTYPES[dtype]
+    state = {k: (v.detach().to(to).contiguous() if v.is_floating_point() and v.dtype != to else v)
+             for k, v in state.items()}
     lm.save_pretrained(str(out), state_dict=state, safe_serialization=True)
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    if cfg.get("dtype") != "float32":    # save_pretrained records the module's (training) dtype
-        cfg["dtype"] = "float32"
+    if cfg.get("dtype") != dtype:    # save_pretrained records the module's (training) dtype
+        cfg["dtype"] = dtype
         cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def write_final(strategy: DeepSpeedStrategy, root: Path, *, client_state: dict[str, Any], train_config: dict[str, Any],
-                lm: PreTrainedModel, parent_hf: Path, full: bool = True, pause_prefix: str = "") -> None:
+                lm: PreTrainedModel, parent_hf: Path, full: bool = True, pause_prefix: str = "",
+                delta_base: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Every rank: DeepSpeed state + RNG (``full``; the resident trainer skips
     them between full checkpoints) and its share of the consolidated weights;
-    rank 0: cursor, config, hf/, then ``latest`` last."""
+    rank 0: cursor, config, hf/ (in ``train_config["publish_dtype"]``), the
+    weight delta against the parent's published weights (``delta_base``:
+    {parent_id, parent_record, anchor_every}; pipeline.policy_store.delta), then
+    ``latest`` last. Returns the version's weights record on rank 0 (None elsewhere
+    or without ``delta_base``)."""
     from pipeline.lake.delta import pause_point
 
+    record: dict[str, Any] | None = None
     if strategy.is_rank_0() and root.exists():
         shutil.rmtree(root)           # an unpublished leftover of a crashed publish
     strategy.barrier()
@@ -184,10 +198,26 @@ def write_final(strategy: DeepSpeedStrategy, root: Path, *, client_state: dict[s
         cursor = {k: v for k, v in client_state.items() if k != "metrics"}
         atomic_write(root / "cursor.json", json.dumps(cursor, sort_keys=True, indent=1, default=str))
         atomic_write(root / "train_config.json", json.dumps(train_config, sort_keys=True, indent=1, default=str))
-        export_hf(lm, parent_hf, root / HF_SUBDIR, state)
+        export_hf(lm, parent_hf, root / HF_SUBDIR, state, dtype=train_config.get("publish_dtype") or "float32")
+        if delta_base is not None:
+            record = _write_weights_record(root, parent_hf, delta_base)
         pause_point(f"{pause_prefix}checkpoint:final:hf-written")   # kill tests: every file but `latest`, no row
         atomic_write(root / LATEST, FINAL_TAG)
     strategy.barrier()
+    return record
+
+
+def _write_weights_record(root: Path, parent_hf: Path, base: dict[str, Any]) -> dict[str, Any]:
+    """Anchor or delta of the weights just exported to ``root/hf`` (read back: the
+    record is of the bytes published) against the parent's published weights."""
+    from pipeline.policy_store import delta as wd
+
+    weights = wd.load_hf_weights(root / HF_SUBDIR)
+    parent = wd.load_hf_weights(parent_hf) if base.get("parent_id") else None
+    files = sorted(p.name for p in (root / HF_SUBDIR).glob("*.safetensors"))
+    return wd.write_version_weights(root, weights, parent_id=base.get("parent_id"), parent_weights=parent,
+                                    parent_record=base.get("parent_record"), anchor_every=int(base["anchor_every"]),
+                                    weight_file=f"{HF_SUBDIR}/{files[0]}" if len(files) == 1 else f"{HF_SUBDIR}/")
 
 
 def weight_hashes(files: dict[str, str]) -> dict[str, str]:

@@ -109,6 +109,15 @@ class TrainConfig:
                 "trainer with the same zero_stage, precision, offload and world size; else a fresh optimizer"})
     save_every: int = field(default=0, metadata={"ge": 0,
         "help": "save a resumable state every N optimizer steps (0 = only the final checkpoint)"})
+    # -- publication ---------------------------------------------------------
+    publish_dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={
+        "help": "dtype of the published hf/ weights rollout engines load (bfloat16: half the bytes, what vLLM "
+                "serves on GPUs); the trainer's master weights, optimizer and full state stay fp32. Part of a "
+                "version's identity when not float32"})
+    anchor_every: int = field(default=8, metadata={"ge": 1,
+        "help": "every Nth version of a line records its full weights as an anchor; the versions between record "
+                "a sparse delta against their parent (changed elements only; pipeline.policy_store.delta). "
+                "1 = anchors only"})
     # -- the resident trainer (pipeline train --follow; not part of the run's identity: see PUBLISHING) --
     full_checkpoint_every: int = field(default=16, metadata={"ge": 1,
         "help": "--follow: write the full DeepSpeed state (fp32 weights + AdamW moments) with every Nth published "
@@ -133,7 +142,8 @@ class TrainConfig:
             raise ConfigError(f"zero_stage={self.zero_stage}: DeepSpeed ZeRO stages are 0, 1, 2 and 3")
         if self.offload and self.zero_stage == 0:
             raise ConfigError("offload needs zero_stage >= 1", hint="--set zero_stage=1 --set offload=true")
-        for name in ("epochs", "micro_batch_tokens", "grad_accum", "logprob_chunk", "threads", "full_checkpoint_every"):
+        for name in ("epochs", "micro_batch_tokens", "grad_accum", "logprob_chunk", "threads", "full_checkpoint_every",
+                     "anchor_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_steps", "warmup_steps", "norm_len", "vocab_chunk", "save_every"):
@@ -168,15 +178,19 @@ OBSERVABILITY = ("metrics_every_steps", "metrics_every_s", "trackers", "tracker_
 ADMISSION_GATES = ("max_train_lag", "min_ess_fraction", "max_ratio_p99")
 # How the resident trainer publishes and polls, not what it computes: a version
 # has the same weights (and checkpoint id) whether or not its full state was written.
-PUBLISHING = ("full_checkpoint_every", "follow_poll_s")
+# anchor_every decides which files record the weights, not the weights.
+PUBLISHING = ("full_checkpoint_every", "follow_poll_s", "anchor_every")
 
 
 def identity_hash(cfg: TrainConfig) -> str:
-    """sha256 of the config without the OBSERVABILITY, ADMISSION_GATES and PUBLISHING fields (the run identity's part)."""
+    """sha256 of the config without the OBSERVABILITY, ADMISSION_GATES and PUBLISHING fields (the run identity's part).
+    ``publish_dtype`` counts only when not float32 (the published bytes differ; ids of fp32 runs stay as they were)."""
     import hashlib
     import json
 
     from pipeline.config import config_dict
 
     d = {k: v for k, v in config_dict(cfg).items() if k not in OBSERVABILITY + ADMISSION_GATES + PUBLISHING}
+    if d.get("publish_dtype") == "float32":
+        del d["publish_dtype"]
     return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()

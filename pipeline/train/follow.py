@@ -245,7 +245,7 @@ class _Follower:
             out = Path(tmp) / "v"
             state_dict = self.strategy.consolidated_state_dict(self.lm)
             if self.rank == 0:
-                ck.export_hf(self.lm, self.head.hf_dir, out / "hf", state_dict)
+                ck.export_hf(self.lm, self.head.hf_dir, out / "hf", state_dict, dtype=self.cfg.publish_dtype)
                 got = weight_hashes({f"hf/{k}": v for k, v in hash_dir(out / "hf").items()})
                 want = weight_hashes(published.file_sha256)
                 if got != want:

@@ -7,7 +7,9 @@ policy version. A run that loses the publication of its checkpoint id to a
 racing run deletes its directory and returns the winner's version
 (``already_published``, ``published_by``). ``full=False`` (the resident trainer between
 full checkpoints) writes the weights (``hf/``), cursor and config only: no
-DeepSpeed state.
+DeepSpeed state. Every version records its weights as an anchor or a sparse
+delta against its parent (``delta_base``; pipeline.policy_store.delta) in its row's
+``train_config_json["weights"]``.
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ def checkpoint_and_publish(run: Run, strategy: DeepSpeedStrategy, data: Data, pl
                                        "optimizer_from": plan.optimizer_from}
     if crash_at == "publish":
         crash_while_publishing(strategy, run.final, client_state, train_config, data.lm, run.parent)
-    ck.write_final(strategy, run.final, client_state=client_state, train_config=train_config, lm=data.lm,
-                   parent_hf=run.parent.hf_dir, full=full, pause_prefix=pause_prefix)
+    record = ck.write_final(strategy, run.final, client_state=client_state, train_config=train_config, lm=data.lm,
+                            parent_hf=run.parent.hf_dir, full=full, pause_prefix=pause_prefix,
+                            delta_base=delta_base(lake, run.parent, cfg.anchor_every) if run.rank == 0 else None)
     if run.rank != 0:
         return None
     summary = summarize(state.rows) | data.freshness | plan.offpolicy | {"prepass_seconds": plan.prepass_seconds}
@@ -63,7 +66,8 @@ def checkpoint_and_publish(run: Run, strategy: DeepSpeedStrategy, data: Data, pl
                       summary=summary, rows=state.rows, resumed_from=state.resumed_from, t_start=t_start,
                       lineage_run_id=run.lineage_run_id, final=run.final, live=run.live,
                      extra_config=data.lineage_cfg | {"optimizer_from": plan.optimizer_from, "full_state": full}
-                     | (extra_config or {}), rel=run.final_rel, once_per_snapshot=run.generation == 0)
+                     | (extra_config or {}) | ({"weights": record} if record else {}),
+                     rel=run.final_rel, once_per_snapshot=run.generation == 0)
     if result.already_published and exclusive:
         from pipeline.errors import ConflictError
 
@@ -75,6 +79,18 @@ def checkpoint_and_publish(run: Run, strategy: DeepSpeedStrategy, data: Data, pl
                                                                             result.policy_version), **run.ol)
     shutil.rmtree(run.work, ignore_errors=True)
     return result
+
+
+def delta_base(lake: Lake, parent: PolicyRef, anchor_every: int) -> dict[str, Any]:
+    """What the version's weights record is made against: the parent's id and
+    record (none for a plain directory: the version is an anchor)."""
+    from pipeline.policy_store import policy_train_config
+    from pipeline.policy_store.delta import weights_record
+
+    if parent.policy_version < 0:
+        return {"parent_id": None, "parent_record": None, "anchor_every": anchor_every}
+    return {"parent_id": parent.checkpoint_id, "parent_record": weights_record(policy_train_config(lake, parent)),
+            "anchor_every": anchor_every}
 
 
 def cursor_state(checkpoint_id: str, snapshot_id: str, global_step: int, samples_seen: int, epoch: int,

@@ -1,0 +1,379 @@
+"""Sparse weight deltas: a published version costs its change, not its size.
+
+Every version a trainer publishes records how its weights are rebuilt, in its
+``checkpoints`` row (``train_config_json["weights"]``):
+
+- ``{"kind": "anchor", "file": "hf/model.safetensors", "sha256": D, "chain": 0}``: the full
+  weights (every ``anchor_every``-th version of a line, the first version after an
+  init/import, and any version whose delta would not be smaller than its weights);
+- ``{"kind": "delta", "file": "delta/<sha256>.safetensors", "base": PARENT_ID, "sha256": D,
+  "chain": k, "bytes": n, "full_bytes": m, "changed": c, "elements": e}``: the elements
+  that differ from the parent's published weights, as flat indices and the new
+  bit patterns (``<name>::idx``, ``<name>::val`` per tensor; where one bit per
+  element is smaller than the indices, the indices as a bit mask ``<name>::mask``;
+  a tensor whose shape or dtype changed is stored whole as ``<name>::full``). The file is content-addressed
+  (its name is its sha256) and listed in the row's ``file_sha256``.
+
+``D`` is ``weights_digest`` of the version's weights (names, dtypes, shapes, raw
+bytes): any version rebuilt from its anchor and the deltas after it
+(``reconstruct``) must hash to it, else IntegrityError; so does a missing delta or
+one whose bytes are not the ones published. Rows without a record (init, import,
+rows older than this record) are anchors of their own ``hf/`` weights.
+
+The full ``hf/`` weights are still written with every version (rollout workers
+and ``--batch-snapshot`` load them); the deltas are what a delta-only layout
+would keep between anchors (docs/resident-trainer.md, section 3).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pipeline.errors import IntegrityError, NotFoundError
+
+if TYPE_CHECKING:
+    from pipeline.lake.delta import Lake
+
+FORMAT = "pipeline-weights-delta/1"
+DELTA_DIR = "delta"
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+# -- pure tensor functions ---------------------------------------------------------------------------
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The flat bit patterns of ``t`` as an integer tensor of the same element size."""
+    return t.detach().contiguous().reshape(-1).view(_INT_OF_SIZE[t.element_size()])
+
+
+def weights_digest(weights: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor (sorted by name): name, dtype, shape, raw bytes."""
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        t = weights[name].detach().contiguous()
+        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode() + b"\x00")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def make_delta(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """(tensors, names): what turns ``base`` into ``new`` exactly. Per tensor of ``new``
+    with the same shape and dtype in ``base``: the flat indices of the elements whose
+    bits differ (int32, or a packed bit mask where that is smaller) and their new
+    bits (nothing when none differ); else the whole tensor.
+    ``names`` lists the tensors of ``new`` (a tensor of ``base`` not in it is dropped)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in new.items():
+        b = base.get(name)
+        if b is None or b.shape != t.shape or b.dtype != t.dtype:
+            out[f"{name}::full"] = t.detach().contiguous()
+            continue
+        nb = _bits(t)
+        idx = torch.nonzero(_bits(b) != nb, as_tuple=True)[0]
+        if idx.numel() == 0:
+            continue
+        width = 4 if nb.numel() < 2**31 else 8
+        if idx.numel() * width <= (nb.numel() + 7) // 8:
+            out[f"{name}::idx"] = idx.to(torch.int32 if width == 4 else torch.int64)
+        else:                                   # dense change: one bit per element is smaller than the indices
+            out[f"{name}::mask"] = _pack(_bits(b) != nb)
+        out[f"{name}::val"] = nb[idx].clone()
+    return out, list(new)
+
+
+_SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
+
+
+def _pack(mask: torch.Tensor) -> torch.Tensor:
+    """A flat bool tensor as bits, 8 to a byte, most significant first (numpy.packbits's order)."""
+    pad = (-mask.numel()) % 8
+    m = torch.cat([mask, mask.new_zeros(pad)]).view(-1, 8).to(torch.uint8)
+    return (m << _SHIFTS).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``_pack``'s inverse: the flat indices of the set bits among the first ``n``."""
+    bits = ((packed.to(torch.uint8).unsqueeze(1) >> _SHIFTS) & 1).reshape(-1)
+    if bits.numel() < n or bool(bits[n:].any()):
+        raise IntegrityError(f"weight delta mask of {packed.numel()} bytes does not fit its base ({n} elements)",
+                             hint="the delta does not belong to this base")
+    return torch.nonzero(bits[:n], as_tuple=True)[0]
+
+
+def apply_delta(base: dict[str, torch.Tensor], delta: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    """``make_delta``'s inverse: the new weights from ``base`` (not modified) and the delta.
+    A delta that does not fit ``base`` (a tensor missing, an index out of range, a
+    value of the wrong width) is an IntegrityError."""
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        full = delta.get(f"{name}::full")
+        if full is not None:
+            out[name] = full
+            continue
+        b = base.get(name)
+        if b is None:
+            raise IntegrityError(f"weight delta names {name}, which its base weights lack",
+                                 hint="the delta does not belong to this base")
+        t = b.detach().clone().contiguous()
+        idx, val = delta.get(f"{name}::idx"), delta.get(f"{name}::val")
+        mask = delta.get(f"{name}::mask")
+        if mask is not None and idx is None:
+            idx = _unpack(mask, t.numel())
+        if idx is not None and val is not None:
+            flat = _bits(t)
+            if (idx.numel() != val.numel() or val.dtype != flat.dtype
+                    or (idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= flat.numel()))):
+                raise IntegrityError(f"weight delta of {name} does not fit its base ({tuple(t.shape)}, {t.dtype})",
+                                     hint="the delta does not belong to this base")
+            flat[idx.long()] = val
+        elif (idx is None) != (val is None):
+            raise IntegrityError(f"weight delta of {name} has indices or values but not both")
+        out[name] = t
+    return out
+
+
+def changes(delta: dict[str, torch.Tensor], numel: dict[str, int]):
+    """Per tensor a delta touches: (name, flat indices, new bit patterns, None) or
+    (name, None, None, whole tensor), for a reader that writes them into weights it
+    holds (``numel``: its tensors' sizes). A delta that does not fit is an IntegrityError."""
+    for name in sorted({k.rsplit("::", 1)[0] for k in delta}):
+        full = delta.get(f"{name}::full")
+        if full is not None:
+            yield name, None, None, full
+            continue
+        if name not in numel:
+            raise IntegrityError(f"weight delta names {name}, which the served weights lack",
+                                 hint="the delta does not belong to this base")
+        idx, val, mask = delta.get(f"{name}::idx"), delta.get(f"{name}::val"), delta.get(f"{name}::mask")
+        if idx is None and mask is not None:
+            idx = _unpack(mask, numel[name])
+        if idx is None or val is None or idx.numel() != val.numel() or (
+                idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= numel[name])):
+            raise IntegrityError(f"weight delta of {name} does not fit its base ({numel[name]} elements)",
+                                 hint="the delta does not belong to this base")
+        yield name, idx.long(), val, None
+
+
+def nbytes(weights: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in weights.values())
+
+
+def encode(delta: dict[str, torch.Tensor], names: list[str]) -> bytes:
+    """The delta as safetensors bytes (``names`` in its metadata)."""
+    from safetensors.torch import save
+
+    return save(delta, metadata={"format": FORMAT, "names": json.dumps(names)})
+
+
+def decode(data: bytes, *, what: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """``encode``'s inverse; bytes that are not a delta of this format are an IntegrityError."""
+    from safetensors.torch import load
+
+    try:
+        (n,) = struct.unpack("<Q", data[:8])
+        meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"format {meta.get('format')!r}")
+        names = json.loads(meta["names"])
+        return load(data), [str(x) for x in names]
+    except Exception as exc:  # noqa: BLE001 - any parse failure is damaged bytes
+        raise IntegrityError(f"{what}: not a readable weight delta ({type(exc).__name__}: {str(exc)[:120]})",
+                             hint="the file was modified after publication") from None
+
+
+# -- versions on the lake ----------------------------------------------------------------------------
+
+
+def load_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files of an HF directory."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for p in sorted(hf_dir.glob("*.safetensors")):
+        out.update(load_file(str(p)))
+    if not out:
+        raise NotFoundError(f"{hf_dir}: no *.safetensors weights")
+    return out
+
+
+def weights_record(row_or_cfg: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The ``weights`` record of a checkpoints row (or of its parsed train config); None when it has none."""
+    if not row_or_cfg:
+        return None
+    cfg = row_or_cfg
+    if "train_config_json" in row_or_cfg:
+        try:
+            cfg = json.loads(row_or_cfg.get("train_config_json") or "{}")
+        except ValueError:
+            return None
+    rec = cfg.get("weights")
+    return rec if isinstance(rec, dict) else None
+
+
+def write_version_weights(root: Path, weights: dict[str, torch.Tensor], *, parent_id: str | None,
+                          parent_weights: dict[str, torch.Tensor] | None, parent_record: dict[str, Any] | None,
+                          anchor_every: int, weight_file: str = "hf/model.safetensors") -> dict[str, Any]:
+    """Decide anchor or delta for the version whose published ``weights`` are in
+    ``root`` (its checkpoint directory); a delta is written to ``root/delta/<sha>.safetensors``.
+    Returns the record for its row."""
+    digest = weights_digest(weights)
+    full = nbytes(weights)
+    chain = int((parent_record or {}).get("chain", 0)) + 1
+    anchor = {"kind": "anchor", "file": weight_file, "sha256": digest, "chain": 0, "full_bytes": full}
+    if parent_id is None or parent_weights is None or chain >= anchor_every:
+        return anchor
+    delta, names = make_delta(parent_weights, weights)
+    data = encode(delta, names)
+    if len(data) >= full:
+        return anchor | {"why": "delta not smaller"}
+    sha = hashlib.sha256(data).hexdigest()
+    rel = f"{DELTA_DIR}/{sha}.safetensors"
+    (root / DELTA_DIR).mkdir(parents=True, exist_ok=True)
+    (root / rel).write_bytes(data)
+    changed = sum(v.numel() for k, v in delta.items() if k.endswith(("::val", "::full")))
+    return {"kind": "delta", "file": rel, "base": parent_id, "sha256": digest, "chain": chain, "bytes": len(data),
+            "full_bytes": full, "changed": int(changed), "elements": int(sum(t.numel() for t in weights.values()))}
+
+
+def _read_file(lake: Lake, row: dict[str, Any], name: str) -> bytes:
+    """One file of a published row, checked against the row's sha256 (and, for a delta, its name)."""
+    from pipeline.policy_store import row_rel
+
+    files = dict(row["file_sha256"])
+    what = f"policy version {row['policy_version']} ({row['checkpoint_id']}): {name}"
+    want = files.get(name)
+    if want is None:
+        raise IntegrityError(f"{what} is not among the files its row published", hint="the row is damaged")
+    fs, root = lake.filesystem()
+    try:
+        with fs.open_input_stream(f"{root}/{row_rel(row)}/{name}") as f:
+            data = f.read()
+    except (FileNotFoundError, OSError):
+        raise IntegrityError(f"{what} is missing: the version cannot be rebuilt",
+                             hint="restore the file from a copy; nothing was loaded") from None
+    got = hashlib.sha256(data).hexdigest()
+    if got != want or (name.startswith(f"{DELTA_DIR}/") and name != f"{DELTA_DIR}/{got}.safetensors"):
+        raise IntegrityError(f"{what}: sha256 mismatch", hint="the file was modified after publication; "
+                                                               "refusing to rebuild weights from it")
+    return data
+
+
+def _anchor_weights(lake: Lake, row: dict[str, Any]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    names = sorted(k for k, _ in row["file_sha256"] if k.startswith("hf/") and k.endswith(".safetensors"))
+    if not names:
+        raise IntegrityError(f"policy version {row['policy_version']} ({row['checkpoint_id']}): no hf/*.safetensors "
+                             "weights in its row", hint="it cannot serve as an anchor")
+    out: dict[str, torch.Tensor] = {}
+    for n in names:
+        out.update(load(_read_file(lake, row, n)))
+    return out
+
+
+def chain_of(rows: list[dict[str, Any]], checkpoint_id: str) -> list[dict[str, Any]]:
+    """The rows a version's weights are rebuilt from, anchor first, the version last."""
+    by_id = {r["checkpoint_id"]: r for r in rows}
+    out: list[dict[str, Any]] = []
+    cid: str | None = checkpoint_id
+    while cid is not None:
+        row = by_id.get(cid)
+        if row is None:
+            raise IntegrityError(f"checkpoint {checkpoint_id}: its weight chain names {cid}, which is not published",
+                                 hint="the delta's base was never published or its row is gone")
+        out.append(row)
+        rec = weights_record(row)
+        if rec is None or rec.get("kind") != "delta":
+            break
+        cid = rec.get("base")
+        if len(out) > len(rows):
+            raise IntegrityError(f"checkpoint {checkpoint_id}: its weight chain is a cycle")
+    return out[::-1]
+
+
+def reconstruct(lake: Lake, checkpoint_id: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(weights, row) of a published version rebuilt from its anchor and the deltas
+    after it, each step checked against the digest its row recorded."""
+    from pipeline.policy_store import checkpoint_rows
+
+    rows = checkpoint_rows(lake)
+    chain = chain_of(rows, checkpoint_id)
+    weights: dict[str, torch.Tensor] = {}
+    for i, row in enumerate(chain):
+        rec = weights_record(row) or {}
+        what = f"policy version {row['policy_version']} ({row['checkpoint_id']})"
+        if i == 0:
+            weights = _anchor_weights(lake, row)
+        else:
+            delta, names = decode(_read_file(lake, row, rec["file"]), what=f"{what}: {rec['file']}")
+            weights = apply_delta(weights, delta, names)
+        want = rec.get("sha256")
+        if want is not None and weights_digest(weights) != want:
+            raise IntegrityError(f"{what}: rebuilt weights do not hash to the recorded {want[:12]}",
+                                 hint="a delta or anchor of its chain is damaged; refusing to use the weights")
+    return weights, chain[-1]
+
+
+def export_version(lake: Lake, spec: str | int, out: Path) -> dict[str, Any]:
+    """Plain HF weights of a published version (``policy export``): its weights rebuilt
+    by ``reconstruct`` (checked against the recorded digest) as ``out/model.safetensors``,
+    with its config and tokenizer files. Refuses a non-empty ``out``; writes into a
+    temporary sibling and renames it, so a failure leaves no half-written directory."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from pipeline.errors import ConflictError
+    from pipeline.policy_store import HF_SUBDIR, checkpoint_rows, fetch_checkpoint, resolve_policy, row_rel, verify_dir
+
+    ref = resolve_policy(lake, spec, verify=False)
+    weights, row = reconstruct(lake, ref.checkpoint_id)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ConflictError(f"{out} exists and is not empty", hint="pass a new or empty directory to --out")
+    keep = {k: v for k, v in row["file_sha256"] if k.startswith(f"{HF_SUBDIR}/") and "/" not in k[len(HF_SUBDIR) + 1:]
+            and not k.endswith((".safetensors", ".bin")) and k != f"{HF_SUBDIR}/model.safetensors.index.json"}
+    local = fetch_checkpoint(lake, row["checkpoint_id"], keep, rel=row_rel(row))
+    verify_dir(local, keep, what=f"checkpoint {row['checkpoint_id']}")
+    tmp = out.with_name(f".{out.name}.tmp-export")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for k in keep:
+        shutil.copy2(local / k, tmp / k[len(HF_SUBDIR) + 1:])
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)
+    rec = weights_record(row) or {}
+    return {"policy_version": int(row["policy_version"]), "checkpoint_id": row["checkpoint_id"], "out": str(out),
+            "weights_sha256": weights_digest(weights), "recorded_sha256": rec.get("sha256"),
+            "rebuilt_from": [r["checkpoint_id"] for r in chain_of(checkpoint_rows(lake), row["checkpoint_id"])]}
+
+
+def delta_path(lake: Lake, from_id: str | None, to_id: str) -> list[tuple[dict[str, torch.Tensor], list[str]]] | None:
+    """The deltas (decoded, each file checked against its row) that take the weights of
+    published version ``from_id`` to ``to_id``, oldest first; None when ``from_id`` is not
+    on ``to_id``'s chain after its anchor (a reader that far behind loads the full weights)."""
+    from pipeline.policy_store import checkpoint_rows
+
+    if from_id is None or from_id == to_id:
+        return None
+    try:
+        chain = chain_of(checkpoint_rows(lake), to_id)
+    except IntegrityError:
+        return None
+    ids = [r["checkpoint_id"] for r in chain]
+    if from_id not in ids:
+        return None
+    out = []
+    for row in chain[ids.index(from_id) + 1:]:
+        rec = weights_record(row) or {}
+        what = f"policy version {row['policy_version']} ({row['checkpoint_id']}): {rec.get('file')}"
+        out.append(decode(_read_file(lake, row, rec["file"]), what=what))
+    return out

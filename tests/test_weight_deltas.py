@@ -1,0 +1,221 @@
+"""Sparse weight deltas (pipeline.policy_store.delta): exact reconstruction over a
+chain with an anchor in the middle, tampered and missing deltas refused in one
+line, retention keeps every version rebuildable, `policy export` writes loadable
+HF weights equal to the recorded digest."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import pytest
+import torch
+
+from pipeline.errors import IntegrityError
+from pipeline.policy_store import delta as wd
+
+
+def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(64, 32, generator=g), "b.bias": torch.randn(32, generator=g),
+            "c.half": torch.randn(16, 8, generator=g).to(torch.bfloat16), "d.int": torch.arange(10)}
+
+
+def _nudge(w: dict[str, torch.Tensor], frac: float, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, t in w.items():
+        t = t.clone()
+        if t.is_floating_point():
+            mask = torch.rand(t.shape, generator=g) < frac
+            t[mask] = (t.float()[mask] + 1e-3).to(t.dtype)
+        out[k] = t
+    return out
+
+
+@pytest.mark.parametrize("frac,index_form", [(0.005, "::idx"), (0.05, "::mask")])
+def test_make_and_apply_delta_are_bitwise_exact_and_sparse(frac, index_form):
+    base = _weights()
+    new = _nudge(base, frac, 1)
+    new["b.bias"][3] = float("nan")                     # bit patterns, not values: NaN and -0.0 round-trip
+    new["a.weight"][0, 0] = -0.0 if base["a.weight"][0, 0] != 0 else 1.0
+    new["e.added"] = torch.ones(3)                        # a new tensor is stored whole; a dropped one is dropped
+    del new["d.int"]
+    delta, names = wd.make_delta(base, new)
+    assert "e.added::full" in delta and not any(k.startswith("d.int") for k in delta)
+    assert f"a.weight{index_form}" in delta           # indices when sparse, a bit mask when that is smaller
+    data = wd.encode(delta, names)
+    got = wd.apply_delta(base, *wd.decode(data, what="t"))
+    assert wd.weights_digest(got) == wd.weights_digest(new) and set(got) == set(new)
+    assert len(data) < wd.nbytes(new) / 3                 # <= 5% changed: indices + bits of those only
+    assert wd.weights_digest(base) == wd.weights_digest(_weights())   # the base is not modified
+    with pytest.raises(IntegrityError, match="not a readable weight delta"):
+        wd.decode(data[:-9], what="t")
+    with pytest.raises(IntegrityError, match="does not fit its base"):
+        wd.apply_delta({k: v[:1] for k, v in base.items()}, delta, names)
+
+
+def _publish(lake, cid: str, parent: str | None, weights, parent_weights, parent_record, anchor_every: int):
+    """A version the way the trainer writes it: hf/ (config, tokenizer, weights), its record, its row."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from pipeline.policy_store import publish_checkpoint, resolve_policy, run_checkpoint_rel, local_dir
+
+    rel = run_checkpoint_rel(cid, "t")
+    root = local_dir(lake, rel)
+    src = resolve_policy(lake, "tiny-v0").hf_dir
+    shutil.copytree(src, root / "hf", ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(weights, str(root / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    rec = wd.write_version_weights(root, weights, parent_id=parent, parent_weights=parent_weights,
+                                   parent_record=parent_record, anchor_every=anchor_every)
+    publish_checkpoint(lake, checkpoint_id=cid, policy_version=None, parent_checkpoint_id=parent, snapshot_ids=[],
+                       train_config={"weights": rec}, train_config_hash="t", seed=0, rel=rel)
+    return rec
+
+
+@pytest.fixture
+def chain(lake):
+    """tiny-v0 (init: an anchor without a record) then 6 trained-like versions, anchor_every=3:
+    v1 delta, v2 delta, v3 anchor, v4 delta, v5 delta, v6 anchor."""
+    from pipeline.testing.train_fixtures import publish_tiny_policy
+
+    publish_tiny_policy(lake, checkpoint_id="tiny-v0")
+    w = wd.load_hf_weights(wd_hf(lake, "tiny-v0"))
+    ws, recs, parent, prec = [w], [], "tiny-v0", None
+    for i in range(1, 7):
+        nw = _nudge(ws[-1], 0.03, i)
+        prec = _publish(lake, f"c{i}", parent, nw, ws[-1], prec, anchor_every=3)
+        recs.append(prec)
+        ws.append(nw)
+        parent = f"c{i}"
+    return lake, ws, recs
+
+
+def wd_hf(lake, cid):
+    from pipeline.policy_store import resolve_policy
+
+    return resolve_policy(lake, cid).hf_dir
+
+
+def test_chain_with_an_anchor_in_the_middle_rebuilds_every_version_exactly(chain):
+    lake, ws, recs = chain
+    assert [r["kind"] for r in recs] == ["delta", "delta", "anchor", "delta", "delta", "anchor"]
+    assert all(r["bytes"] < r["full_bytes"] / 4 for r in recs if r["kind"] == "delta")
+    for i in range(1, 7):
+        got, row = wd.reconstruct(lake, f"c{i}")
+        assert wd.weights_digest(got) == wd.weights_digest(ws[i]) == recs[i - 1]["sha256"]
+        assert row["checkpoint_id"] == f"c{i}"
+    assert [r["checkpoint_id"] for r in wd.chain_of(lake.read("checkpoints").to_pylist(), "c5")] == ["c3", "c4", "c5"]
+
+
+def _one_line(exc: pytest.ExceptionInfo) -> str:
+    msg = exc.value.message
+    assert "\n" not in msg
+    return msg
+
+
+def test_tampered_or_missing_delta_is_a_one_line_integrity_error(chain):
+    from pipeline.policy_store import published_dir
+
+    lake, ws, recs = chain
+    f = published_dir(lake, "c2") / recs[1]["file"]
+    data = bytearray(f.read_bytes())
+    data[len(data) - 5] ^= 0x01                          # one bit of one new value
+    f.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError) as exc:
+        wd.reconstruct(lake, "c2")
+    assert "sha256 mismatch" in _one_line(exc) and "policy version 2" in exc.value.message
+    wd.reconstruct(lake, "c1")                            # versions before it are untouched
+    assert wd.weights_digest(wd.reconstruct(lake, "c4")[0]) == recs[3]["sha256"]   # c3 is an anchor
+    f.unlink()
+    with pytest.raises(IntegrityError) as exc:
+        wd.reconstruct(lake, "c2")
+    assert "is missing" in _one_line(exc)
+
+
+def test_retention_keeps_every_version_rebuildable(chain):
+    from pipeline.maintain import maintain
+
+    lake, ws, recs = chain
+    maintain(lake, keep_checkpoints=1)
+    for i in range(1, 7):
+        assert wd.weights_digest(wd.reconstruct(lake, f"c{i}")[0]) == recs[i - 1]["sha256"]
+
+
+def test_policy_export_writes_loadable_hf_weights_equal_to_the_recorded_digest(chain, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    lake, ws, recs = chain
+    out = tmp_path / "exported"
+    cp = subprocess.run([sys.executable, "-m", "pipeline", "policy", "export", "--lake", str(lake.uri),
+                         "--version", "5", "--out", str(out), "--json"], capture_output=True, text=True)
+    assert cp.returncode == 0, cp.stderr
+    r = json.loads(cp.stdout)
+    assert r["weights_sha256"] == r["recorded_sha256"] == recs[4]["sha256"] and r["rebuilt_from"] == ["c3", "c4", "c5"]
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert wd.weights_digest({k: v for k, v in model.state_dict().items()}) == recs[4]["sha256"]
+    assert (out / "tokenizer.json").is_file() and not any(p.name.startswith(".") for p in tmp_path.iterdir())
+    # a tampered chain writes nothing
+    from pipeline.policy_store import published_dir
+
+    (published_dir(lake, "c4") / recs[3]["file"]).unlink()
+    cp = subprocess.run([sys.executable, "-m", "pipeline", "policy", "export", "--lake", str(lake.uri),
+                         "--version", "5", "--out", str(tmp_path / "again")], capture_output=True, text=True)
+    assert cp.returncode != 0 and "is missing" in cp.stderr and not (tmp_path / "again").exists()
+
+
+def test_hf_engine_applies_the_deltas_in_place_and_falls_back_to_a_full_load_when_off_the_chain(chain):
+    from pipeline.policy_store import resolve_policy
+    from pipeline.rollout.backends import switch_weights
+    from pipeline.rollout.hf import HFEngine
+
+    lake, ws, recs = chain
+
+    def served(engine):
+        return wd.weights_digest({k: v.detach() for k, v in engine.model.state_dict().items() if k in ws[0]})
+
+    engine = HFEngine(resolve_policy(lake, "c1").hf_dir)
+    engine, rec = switch_weights(engine, resolve_policy(lake, "c3").hf_dir)   # c3 (an anchor) by a full load
+    assert rec["mode"] == "in_place"        # the served tensors now come from c3's file (memory-mapped)
+    deltas = wd.delta_path(lake, "c3", "c5")
+    assert deltas is not None and len(deltas) == 2
+    engine, rec = switch_weights(engine, resolve_policy(lake, "c5").hf_dir, deltas=deltas)
+    assert rec["mode"] == "delta" and served(engine) == recs[4]["sha256"]      # bitwise the published c5
+    from pipeline.policy_store.care import verify_checkpoints
+
+    assert verify_checkpoints(lake)["problems"] == []       # writing the served weights never writes c3's file
+    # c1 is not on c6's chain (c6 is an anchor): the reader loads the full weights
+    assert wd.delta_path(lake, "c1", "c6") is None and wd.delta_path(lake, "c5", "c6") is None
+    engine, rec = switch_weights(engine, resolve_policy(lake, "c6").hf_dir, deltas=None)
+    assert rec["mode"] == "in_place" and served(engine) == recs[5]["sha256"]
+    # a damaged delta on the way is refused before the engine is touched
+    from pipeline.policy_store import published_dir
+
+    (published_dir(lake, "c5") / recs[4]["file"]).write_bytes(b"x")
+    with pytest.raises(IntegrityError, match="sha256 mismatch"):
+        wd.delta_path(lake, "c3", "c5")
+
+
+def test_a_following_rollout_worker_switches_by_delta(lake):
+    """The worker's policy holder applies a newly published version's delta to the engine it serves."""
+    from pipeline.rollout.run import RolloutConfig
+    from pipeline.rollout.worker import _PolicyHolder
+    from pipeline.testing.train_fixtures import publish_tiny_policy
+
+    publish_tiny_policy(lake, checkpoint_id="tiny-v0")
+    w0 = wd.load_hf_weights(wd_hf(lake, "tiny-v0"))
+    w1 = _nudge(w0, 0.01, 1)
+    rec1 = _publish(lake, "c1", "tiny-v0", w1, w0, None, anchor_every=8)
+    holder = _PolicyHolder(lake, RolloutConfig(follow_latest=True))
+    engine, v = holder()
+    assert v == 1 and holder.checkpoint_id == "c1"
+    w2 = _nudge(w1, 0.01, 2)
+    rec = _publish(lake, "c2", "c1", w2, w1, rec1, anchor_every=8)
+    assert rec["kind"] == "delta"
+    engine2, v2 = holder()
+    assert v2 == 2 and engine2 is engine and [s["mode"] for s in holder.switches] == ["delta"]
+    sd = engine.model.state_dict()
+    assert wd.weights_digest({k: sd[k] for k in w2}) == rec["sha256"]
+    holder.close()

@@ -1,0 +1,78 @@
+"""publish_dtype=bfloat16 and sparse deltas through the resident trainer: the
+published weights are bf16 (what engines load), each version records an anchor
+or a delta that rebuilds it exactly, and the trainer's fp32 master weights stay
+exact: --follow publishes the same ids and bytes as the chain of --batch-snapshot runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import torch
+from safetensors import safe_open
+
+from pipeline.policy_store import delta as wd
+from pipeline.policy_store import published_dir
+from pipeline.testing.train_fixtures import publish_synthetic_snapshot
+from pipeline.train.config import TrainConfig, identity_hash
+from pipeline.train.follow import follow
+from pipeline.train.run import train_snapshot
+
+CFG = TrainConfig(lr=1e-5, micro_batch_tokens=256, grad_accum=2, epochs=1, seed=4, max_steps=3, max_train_lag=None,
+                  publish_dtype="bfloat16", anchor_every=3)
+
+
+def _more(lake, k: int) -> list[str]:
+    return [publish_synthetic_snapshot(lake, 16, seed=20 + i, median_len=18, prompt_len=6) for i in range(k)]
+
+
+def _line(lake) -> list[tuple[str, int, str]]:
+    rows = sorted((r for r in lake.read("checkpoints").to_pylist() if r["snapshot_ids"]),
+                  key=lambda r: r["policy_version"])
+    return [(r["checkpoint_id"], r["policy_version"], dict(r["file_sha256"])["hf/model.safetensors"]) for r in rows]
+
+
+def test_identity_counts_publish_dtype_only_when_not_float32():
+    base = TrainConfig()
+    assert identity_hash(dataclasses.replace(base, anchor_every=2)) == identity_hash(base)
+    assert identity_hash(dataclasses.replace(base, publish_dtype="bfloat16")) != identity_hash(base)
+
+
+def test_bf16_follow_equals_the_chain_and_every_version_rebuilds_from_its_deltas(tlake, tlake2):
+    lake, s1 = tlake
+    sids = [s1] + _more(lake, 2)
+    res = follow(lake, CFG, stop_after=3, progress=False)
+    assert [v["policy_version"] for v in res.versions] == [1, 2, 3]
+
+    rows = {r["checkpoint_id"]: r for r in lake.read("checkpoints").to_pylist()}
+    recs = [wd.weights_record(rows[v["checkpoint_id"]]) for v in res.versions]
+    # v1 against the fp32 initial policy: every tensor changed dtype, so no delta is smaller: an anchor
+    assert [r["kind"] for r in recs] == ["anchor", "delta", "delta"] and recs[0]["why"] == "delta not smaller"
+    assert [r["chain"] for r in recs] == [0, 1, 2]
+    for v, rec in zip(res.versions, recs):
+        hf = published_dir(lake, v["checkpoint_id"]) / "hf"
+        with safe_open(str(hf / "model.safetensors"), "pt") as f:
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+        assert json.loads((hf / "config.json").read_text())["dtype"] == "bfloat16"
+        got, _ = wd.reconstruct(lake, v["checkpoint_id"])
+        assert wd.weights_digest(got) == rec["sha256"] == wd.weights_digest(wd.load_hf_weights(hf))
+    assert all(0 < r["changed"] < r["elements"] and r["bytes"] < r["full_bytes"] for r in recs[1:])
+
+    # a rollout engine following the line: from v1, by the two deltas in place, or by loading v3's file; both
+    # serve v3's bf16 weights upcast to the engine's fp32, as a fresh engine does
+    from pipeline.rollout.backends import switch_weights
+    from pipeline.rollout.hf import HFEngine
+
+    v1, v3 = (published_dir(lake, res.versions[i]["checkpoint_id"]) / "hf" for i in (0, 2))
+    want = {k: t.float() for k, t in wd.load_hf_weights(v3).items()}
+    for deltas, mode in ((wd.delta_path(lake, res.versions[0]["checkpoint_id"], res.versions[2]["checkpoint_id"]),
+                          "delta"), (None, "in_place")):
+        engine, rec = switch_weights(HFEngine(v1), v3, deltas=deltas)
+        sd = engine.model.state_dict()
+        assert rec["mode"] == mode and all(sd[k].dtype == torch.float32 for k in want)
+        assert wd.weights_digest({k: sd[k] for k in want}) == wd.weights_digest(want)
+
+    lake2, _ = tlake2
+    assert _more(lake2, 2) == sids[1:]
+    chain = [train_snapshot(lake2, sid, CFG, progress=False) for sid in sids]
+    assert [(r.checkpoint_id, r.policy_version, r.weight_sha256["hf/model.safetensors"]) for r in chain] == _line(lake)
