@@ -111,6 +111,10 @@ class Episode:
     finished_mono: float = 0.0       # monotonic time of TERMINAL (the worker's ship lag)
     written: set = field(default_factory=set)   # event keys (step, action, type) already recorded
     env_state_hash: str | None = None   # a stateful environment's starting snapshot (``Stateful.open``)
+    # what the verifier returned beside the reward (Verification.evidence / confidence / turn_rewards)
+    evidence: str | None = None
+    confidence: float | None = None
+    turn_rewards: list[float] | None = None
     replay: list[str] | None = None     # rebuilt after a crash: the actions executed so far, to re-apply
 
     @property
@@ -458,6 +462,10 @@ class Harness:
 
     def _verified(self, ep: Episode, out: Any, meta: dict[str, Any]) -> None:
         stop = self._final_stop(ep)
+        if not isinstance(out, BaseException):
+            bad = self._verifier_extras(ep, out)
+            if bad:   # the environment broke its own contract: its verdict is not trusted (null reward)
+                out = RuntimeError(bad)
         if isinstance(out, VerifierTimeout):
             self._terminal(ep, "INFRA_FAILED", "UNKNOWN", "verifier_timeout", None, None,
                            {"error": f"verifier_timeout: {out}"} | meta)
@@ -470,6 +478,26 @@ class Harness:
             self._terminal(ep, "REJECTED", "FAIL", stop, 0.0, out.components, meta or None)
         else:
             self._terminal(ep, "ACCEPTED", out.verdict, stop, float(out.reward), out.components, meta or None)
+
+    @staticmethod
+    def _verifier_extras(ep: Episode, out: Any) -> str | None:
+        """Record the verifier's evidence, confidence and per-turn rewards with the reward (columns
+        verifier_evidence, verifier_confidence, turn_rewards; none is in the content hash). Per-turn rewards
+        must number the policy turns (the contract's length: runs of loss_mask 1s), never truncated or padded:
+        otherwise the reason, and nothing is recorded."""
+        turns = getattr(out, "turn_rewards", None)
+        if turns is not None:
+            runs = sum(1 for i, m in enumerate(ep.mask) if m == 1 and (i == 0 or ep.mask[i - 1] != 1))
+            if len(turns) != runs:
+                return (f"{len(turns)} turn rewards for {runs} policy turns (give one per turn, runs of "
+                        "loss_mask 1s, or None)")
+        conf = getattr(out, "confidence", None)
+        if conf is not None and not (isinstance(conf, (int, float)) and 0.0 <= float(conf) <= 1.0):
+            return f"confidence {conf!r} is not a number in [0, 1]"
+        ep.turn_rewards = None if turns is None else [float(x) for x in turns]
+        ep.evidence = getattr(out, "evidence", None)
+        ep.confidence = None if conf is None else float(conf)
+        return None
 
     def _terminal(self, ep: Episode, status: str, verdict: str, stop_reason: str, reward: float | None,
                   components: dict[str, float] | None, payload: dict[str, Any] | None) -> None:
@@ -524,6 +552,7 @@ class Harness:
             "queue_wait_ms": 0, "prompt_ids": list(ep.prompt_ids), "response_ids": list(ep.response_ids),
             "response_logprobs": list(ep.logprobs), "loss_mask": list(ep.mask),
             "tool_schema_version": tool_schema_version(self.env), "env_state_hash": ep.env_state_hash,
+            "turn_rewards": ep.turn_rewards, "verifier_confidence": ep.confidence, "verifier_evidence": ep.evidence,
         }
 
 

@@ -126,6 +126,8 @@ class Verification:
     # optional, recorded beside the reward components (trajectories.verifier_evidence / verifier_confidence):
     evidence: str | None = None     # what the verdict rests on (parsed answer vs reference, a judge's rationale)
     confidence: float | None = None  # in [0, 1]; None = the verifier does not say
+    # per-turn credit (trajectories.turn_rewards): one reward per policy turn, in order; None = the trajectory only
+    turn_rewards: list[float] | None = None
 
 
 class ToolError(PipelineError):
