@@ -15,7 +15,7 @@ the same files names the same nodes: a local file or directory is namespace
 ``file`` with its absolute path as the name; an object-store path is namespace
 ``<scheme>://<bucket>`` with the key path (no leading slash) as the name. A
 Delta table is the table's root directory, a snapshot is its directory
-``<lake>/_snapshots/<snapshot_id>``, a checkpoint ``<lake>/_checkpoints/<id>``.
+``<lake>/_snapshots/<snapshot_id>``, a checkpoint the directory its row names (``<lake>/_checkpoints/<id>.<run tag>``).
 Facets: the dataset version (the Delta version read or written; a snapshot's
 id; a checkpoint's policy version), the schema from ``schemas/``, the storage
 layer; the job type; the processing engine; the resolved configuration as
@@ -133,10 +133,21 @@ def snapshot(lake: Lake, snapshot_id: str) -> Dataset:
                         storage=("file", "parquet"))
 
 
-def checkpoint(lake: Lake, checkpoint_id: str, policy_version: int | None = None) -> Dataset:
-    """A checkpoint directory; its policy version is its dataset version."""
-    return path_dataset(lake, f"_checkpoints/{checkpoint_id}",
-                        version=None if policy_version is None else str(policy_version),
+def checkpoint(lake: Lake, checkpoint_id: str, policy_version: int | None = None, *, rel: str | None = None
+               ) -> Dataset:
+    """A checkpoint directory; its policy version is its dataset version. The directory is the one its
+    ``checkpoints`` row names (``rel``, else looked up: each run writes its own ``<id>.<run tag>`` and only
+    the publication's winner is named), so the producer's output and every consumer's input are one dataset,
+    named by the path the files really have."""
+    from pipeline.errors import NotFoundError
+    from pipeline.policy_store import checkpoint_rel, published_rel
+
+    if rel is None:
+        try:
+            rel = published_rel(lake, checkpoint_id)
+        except NotFoundError:   # not published (yet): the id's own name
+            rel = checkpoint_rel(checkpoint_id)
+    return path_dataset(lake, rel, version=None if policy_version is None else str(policy_version),
                         storage=("file", "safetensors"))
 
 
@@ -150,13 +161,15 @@ def checkpoints_for_versions(lake: Lake, versions) -> list[Dataset]:
     versions = {int(v) for v in versions if v is not None}
     if not versions or not lake.exists("checkpoints"):
         return []
-    rows = lake.read("checkpoints", columns=["checkpoint_id", "policy_version", "created_at"]).to_pylist()
+    rows = lake.read("checkpoints", columns=["checkpoint_id", "policy_version", "created_at", "path"]).to_pylist()
     best: dict[int, dict[str, Any]] = {}
     for r in rows:
         v = r["policy_version"]
         if v in versions and (v not in best or r["created_at"] > best[v]["created_at"]):
             best[v] = r
-    return [checkpoint(lake, r["checkpoint_id"], v) for v, r in sorted(best.items())]
+    from pipeline.policy_store import row_rel
+
+    return [checkpoint(lake, r["checkpoint_id"], v, rel=row_rel(r)) for v, r in sorted(best.items())]
 
 
 def train_outputs(lake: Lake, checkpoint_id: str, policy_version: int | None) -> list[Dataset]:

@@ -105,7 +105,12 @@ def test_full_loop_events_validate_and_join(lake, tmp_path, validator):
     root = Path(lake.uri).absolute()
     traj = ("file", str(root / "trajectories"))
     snap = ("file", str(root / "_snapshots" / adm.snapshot_id))
-    ckpt = ("file", str(root / "_checkpoints" / res.checkpoint_id))
+    # a checkpoint is the directory its row names: the publishing run's own (_checkpoints/<id>.<run tag>)
+    from pipeline.policy_store import published_rel
+
+    ckpt_rel = published_rel(lake, res.checkpoint_id)
+    assert ckpt_rel.startswith(f"_checkpoints/{res.checkpoint_id}.")
+    ckpt = ("file", str(root / ckpt_rel))
     outs = lambda e: {(d["namespace"], d["name"]): d for d in e["outputs"]}   # noqa: E731
     ins = lambda e: {(d["namespace"], d["name"]): d for d in e["inputs"]}     # noqa: E731
     assert ins(done["pipeline.ingest"])[("file", str(src.absolute()))]

@@ -326,7 +326,7 @@ class _Follower:
             self.trackers.begin(run.checkpoint_id, next_policy_version(self.lake))   # the version it will publish
         if self.rank == 0:
             lineage.emit_run_event(self.lake, event_type="START", run_id=run.lineage_run_id, job_name=JOB_NAME,
-                                   inputs=run.inputs, outputs=[lineage.checkpoint(self.lake, run.checkpoint_id)],
+                                   inputs=run.inputs, outputs=[lineage.checkpoint(self.lake, run.checkpoint_id, rel=run.final_rel or None)],
                                    **run.ol)
         try:
             plan, state = self._train(run, data, replay=False, plan=plan)
@@ -343,7 +343,7 @@ class _Follower:
                 try:
                     lineage.emit_run_event(self.lake, event_type="FAIL", run_id=run.lineage_run_id,
                                            job_name=JOB_NAME, inputs=run.inputs,
-                                           outputs=[lineage.checkpoint(self.lake, run.checkpoint_id)],
+                                           outputs=[lineage.checkpoint(self.lake, run.checkpoint_id, rel=run.final_rel or None)],
                                            error=f"{type(exc).__name__}: {exc}", **run.ol)
                 except Exception:  # pragma: no cover - never mask the real error
                     pass

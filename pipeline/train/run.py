@@ -122,7 +122,7 @@ def _train_in_env(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkp
         return run                                          # this very run already published: a no-op
     if run.rank == 0:
         lineage.emit_run_event(lake, event_type="START", run_id=run.lineage_run_id, job_name=JOB_NAME,
-                               inputs=run.inputs, outputs=[lineage.checkpoint(lake, run.checkpoint_id)], **run.ol)
+                               inputs=run.inputs, outputs=[lineage.checkpoint(lake, run.checkpoint_id, rel=run.final_rel or None)], **run.ol)
     try:
         data = prepare_data(run)
         strategy = build_engine(cfg, data.lm)
@@ -141,7 +141,7 @@ def _train_in_env(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkp
             close_trackers(run.live)
             try:
                 lineage.emit_run_event(lake, event_type="FAIL", run_id=run.lineage_run_id, job_name=JOB_NAME,
-                                       inputs=run.inputs, outputs=[lineage.checkpoint(lake, run.checkpoint_id)],
+                                       inputs=run.inputs, outputs=[lineage.checkpoint(lake, run.checkpoint_id, rel=run.final_rel or None)],
                                        error=f"{type(exc).__name__}: {exc}", **run.ol)
             except Exception:  # pragma: no cover - never mask the real error
                 pass
