@@ -27,7 +27,7 @@ TRANSCRIPT = ROOT / "tests" / "demo_transcript.txt"
 TOUR = "## A five-minute tour"
 
 _MASKS = [
-    (re.compile(r"\S*lake/demo-\d{8}-\d{6}"), "./lake/demo-<time>"),      # the demo's fresh lake
+    (re.compile(r"\S*lake/demo-\d{8}-\d{6}(?:-[0-9a-f]{6})?"), "./lake/demo-<time>"),   # the demo's fresh lake
     (re.compile(r"\bck-[0-9a-f]{20}\b"), "ck-<id>"),                       # checkpoint ids hash a time
     (re.compile(r"\bin \d+(?:\.\d+)?s\b"), "in <t>s"),                     # wall times
     (re.compile(r"trainer idle \d+%"), "trainer idle <n>%"),
@@ -75,7 +75,7 @@ def test_tour_sample_output_is_the_demo_transcript(page):
 
 
 def test_normalize_masks_only_what_varies():
-    a = ("lake: /x/lake/demo-20261205-090235   mode: sync\npolicy version 0 (warm start) in 88.2s: held-out 0.000\n"
+    a = ("lake: /x/lake/demo-20261205-090235-4f0c2a   mode: sync\npolicy version 0 (warm start) in 88.2s: held-out 0.000\n"
          "   1    1    256    31     1     0     1  0.388    1.000 0.00    5.1\n"
          "held-out success 0.000 (v0) -> 0.985 (v6): +98.5 points in 103s; trainer idle 70%; lag {0: 1253}\n"
          "  in checkpoint ck-99680789477542ba705b, step 1.\nnext, try:\n  pipeline sql\n")
