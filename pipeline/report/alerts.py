@@ -35,7 +35,9 @@ ALERTS = {
     "train_heldout_gap": 0.15,    # train success minus held-out success widening by more than this from the first
                                   # version measured (train: the PASS share of the members a checkpoint trained on)
     "train_heldout_z": 3.0,       # ... and by more than this many standard errors (binomial): noise is not an alarm
-    "approx_kl_max": 0.05,        # KL band: a checkpoint's mean approx_kl (k3, policy vs its batch's old log-probs)
+    "approx_kl_max": 1.0,         # KL band: a checkpoint's mean approx_kl (k3, policy vs its batch's old log-probs);
+                                  # above the demo's healthy run (0.06-0.72: a tiny model learning at lr 3e-4), far
+                                  # above an LLM run's target_kl (0.01-0.05): set it there for such a run
     "approx_kl_min": 0.0,         # outside [min, max]; min 0 = off (one on-policy step per batch measures ~0 KL)
     "clip_fraction_min": 0.0,     # the clip band's lower edge (its upper edge is clip_fraction); 0 = off
     "verdict_disagreement": 0.05,  # share of re-verified groups whose re-verdict disagreed (admission's reverify)
@@ -239,7 +241,10 @@ def _train_heldout_gap(q: _Queries, B: dict[str, float]) -> list[tuple[str, str]
             widening = (t - h) - (t0 - h0)
             se = math.sqrt(_se(t, nt) + _se(h, nh) + _se(t0, nt0) + _se(h0, nh0))
             z = widening / se if se > 0 else (math.inf if widening > 0 else 0.0)
-            if widening > B["train_heldout_gap"] and z > B["train_heldout_z"] and (worst is None or widening > worst[0]):
+            # and train really above held-out: a train share catching up with a held-out success at its ceiling
+            # (the demo: 0.39 -> 0.82 against 1.00 -> 0.985) is learning, not exploiting the training verifier
+            if widening > B["train_heldout_gap"] and z > B["train_heldout_z"] and t > h \
+                    and (worst is None or widening > worst[0]):
                 worst = (widening, z, v, t, h)
         if worst is not None:
             widening, z, v, t, h = worst

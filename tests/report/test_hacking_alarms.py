@@ -77,7 +77,7 @@ def test_a_shaping_component_gaining_share_alerts(hacked):
 def test_kl_band(healthy, tmp_path):
     from pipeline.lake.delta import Lake
 
-    # the healthy lake's checkpoints move ~0.0014 per step: inside [0, 0.05]; a lower edge above it fires
+    # the healthy lake's checkpoints move ~0.0014 per step: inside [0, 1]; a lower edge above it fires
     low = _alerts(healthy, ReportOptions(alert_bounds=(("approx_kl_min", 0.01),)))["kl_band"]
     assert len(low) == 3 and all("The policy barely moves: approx_kl averaged 0.00135" in m for m in low)
     clip = _alerts(healthy, ReportOptions(alert_bounds=(("clip_fraction_min", 0.2),)))["kl_band"]
@@ -88,11 +88,13 @@ def test_kl_band(healthy, tmp_path):
     shutil.copytree(healthy.uri, tmp_path / "lake")
     lake = Lake(tmp_path / "lake")
     m = max(lake.read("metrics").to_pylist(), key=lambda r: (r["checkpoint_id"], r["global_step"]))
-    hot = [dict(m, checkpoint_id="ck-hot", global_step=i, approx_kl=0.3) for i in range(4)]
+    hot = [dict(m, checkpoint_id="ck-hot", global_step=i, approx_kl=1.5) for i in range(4)]
     lake.append("metrics", pa.Table.from_pylist(hot, schema=table_spec("metrics").arrow_schema()), command="t")
     high = _alerts(lake)["kl_band"]
     assert high == [next(t for t in high if "checkpoint ck-hot" in t)]
-    assert "approx_kl averaged 0.3 over the steps of checkpoint ck-hot, above the KL band [0, 0.05]" in high[0]
+    assert "approx_kl averaged 1.5 over the steps of checkpoint ck-hot, above the KL band [0, 1]" in high[0]
+    # an LLM run's band (approx_kl_max near its target KL): the healthy lake's checkpoints stay inside it too
+    assert "kl_band" not in _alerts(healthy, ReportOptions(alert_bounds=(("approx_kl_max", 0.05),)))
 
 
 def test_alert_bounds_are_checked(healthy, tmp_path, capsys):

@@ -13,30 +13,12 @@ import sys
 from pathlib import Path
 
 from pipeline import vocab
-from pipeline.rollout.engine import Completion, Sampling
+from pipeline.rollout.engine import Sampling
 from pipeline.rollout.envs.sql import SqlAgent
 from pipeline.rollout.harness import Harness
 from pipeline.rollout.settings import Faults, Limits
 from pipeline.rollout.spool import Spool
-
-
-class Scripted:
-    """A scripted policy: the k-th turn of an episode writes ``turns[k]`` (the turn is
-    the number of ``<obs>`` markers in its context)."""
-
-    def __init__(self, turns: list[str]):
-        self.turns = turns
-
-    def generate(self, requests, sampling):
-        out = []
-        for r in requests:
-            k = list(r.context).count(vocab.OBS_ID)
-            ids = vocab.encode(self.turns[min(k, len(self.turns) - 1)])
-            out.append([Completion(ids, [0.0] * len(ids), "stop")])
-        return out
-
-    def close(self):
-        pass
+from pipeline.testing.scripted import Scripted
 
 
 def _harness(env, engine, spool_dir, limits=Limits(max_turns=4, max_tokens_per_turn=64, max_total_tokens=256),

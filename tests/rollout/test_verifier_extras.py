@@ -9,30 +9,12 @@ import random
 
 import pytest
 
-from pipeline import vocab
-from pipeline.rollout.engine import Completion, Sampling
+from pipeline.rollout.engine import Sampling
 from pipeline.rollout.envs.base import Task, Verification
 from pipeline.rollout.harness import Harness
 from pipeline.rollout.settings import Faults, Limits
 from pipeline.rollout.spool import Spool, ship
-
-
-class Scripted:
-    """Turn k of an episode writes ``turns[k]`` (k = the ``<obs>`` markers in its context)."""
-
-    def __init__(self, turns: list[str]):
-        self.turns = turns
-
-    def generate(self, requests, sampling):
-        out = []
-        for r in requests:
-            k = list(r.context).count(vocab.OBS_ID)
-            ids = vocab.encode(self.turns[min(k, len(self.turns) - 1)])
-            out.append([Completion(ids, [0.0] * len(ids), "stop")])
-        return out
-
-    def close(self):
-        pass
+from pipeline.testing.scripted import Scripted
 
 
 class Judged:
