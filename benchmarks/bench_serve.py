@@ -16,7 +16,8 @@ backlog draining) and **steady** (32 producers, each publishing one batch
 every T seconds from a jittered start for about 24 s, T chosen so the offered
 load is half the rows/s the committer sustained in the 32-producer burst just
 before on the same store: the latency a fleet sees; the issue's fleet is 500
-workers shipping every 10 s, 50 batches/s).
+workers shipping every 10 s, 50 batches/s: a second steady arm offers
+exactly that, 5,000 rows/s, from the same 32 producers).
 
 Burst figures, per producer count and store (local; moto S3):
 - rows/s committed (start -> the lake's transaction covers the last
@@ -59,6 +60,7 @@ ROWS = 100
 STEADY_PRODUCERS = 32       # the steady arm: this many producers, each one batch per period ...
 STEADY_SHARE = 0.5           # ... offering this share of the committer's burst capacity measured in the same run
 STEADY_S = 24.0              # ... for about this long
+FLEET_ROWS_S = 5000.0        # ... and a second time offering the issue's fleet: 500 workers x 100 rows every 10 s
 TOTAL_BATCHES = 600          # per configuration: B = TOTAL_BATCHES // P batches per producer (at least 2)
 
 
@@ -215,21 +217,23 @@ def _one(uri: str, opts: dict | None, procs: int, per: int, tag: str) -> float:
     return took
 
 
-def _steady(url: str, uri: str, opts: dict | None, store: str, burst: dict, *, duration: float) -> dict:
-    """The steady arm: STEADY_PRODUCERS producers, each publishing one batch every ``period`` seconds for
-    ``duration`` seconds, the offered load STEADY_SHARE of the committer's burst capacity measured just before on
-    the same store (rows/s committed in the burst)."""
+def _steady(url: str, uri: str, opts: dict | None, store: str, burst: dict, offered: float | None, *,
+            duration: float) -> dict:
+    """A steady arm: STEADY_PRODUCERS producers, each publishing one batch every ``period`` seconds for
+    ``duration`` seconds, offering ``offered`` rows/s (None: STEADY_SHARE of the committer's burst capacity
+    measured just before on the same store, the rows/s committed in the burst)."""
     capacity = burst["rows"] / burst["wall_s"]
-    period = STEADY_PRODUCERS * ROWS / (STEADY_SHARE * capacity)
+    period = STEADY_PRODUCERS * ROWS / (offered or STEADY_SHARE * capacity)
     per = max(2, int(duration / period))
-    out = _serve_arm(url, uri, opts, STEADY_PRODUCERS, per, f"steady-{store}", period=period)
+    out = _serve_arm(url, uri, opts, STEADY_PRODUCERS, per, uri.rsplit('/', 1)[-1], period=period)
     print(f"   {store} steady, {STEADY_PRODUCERS} producers x 1 batch / {period:.2f} s for {per * period:.0f} s "
-          f"({STEADY_PRODUCERS * ROWS / period:,.0f} rows/s offered, {STEADY_SHARE:.0%} of the burst's "
+          f"({STEADY_PRODUCERS * ROWS / period:,.0f} rows/s offered, {STEADY_PRODUCERS * ROWS / period / capacity:.0%} of the burst's "
           f"{capacity:,.0f}): ack p50 {out['ack_p50_ms']:.1f} ms p99 {out['ack_p99_ms']:.1f} ms; visible p50 "
           f"{out['visible_p50_s']:.2f} s p95 {out['visible_p95_s']:.2f} s; {out['commits_per_s']:.2f} commits/s",
           flush=True)
     return out | {"store": store, "producers": STEADY_PRODUCERS, "period_s": period, "batches_per_producer": per,
-                  "burst_rows_per_s": capacity, "offered_rows_per_s": STEADY_PRODUCERS * ROWS / period}
+                  "burst_rows_per_s": capacity, "offered_rows_per_s": STEADY_PRODUCERS * ROWS / period,
+                  "fleet": offered is not None}
 
 
 def run(quick: bool = False) -> dict:
@@ -274,8 +278,10 @@ def run(quick: bool = False) -> dict:
                       f"{out['producer_cpu_us_per_row']:.0f} us, committer {out['committer_cpu_us_per_row']:.0f} us",
                       flush=True)
             burst = raw["configs"][f"{store}-{STEADY_PRODUCERS if STEADY_PRODUCERS in producers else procs}"]
-            raw.setdefault("steady", {})[store] = _steady(srv.url, uri(f"steady-{store}"), opts, store, burst,
-                                                          duration=8.0 if quick else STEADY_S)
+            for label, offered in (("half", None), ("fleet", FLEET_ROWS_S)):
+                raw.setdefault("steady", {})[f"{store}-{label}"] = _steady(
+                    srv.url, uri(f"steady-{label}-{store}"), opts, store, burst, offered,
+                    duration=8.0 if quick else STEADY_S)
     finally:
         srv.stop()
         if moto is not None:
@@ -321,8 +327,9 @@ def derive(raw: dict) -> list[Result]:
         where = (f"steady, {c['producers']} producers x 1 {raw['rows_per_batch']}-row batch every "
                  f"{c['period_s']:.2f} s for {c['publish_s']:.0f} s, {c['store']}")
         load = (f"offered {c['offered_rows_per_s']:,.0f} rows/s = {c['offered_rows_per_s'] / c['burst_rows_per_s']:.0%}"
-                f" of the burst's {c['burst_rows_per_s']:,.0f} rows/s committed in the same run; a fleet's latency; "
-                f"every row exactly once (checked)")
+                f" of the burst's {c['burst_rows_per_s']:,.0f} rows/s committed in the same run"
+                f"{' (the issue fleet: 500 workers x 100 rows every 10 s)' if c.get('fleet') else ''}; a fleet's "
+                f"latency; every row exactly once (checked)")
         out += [
             Result(f"front door {where}: publish-ack p99 / {ACK_P99_BUDGET_MS:.0f} ms",
                    c["ack_p99_ms"] / ACK_P99_BUDGET_MS, 1.0, f"p99 {c['ack_p99_ms']:.1f} ms (p50 {c['ack_p50_ms']:.1f})",
