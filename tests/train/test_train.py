@@ -62,7 +62,11 @@ def test_train_publishes_a_complete_reproducible_checkpoint(tlake, tlake2):
     root = Path(lake.uri).absolute()         # OpenLineage naming spec: namespace "file", absolute paths
     snap_in = [d for d in ev[1]["inputs"] if d["name"] == str(root / "_snapshots" / sid)][0]
     assert snap_in["namespace"] == "file" and snap_in["facets"]["version"]["datasetVersion"] == sid
-    assert ev[1]["outputs"][0]["name"] == str(root / "_checkpoints" / res.checkpoint_id)
+    # the checkpoint is the directory its row names: this run's own (_checkpoints/<id>.<run tag>)
+    from pipeline.policy_store import published_rel
+
+    assert published_rel(lake, res.checkpoint_id).startswith(f"_checkpoints/{res.checkpoint_id}.")
+    assert ev[1]["outputs"][0]["name"] == str(root / published_rel(lake, res.checkpoint_id)) == str(Path(res.path))
     assert ev[1]["outputs"][0]["facets"]["version"]["datasetVersion"] == "1"
 
     # same snapshot + config + seed in another lake: byte-identical weights, same checkpoint id
