@@ -12,6 +12,7 @@ own code writes (a lease in the lake, a pause point), never after a fixed sleep.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -39,6 +41,17 @@ def _start(tmp_path: Path, name: str, args: list[str], **env: str) -> subprocess
     """``pipeline ARGS`` with stdout / stderr in files (a full pipe never blocks it)."""
     out, err = open(tmp_path / f"{name}.out", "w"), open(tmp_path / f"{name}.err", "w")
     return subprocess.Popen([sys.executable, "-m", "pipeline", *args], stdout=out, stderr=err, env=_env(**env))
+
+
+@contextlib.contextmanager
+def _reaped(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """The body signals ``proc`` and waits for it; whatever happens there, no process of the test is left."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _output(tmp_path: Path, name: str) -> tuple[str, str]:
@@ -102,7 +115,7 @@ def test_async_demo_leaves_no_process_behind(tmp_path, sig):
     lake_dir = tmp_path / "lake"
     proc = _start(tmp_path, "demo", _demo(lake_dir, "--mode", "async", "--set", "warm_start_steps=0"))
     seen: dict[int, tuple[int | None, str]] = {}
-    try:
+    with _reaped(proc):
         # the worker holds its run's lease once it is rolling out; the trainer was started with it
         _wait(_lease_taken(lake_dir, "rollout-demo-async-0"), proc, "rollout worker", seen=seen)
         _wait(lambda: any("--follow" in c for _, c in seen.values()), proc, "resident trainer", seen=seen)
@@ -110,10 +123,6 @@ def test_async_demo_leaves_no_process_behind(tmp_path, sig):
         assert any("--worker" in c for _, c in seen.values()), seen
         proc.send_signal(sig)
         proc.wait(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     out, err = _output(tmp_path, "demo")
     if sig == signal.SIGTERM:
         assert proc.returncode == 0, err[-3000:]
@@ -201,14 +210,10 @@ def test_batch_training_stopped_mid_run_exits_with_one_line_and_publishes_nothin
     proc = _start(tmp_path, "train", ["train", "--lake", lake.uri, "--batch-snapshot", sid, "--set", "max_steps=3",
                                       "--set", "micro_batch_tokens=256", "--no-progress"],
                   PIPELINE_TEST_PAUSE_AT=f"train:step:1={marker}")
-    try:
+    with _reaped(proc):
         _wait(marker.exists, proc, "step 1")
         proc.send_signal(sig)
         proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     out, err = _output(tmp_path, "train")
     code, line = STOPPED[sig]
     assert proc.returncode == code, err[-3000:]
@@ -232,14 +237,10 @@ def test_follow_exits_0_on_a_sigterm_right_after_its_result(tlake, tmp_path):
                              "--no-progress", "--stop-after", "1", "--set", "max_steps=1",
                              "--set", "micro_batch_tokens=256"],
                             stdout=subprocess.PIPE, stderr=open(tmp_path / "err", "w"), text=True, env=_env())
-    try:
+    with _reaped(proc):
         line = proc.stdout.readline()                            # the result: the process now tears down
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 0, (tmp_path / "err").read_text()[-3000:]
     assert json.loads(line)["stopped_by"] == "stop_after"
 
@@ -253,15 +254,11 @@ def test_rollout_stops_its_workers_and_releases_its_run(tmp_path):
     proc = _start(tmp_path, "rollout", ["rollout", "--lake", str(lake_dir), "--groups", "64", "--group-size", "4",
                                         "--workers", "2", "--run-id", "sig"])
     seen: dict[int, tuple[int | None, str]] = {}
-    try:
+    with _reaped(proc):
         _wait(_lease_taken(lake_dir, "rollout-sig"), proc, "the run's lease", seen=seen)
         _wait(lambda: sum("spawn_main" in c for _, c in seen.values()) >= 2, proc, "two workers", seen=seen)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     out, err = _output(tmp_path, "rollout")
     assert proc.returncode == 0, err[-3000:]
     assert len([ln for ln in err.splitlines() if ln.startswith("stopped by SIGTERM: pipeline rollout")]) == 1, err
@@ -282,14 +279,10 @@ def test_admit_follow_ends_after_the_pass_and_exits_130_on_sigint(tmp_path, make
     ingest_table(lake, make_traj(16, seed=3, group_size=4), source="t")
     proc = _start(tmp_path, "admit", ["admit", "--lake", lake.uri, "--json", "--follow", "--interval", "0.1",
                                       "--current-policy-version", "0", "--set", "quality=false"])
-    try:
+    with _reaped(proc):
         _wait(lambda: (tmp_path / "admit.out").read_text().strip() != "", proc, "the first pass")
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     out, err = _output(tmp_path, "admit")
     assert proc.returncode == 130, err[-3000:]
     assert len([ln for ln in err.splitlines() if ln.startswith("follow: SIGINT: stopped after")]) == 1, err
