@@ -58,8 +58,9 @@ of the loop's size, one at a time, nothing else running) at the demo lr and of
   version's ``hf/``, ``delta/``, small files, its ``checkpoints`` and
   ``metrics`` commits), the DeepSpeed full state (``ds/``, ``rng/``, the state
   manifest: the optimizer's recovery cost, the bytes figure above) counted
-  apart; over the full published weights (the bf16 or fp32 safetensors
-  bytes). The judged figure is the mean over versions 2..K (version 1's parent
+  apart, and so are the bytes written outside the lake to the machine's cache
+  of rebuilt weights, where the code has one; over the full published weights
+  (the bf16 or fp32 safetensors bytes). The judged figure is the mean over versions 2..K (version 1's parent
   is the fp32 import: always an anchor); the same amortized with one anchor
   every ``anchor_every`` versions is shown beside it;
 - **elements changed**: the share of the published elements whose bits differ
@@ -250,6 +251,27 @@ def _written(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int
     return {"bytes": weights, "state_bytes": state, "files": files}
 
 
+def _cache_files(lake) -> dict[str, tuple[int, int]]:
+    """The files of this machine's cache of rebuilt weights of ``lake`` (a delta-only layout's readers and
+    writer keep full weights there, outside the lake); empty where the code has no such cache."""
+    try:
+        from pipeline.policy_store.delta import weights_cache  # type: ignore[attr-defined]
+    except ImportError:
+        return {}
+    d = weights_cache(lake.uri)
+    return _lake_files(d) if d.is_dir() else {}
+
+
+def _listing(lake, root: Path) -> tuple[dict, dict]:
+    return _lake_files(root), _cache_files(lake)
+
+
+def _written_since(lake, root: Path, before: tuple[dict, dict]) -> dict:
+    """``_written`` in the lake, and the bytes written to the machine's cache of rebuilt weights (``cache_bytes``)."""
+    lake_after, cache_after = _listing(lake, root)
+    return _written(before[0], lake_after) | {"cache_bytes": _written(before[1], cache_after)["bytes"]}
+
+
 def _admit_useful(timings: dict) -> float:
     """Admission's useful work: the candidate scan and the checks (``decide_s`` spans them
     and the quality suites; the suites' fixed start-up is what a resident admission saves)."""
@@ -325,10 +347,10 @@ class _ResidentLoop:
         if not a.snapshot_id:
             _synthetic_snapshot(lake, spec, k - 1, k)
         t0 = time.perf_counter()
-        before = _lake_files(self.root)                     # from here on only the trainer writes
+        before = _listing(lake, self.root)                  # from here on only the trainer writes
         _wait_version(lake, k, self.trainer)
         wall = time.perf_counter() - t0
-        written = _written(before, _lake_files(self.root))
+        written = _written_since(lake, self.root, before)
         cid = [r for r in lake.read("checkpoints").to_pylist() if r["policy_version"] == k][0]["checkpoint_id"]
         v["train"] = {"wall": wall, **_train_figures(lake, cid), "lake_written": written}
         v["checkpoint_id"] = cid
@@ -379,10 +401,10 @@ def _publish_only(root: Path, spec: dict, k_versions: int, sets: list[str]) -> l
     try:
         for k in range(1, k_versions + 1):
             _synthetic_snapshot(lake, spec, k - 1, k)
-            before = _lake_files(root)                  # from here on only the trainer writes
+            before = _listing(lake, root)                # from here on only the trainer writes
             t0 = time.perf_counter()
             _wait_version(lake, k, trainer)
-            written.append(_written(before, _lake_files(root)) | {"wait_s": time.perf_counter() - t0})
+            written.append(_written_since(lake, root, before) | {"wait_s": time.perf_counter() - t0})
     except BaseException:
         trainer.kill()
         trainer.wait()
@@ -641,6 +663,7 @@ def _publish_results(name: str, label: str, p: dict) -> list[Result]:
     amortized = (a_mean + (every - 1) * (d_mean if d_mean is not None else a_mean)) / every
     files = [v["delta_file_bytes"] for v in deltas if v["delta_file_bytes"]]
     state = [(v["version"], v["state_bytes"]) for v in versions if v["state_bytes"]]
+    cache = sum(v.get("cache_bytes", 0) for v in steady) / len(steady)
     shares = [v["changed"] / v["elements"] for v in versions if v["changed"] is not None and v["elements"]]
     base = f"full published weights {full / 1e6:.2f} MB ({p['dtype']})"
     out = [
@@ -650,7 +673,9 @@ def _publish_results(name: str, label: str, p: dict) -> list[Result]:
                + (f"delta files alone {sum(files) / len(files) / 1e6:.2f} MB ({sum(files) / len(files) / full:.1%}); "
                   if files else "no delta file; ")
                + (f"full state apart: {', '.join(f'v{k} {b / 1e6:.1f} MB' for k, b in state)}" if state
-                  else "no full state"), base, note="moonshot <= 0.03" if bf16 else "", possible=(0.0, None)),
+                  else "no full state")
+               + (f"; outside the lake, the machine's cache of rebuilt weights: {cache / 1e6:.2f} MB per version"
+                  if cache else ""), base, note="moonshot <= 0.03" if bf16 else "", possible=(0.0, None)),
         Result(f"{what}: bytes written per version amortized with an anchor every {every} / full published weights",
                amortized / full, None, f"{amortized / 1e6:.2f} MB (anchor {a_mean / 1e6:.2f} MB, "
                + (f"delta version {d_mean / 1e6:.2f} MB)" if d_mean is not None else "no delta version)"), base,
