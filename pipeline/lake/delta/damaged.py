@@ -32,7 +32,7 @@ from pipeline.lake import objects, staging
 from pipeline.lake.liveness import holder_is_dead
 
 if TYPE_CHECKING:
-    from pipeline.lake.delta.store import Lake
+    from pipeline.lake.delta.root import LakeRoot
 
 DAMAGED_PREFIX = "damaged."
 # why an intent was set aside: its files (it can never be committed by anyone) or its record (it cannot be
@@ -49,7 +49,7 @@ def _rel(rid: str) -> str:
     return f"{staging.STAGING_DIR}/{rid}.json"
 
 
-def set_aside(lake: Lake, rid: str, raw: bytes | None, *, kind: str, reason: str) -> bool:
+def set_aside(lake: LakeRoot, rid: str, raw: bytes | None, *, kind: str, reason: str) -> bool:
     """Move intent record ``rid`` (whose bytes were ``raw``) aside as ``damaged.<rid>``; False when the
     record is already gone (committed, given up by its writer, or set aside by another process)."""
     body: dict[str, Any] = {}
@@ -78,7 +78,7 @@ def set_aside(lake: Lake, rid: str, raw: bytes | None, *, kind: str, reason: str
     return True
 
 
-def records(lake: Lake, name: str) -> list[tuple[str, dict[str, Any]]]:
+def records(lake: LakeRoot, name: str) -> list[tuple[str, dict[str, Any]]]:
     """(set-aside record id, its body) of table ``name``'s set-aside intents, in name order."""
     prefix = f"{DAMAGED_PREFIX}commit.{name}."
     out = []
@@ -100,7 +100,7 @@ def describe(body: dict[str, Any]) -> str:
     return str(_dict(body.get("set_aside")).get("reason", "unreadable set-aside record"))
 
 
-def prune(lake: Lake, name: str, *, live: set[str], dry_run: bool = False) -> list[str]:
+def prune(lake: LakeRoot, name: str, *, live: set[str], dry_run: bool = False) -> list[str]:
     """Remove the set-aside records of table ``name`` that protect nothing any more: set aside for their
     files (no commit can take them), naming no file, their writer provably dead or the record expired
     (as any staging record), or every file they name committed (``live``: paths relative to the table)

@@ -60,12 +60,12 @@ from pipeline.errors import CommitError
 from pipeline.lake import objects, staging
 from pipeline.lake.delta import damaged, keyindex, writes
 from pipeline.lake.delta.common import KEYS_APP, MAX_COMMIT_RETRIES, MAX_KEYED_ATTEMPTS, STAGE_MAX_AGE_S, \
-    FilesMissing, _metadata, pause_point
+    FilesMissing, pause_point, write_metadata
 from pipeline.lake.liveness import identity
 from pipeline.schema import ROW_KEY, TableSpec, table_spec
 
 if TYPE_CHECKING:
-    from pipeline.lake.delta.store import Lake
+    from pipeline.lake.delta.root import LakeRoot
 
 GROUP_COMMIT_ENV = "PIPELINE_GROUP_COMMIT"
 INTENT_PREFIX = "commit."
@@ -78,7 +78,7 @@ MAX_GROUP_ROWS = 500_000
 TAKEOVER_S = 2.0
 
 
-def enabled(lake: Lake) -> bool:
+def enabled(lake: LakeRoot) -> bool:
     """On unless ``PIPELINE_GROUP_COMMIT=0``, on stores with put-if-absent (local, S3)."""
     if not lake.is_local and not lake.uri.startswith("s3://"):
         return False
@@ -117,7 +117,7 @@ def _add_action(d: dict[str, Any]):
                      bool(d["data_change"]), d["stats"])
 
 
-def _publish(lake: Lake, name: str, *, app_id: str, txn_version: int, extra: list[str], meta: dict[str, str],
+def _publish(lake: LakeRoot, name: str, *, app_id: str, txn_version: int, extra: list[str], meta: dict[str, str],
              checked: int, actions: list, keys: np.ndarray, rows: int) -> Intent:
     rid = f"{INTENT_PREFIX}{name}.{int(time.time() * 1000):013d}-{uuid.uuid4().hex}"
     intent = Intent(rid, app_id, txn_version, tuple(extra), dict(meta), checked,
@@ -167,7 +167,7 @@ def _parse(rid: str, raw: bytes, name: str | None = None) -> Intent | str:
         return f"unreadable intent record ({type(exc).__name__}: {exc})"
 
 
-def records(lake: Lake, name: str) -> list[tuple[str, bytes | None, Intent | str]]:
+def records(lake: LakeRoot, name: str) -> list[tuple[str, bytes | None, Intent | str]]:
     """(record id, its bytes (None when cached), the intent or why it is damaged) of every published
     intent of table ``name``, in name (= publication time) order."""
     prefix = f"{INTENT_PREFIX}{name}."
@@ -191,7 +191,7 @@ def records(lake: Lake, name: str) -> list[tuple[str, bytes | None, Intent | str
     return out
 
 
-def pending(lake: Lake, name: str) -> list[Intent]:
+def pending(lake: LakeRoot, name: str) -> list[Intent]:
     """The published intents of table ``name``, in name (= publication time) order. A record that does
     not parse can never be committed: it is set aside (pipeline/lake/delta/damaged.py), never chosen."""
     out = []
@@ -203,7 +203,7 @@ def pending(lake: Lake, name: str) -> list[Intent]:
     return out
 
 
-def missing_files(lake: Lake, name: str, intent: Intent) -> str:
+def missing_files(lake: LakeRoot, name: str, intent: Intent) -> str:
     """Why the intent's files are not all there as written ("" when they are)."""
     try:
         lake.check_files({f"{name}/{a['path']}": int(a["size"]) for a in intent.actions}, what="intent")
@@ -213,7 +213,7 @@ def missing_files(lake: Lake, name: str, intent: Intent) -> str:
     return ""
 
 
-def _remove(lake: Lake, rid: str) -> None:
+def _remove(lake: LakeRoot, rid: str) -> None:
     staging.release(lake, rid)
     _CACHE.pop((lake.uri, rid), None)
 
@@ -221,16 +221,16 @@ def _remove(lake: Lake, rid: str) -> None:
 _TABLES = threading.local()
 
 
-def _commit_size(lake: Lake, name: str, version: int) -> int | None:
+def _commit_size(lake: LakeRoot, name: str, version: int) -> int | None:
     fs, _ = lake.filesystem()
-    base = lake.table_uri(name) if lake.is_local else lake.table_uri(name).split("://", 1)[1]
+    base = lake.table_path(name)
     import pyarrow.fs as pafs
 
     info = fs.get_file_info(f"{base}/_delta_log/{version:020d}.json")
     return info.size if info.type == pafs.FileType.File else None
 
 
-def latest(lake: Lake, name: str) -> DeltaTable:
+def latest(lake: LakeRoot, name: str) -> DeltaTable:
     """Table ``name`` at its latest version: this thread's open table brought forward
     (``update_incremental`` reads only the new commits), or freshly loaded. The open table is
     reused only while the commit it was last at is still in the log with the same size (a table
@@ -259,14 +259,14 @@ class View:
     writer needs to see whether its transaction landed and which intents one commit could take.
     ``tid`` is the Delta table id (a table created again at the same path is another table)."""
 
-    lake: Lake
+    lake: LakeRoot
     name: str
     tid: str
     version: int
     _dt: DeltaTable | None = None
 
     @classmethod
-    def of(cls, lake: Lake, name: str, dt: DeltaTable) -> View:
+    def of(cls, lake: LakeRoot, name: str, dt: DeltaTable) -> View:
         return cls(lake, name, str(dt.metadata().id), dt.version(), dt)
 
     def table(self) -> DeltaTable:
@@ -288,7 +288,7 @@ class View:
 _LOG: dict[tuple[str, str, str, int], tuple[dict[str, int], frozenset[str]]] = {}
 
 
-def _commit_facts(lake: Lake, name: str, tid: str, version: int
+def _commit_facts(lake: LakeRoot, name: str, tid: str, version: int
                   ) -> tuple[dict[str, int], frozenset[str]] | None:
     """(application transactions, paths added) of commit ``version`` of table ``name`` with Delta
     table id ``tid``; None if its log file is gone."""
@@ -350,7 +350,7 @@ class _KeysAdded:
 
     def since(self, version: int) -> keyindex.KeySet:
         if version not in self.memo:
-            self.memo[version] = keyindex.KeySet(keyindex._EMPTY, self._read(version))
+            self.memo[version] = keyindex.KeySet(keyindex.EMPTY_KEYS, self._read(version))
         return self.memo[version]
 
     def _read(self, version: int) -> np.ndarray:
@@ -371,7 +371,7 @@ class _KeysAdded:
                 if len(_COMMIT_KEYS) > 100_000:
                     _COMMIT_KEYS.clear()
             parts.append(_COMMIT_KEYS[key])
-        return np.concatenate(parts) if parts else keyindex._EMPTY
+        return np.concatenate(parts) if parts else keyindex.EMPTY_KEYS
 
 
 def choose(view: View, intents: list[Intent], *, now: float | None = None
@@ -414,7 +414,7 @@ def choose(view: View, intents: list[Intent], *, now: float | None = None
     return out, why
 
 
-def _check_files(lake: Lake, name: str, intents: list[Intent], ours: Intent) -> tuple[list[Intent], list[Intent]]:
+def _check_files(lake: LakeRoot, name: str, intents: list[Intent], ours: Intent) -> tuple[list[Intent], list[Intent]]:
     """(intents whose files are all there as written, those with a file gone). Another writer's
     intent with a file gone can never be committed: it is set aside after this one check."""
     ok, gone = [], []
@@ -432,7 +432,7 @@ def _check_files(lake: Lake, name: str, intents: list[Intent], ours: Intent) -> 
     return ok, gone
 
 
-def _commit(lake: Lake, spec: TableSpec, dt: DeltaTable, intents: list[Intent], meta: dict[str, str]) -> None:
+def _commit(lake: LakeRoot, spec: TableSpec, dt: DeltaTable, intents: list[Intent], meta: dict[str, str]) -> None:
     now_ms = int(time.time() * 1000)
     txns = [Transaction(a, i.txn_version if a == i.app_id else 0, now_ms) for i in intents for a in i.apps]
     txns.append(Transaction(KEYS_APP, (dt.transaction_version(KEYS_APP) or 0) + 1, now_ms))
@@ -450,7 +450,7 @@ def _commit(lake: Lake, spec: TableSpec, dt: DeltaTable, intents: list[Intent], 
     pause_point(f"group:{spec.name}:committed")
 
 
-def append(lake: Lake, name: str, data: pa.Table, *, command: str, config_hash: str | None, app_id: str | None,
+def append(lake: LakeRoot, name: str, data: pa.Table, *, command: str, config_hash: str | None, app_id: str | None,
            txn_version: int, extra: list[str]) -> writes.AppendResult:
     """``writes.append`` for a keyed table through a group commit (same result, same guarantees)."""
     if (lake.uri, name) not in _TABLES.__dict__.get("tables", {}):
@@ -458,7 +458,7 @@ def append(lake: Lake, name: str, data: pa.Table, *, command: str, config_hash: 
     spec = table_spec(name)
     data = writes.prepare(lake, spec, data)
     app_id = app_id or f"write-{uuid.uuid4().hex}"
-    meta = _metadata(command, config_hash)
+    meta = write_metadata(command, config_hash)
     meta.update({"pipeline.app_id": app_id, "pipeline.txn_version": str(txn_version)})
     dt = latest(lake, name)
     landed = dt.transaction_version(app_id)
@@ -500,7 +500,7 @@ def append(lake: Lake, name: str, data: pa.Table, *, command: str, config_hash: 
             return writes.AppendResult(name, False, 0, version, app_id, txn_version, duplicates, conflicts)
         # our intent can never land (see _drive): drop it and its files
         _remove(lake, intent.rid)
-        lake.discard(name, actions)
+        writes.discard(lake, name, actions)
         if outcome == "twin":
             return writes.AppendResult(name, False, 0, None, app_id, txn_version, duplicates, conflicts)
         dt = latest(lake, name)     # "keys": dedupe what landed since `checked`; "gone": write the files again
@@ -509,13 +509,13 @@ def append(lake: Lake, name: str, data: pa.Table, *, command: str, config_hash: 
                       hint=f"retry with the same transaction id ({app_id}, {txn_version}); it lands at most once")
 
 
-def _landed_as_of(lake: Lake, name: str, intent: Intent) -> bool:
+def _landed_as_of(lake: LakeRoot, name: str, intent: Intent) -> bool:
     """Is the intent's transaction in the table now (asked of a freshly loaded table)?"""
     v = lake.table(name).transaction_version(intent.app_id)
     return v is not None and v >= intent.txn_version
 
 
-def _wait_for_commit(lake: Lake, name: str, version: int, *, until: float) -> None:
+def _wait_for_commit(lake: LakeRoot, name: str, version: int, *, until: float) -> None:
     """Poll (one metadata request each time) until commit ``version + 1`` exists or ``until`` (monotonic).
     On an object store each poll is a billed request: poll less often there."""
     pause, most = (0.002, 0.02) if lake.is_local else (0.01, 0.1)
@@ -524,7 +524,7 @@ def _wait_for_commit(lake: Lake, name: str, version: int, *, until: float) -> No
         pause = min(pause * 1.5, most)
 
 
-def _drive(lake: Lake, spec: TableSpec, intent: Intent, meta: dict[str, str], view: View
+def _drive(lake: LakeRoot, spec: TableSpec, intent: Intent, meta: dict[str, str], view: View
            ) -> tuple[str, int | None, Exception | None]:
     """Wait for ``intent`` to land, committing pending intents (ours among them) when nobody
     else does. -> ("landed", version), ("twin": the same transaction landed with other files),
@@ -592,7 +592,7 @@ def _drive(lake: Lake, spec: TableSpec, intent: Intent, meta: dict[str, str], vi
     return "failed", None, last or RuntimeError(f"{MAX_KEYED_ATTEMPTS} passes without a commit holding it")
 
 
-def sweep(lake: Lake, name: str, *, dry_run: bool = False) -> list[str]:
+def sweep(lake: LakeRoot, name: str, *, dry_run: bool = False) -> list[str]:
     """Remove the intent records of ``name`` whose transaction is committed (left by writers killed
     after their commit landed). Records of intents not committed stay: another writer may still
     commit them, and they expire like any staging record (maintenance removes them then)."""
@@ -609,7 +609,7 @@ def sweep(lake: Lake, name: str, *, dry_run: bool = False) -> list[str]:
     return out
 
 
-def inspect_damaged(lake: Lake, name: str) -> list[tuple[str, str]]:
+def inspect_damaged(lake: LakeRoot, name: str) -> list[tuple[str, str]]:
     """(intent record id, why) of the pending intents of ``name`` that are damaged now: a record that
     does not parse, or a file gone (nothing is changed: `pipeline lake verify` reports them)."""
     out = []
@@ -623,7 +623,7 @@ def inspect_damaged(lake: Lake, name: str) -> list[tuple[str, str]]:
     return out
 
 
-def tidy_damaged(lake: Lake, name: str, *, live: set[str], dry_run: bool = False) -> tuple[list[str], list[str]]:
+def tidy_damaged(lake: LakeRoot, name: str, *, live: set[str], dry_run: bool = False) -> tuple[list[str], list[str]]:
     """What `pipeline lake maintain` does: set aside the damaged pending intents of ``name``, then remove
     the set-aside records that protect nothing any more (:func:`.damaged.prune`). -> (set aside, removed)."""
     aside = []

@@ -41,14 +41,14 @@ from pipeline.lake.delta.common import (
     MAX_KEYED_ATTEMPTS,
     STAGE_MAX_AGE_S,
     FilesMissing,
-    _metadata,
-    _partition_str,
+    partition_str,
     pause_point,
+    write_metadata,
 )
 from pipeline.schema import ROW_KEY, TableSpec, table_spec
 
 if TYPE_CHECKING:
-    from pipeline.lake.delta.store import Lake
+    from pipeline.lake.delta.root import LakeRoot
 
 
 class LockTaken(Exception):
@@ -127,7 +127,7 @@ class AppendResult:
 
 
 
-def prepare(lake: Lake, spec: TableSpec, data: pa.Table) -> pa.Table:
+def prepare(lake: LakeRoot, spec: TableSpec, data: pa.Table) -> pa.Table:
     """``data`` in the table's column order and types, with ``row_key`` computed."""
     if spec.enforces_key and (ROW_KEY not in data.column_names or data.column(ROW_KEY).null_count):
         if ROW_KEY in data.column_names:
@@ -137,7 +137,7 @@ def prepare(lake: Lake, spec: TableSpec, data: pa.Table) -> pa.Table:
 
 
 
-def stage(lake: Lake, name: str, data: pa.Table) -> Staged:
+def stage(lake: LakeRoot, name: str, data: pa.Table) -> Staged:
     """Write ``data`` as data files of table ``name`` without committing them;
     pass the result to ``append(..., staged=[...])`` (or to ``discard``). Until
     that commit lands the files are invisible; they are declared in the staging
@@ -150,11 +150,11 @@ def stage(lake: Lake, name: str, data: pa.Table) -> Staged:
 
 
 
-def discard(lake: Lake, name: str, staged: list) -> None:
+def discard(lake: LakeRoot, name: str, staged: list) -> None:
     """Best-effort removal of staged files that will not be committed (and of
     their staging-registry records)."""
     fs, _ = lake.filesystem()
-    base = lake.table_uri(name) if lake.is_local else lake.table_uri(name).split("://", 1)[1]
+    base = lake.table_path(name)
     actions = [a for item in staged for a in (item.actions if isinstance(item, Staged) else [item])]
     for action in actions:
         try:
@@ -169,19 +169,19 @@ def intent_id(name: str, path: str) -> str:
     return f"{name}.{path.rsplit('/', 1)[-1].removesuffix('.parquet')}"
 
 
-def release(lake: Lake, name: str, actions: list) -> None:
+def release(lake: LakeRoot, name: str, actions: list) -> None:
     """Remove the staging-registry records of ``actions`` (committed or given up)."""
     for action in actions:
         staging.release(lake, intent_id(name, action.path))
 
 
-def check_actions(lake: Lake, name: str, actions: list, *, what: str) -> None:
+def check_actions(lake: LakeRoot, name: str, actions: list, *, what: str) -> None:
     """:meth:`Lake.check_files` for the data files of add actions of table ``name``."""
     lake.check_files({f"{name}/{a.path}": a.size for a in actions if hasattr(a, "size")}, what=what)
 
 
 
-def append(lake: Lake, name: str, data: pa.Table | None, *, command: str, config_hash: str | None = None,
+def append(lake: LakeRoot, name: str, data: pa.Table | None, *, command: str, config_hash: str | None = None,
            app_id: str | None = None, txn_version: int = 0,
            extra_transactions: list[str] | None = None,
            extra_metadata: dict[str, str] | None = None,
@@ -218,7 +218,7 @@ def append(lake: Lake, name: str, data: pa.Table | None, *, command: str, config
     else:
         rows = sum(s.rows for s in staged)
     app_id = app_id or f"write-{uuid.uuid4().hex}"
-    meta = _metadata(command, config_hash)
+    meta = write_metadata(command, config_hash)
     meta.update({"pipeline.app_id": app_id, "pipeline.txn_version": str(txn_version)})
     meta.update(extra_metadata or {})
     last_exc: Exception | None = None
@@ -237,7 +237,7 @@ def append(lake: Lake, name: str, data: pa.Table | None, *, command: str, config
             if not ambiguous:
                 # committed by someone else with this app id (or before this call)
                 if staged is None and actions:
-                    lake.discard(name, actions)    # ours were never committed: unreferenced files
+                    discard(lake, name, actions)    # ours were never committed: unreferenced files
                 return AppendResult(name, False, 0, None, app_id, txn_version, duplicates, conflicts)
             # our own earlier attempt committed before failing: done
             release(lake, name, actions or [])
@@ -250,7 +250,7 @@ def append(lake: Lake, name: str, data: pa.Table | None, *, command: str, config
             held = dt.transaction_version(lock[0])
             if held is not None and held >= lock[1]:
                 if staged is None and actions:
-                    lake.discard(name, actions)
+                    discard(lake, name, actions)
                 raise LockTaken(*lock)
             txns.append(Transaction(lock[0], lock[1], now_ms))
         if keyed:
@@ -259,14 +259,14 @@ def append(lake: Lake, name: str, data: pa.Table | None, *, command: str, config
                     data, dups, confl = drop_landed(lake, spec, dt, data, since=checked)
                 except BaseException:
                     if actions and not ambiguous:   # never committed: nothing of this call stays behind
-                        lake.discard(name, actions)
+                        discard(lake, name, actions)
                     raise
                 if dups or confl is not None:
                     duplicates += dups
                     if confl is not None:   # a retry may find duplicates only (conflicts of an earlier pass stay)
                         conflicts = confl if conflicts is None else pa.concat_tables([conflicts, confl])
                     if actions is not None:  # written before a concurrent append landed some keys
-                        lake.discard(name, [Staged(actions, np.empty(0, np.int64), 0, 0.0)])
+                        discard(lake, name, [Staged(actions, np.empty(0, np.int64), 0, 0.0)])
                         actions = None
                 rows = data.num_rows
                 if rows == 0:
@@ -285,7 +285,7 @@ def append(lake: Lake, name: str, data: pa.Table | None, *, command: str, config
                 actions = write_data_files(lake, spec, data)
                 written_at = time.time()
             elif staged is None and time.time() - written_at > STAGE_MAX_AGE_S:
-                lake.discard(name, [Staged(actions, np.empty(0, np.int64), 0, 0.0)])
+                discard(lake, name, [Staged(actions, np.empty(0, np.int64), 0, 0.0)])
                 actions = write_data_files(lake, spec, data)
                 written_at = time.time()
             pause_point(f"append:{name}:staged")
@@ -310,7 +310,7 @@ def append(lake: Lake, name: str, data: pa.Table | None, *, command: str, config
             if staged is not None:
                 raise StagedFilesMissing(exc) from None
             last_exc = exc     # deleted under us: write them again on the next attempt
-            lake.discard(name, actions or [])
+            discard(lake, name, actions or [])
             actions = None
             continue
         except CommitFailedError as exc:
@@ -320,7 +320,7 @@ def append(lake: Lake, name: str, data: pa.Table | None, *, command: str, config
                 if held is not None and held >= lock[1] and \
                         (lake.table(name).transaction_version(app_id) or -1) < txn_version:
                     if staged is None:
-                        lake.discard(name, actions or [])
+                        discard(lake, name, actions or [])
                     raise LockTaken(*lock) from None
         except Exception as exc:  # ambiguous: the commit may have landed
             last_exc = exc
@@ -334,7 +334,7 @@ def append(lake: Lake, name: str, data: pa.Table | None, *, command: str, config
         release(lake, name, actions or [])
         return AppendResult(name, True, rows, lake.version(name), app_id, txn_version, duplicates, conflicts)
     if staged is None and actions:
-        lake.discard(name, actions)     # never committed: unreferenced files
+        discard(lake, name, actions)     # never committed: unreferenced files
     raise CommitError(
         f"could not append {rows} rows to {name} after {attempts} attempts: {last_exc}",
         hint=f"retry with the same transaction id ({app_id}, {txn_version}); it lands at most once",
@@ -342,7 +342,7 @@ def append(lake: Lake, name: str, data: pa.Table | None, *, command: str, config
 
 
 
-def drop_landed(lake: Lake, spec: TableSpec, dt: DeltaTable, data: pa.Table, *, since: int | None
+def drop_landed(lake: LakeRoot, spec: TableSpec, dt: DeltaTable, data: pa.Table, *, since: int | None
                  ) -> tuple[pa.Table, int, pa.Table | None]:
     """``data`` without rows whose key is in ``dt`` (only files committed after
     version ``since`` are looked at when given) or repeats earlier in ``data``.
@@ -387,7 +387,7 @@ def drop_landed(lake: Lake, spec: TableSpec, dt: DeltaTable, data: pa.Table, *, 
 
 
 
-def write_data_files(lake: Lake, spec: TableSpec, data: pa.Table, *, data_change: bool = True) -> list:
+def write_data_files(lake: LakeRoot, spec: TableSpec, data: pa.Table, *, data_change: bool = True) -> list:
     """Write ``data`` as Parquet files (one per partition) under the table and
     return their add actions. pyarrow's writer with dictionary encoding and
     statistics off for token lists was ~2x faster than delta-rs's writer on
@@ -401,8 +401,7 @@ def write_data_files(lake: Lake, spec: TableSpec, data: pa.Table, *, data_change
     from deltalake.transaction import AddAction
 
     fs, _ = lake.filesystem()
-    base = lake.table_uri(spec.name)
-    base_path = base if lake.is_local else base.split("://", 1)[1]
+    base_path = lake.table_path(spec.name)
     parts = list(spec.partition_by)
     scalar = [c.name for c in spec.columns if not c.is_list and not pa.types.is_map(c.arrow_type)
               and c.name not in parts]
@@ -411,21 +410,21 @@ def write_data_files(lake: Lake, spec: TableSpec, data: pa.Table, *, data_change
     if parts:
         keys = data.select(parts).group_by(parts).aggregate([]).to_pylist()
         if len(keys) == 1:  # the common case; filtering would copy every token list
-            groups.append(({k: _partition_str(v) for k, v in keys[0].items()}, data.drop_columns(parts)))
+            groups.append(({k: partition_str(v) for k, v in keys[0].items()}, data.drop_columns(parts)))
             keys = []
         for key in keys:
             mask = None
             for col, val in key.items():
                 m = pc.is_null(data.column(col)) if val is None else pc.equal(data.column(col), val)
                 mask = m if mask is None else pc.and_(mask, m)
-            groups.append(({k: _partition_str(v) for k, v in key.items()}, data.filter(mask).drop_columns(parts)))
+            groups.append(({k: partition_str(v) for k, v in key.items()}, data.filter(mask).drop_columns(parts)))
     else:
         groups.append(({}, data))
     actions: list = []
     rel_path = ""
     try:
         for pvals, part in groups:
-            rel = "/".join(f"{k}={_path_safe(v)}" for k, v in pvals.items())
+            rel = "/".join(f"{k}={path_safe(v)}" for k, v in pvals.items())
             fname = f"part-00000-{uuid.uuid4()}-c000.zstd.parquet"
             rel_path = f"{rel}/{fname}" if rel else fname
             staging.declare(lake, [f"{spec.name}/{rel_path}"], rid=intent_id(spec.name, rel_path))
@@ -436,7 +435,7 @@ def write_data_files(lake: Lake, spec: TableSpec, data: pa.Table, *, data_change
                                write_statistics=scalar)
             size = fs.get_file_info(f"{base_path}/{rel_path}").size
             actions.append(AddAction(rel_path, size, pvals, int(time.time() * 1000), data_change,
-                                     _stats_json(part, scalar)))
+                                     stats_json(part, scalar)))
             rel_path = ""
     except BaseException:
         # nothing half-written stays behind (a full disk, an interrupt): this file and those before it
@@ -451,7 +450,7 @@ def write_data_files(lake: Lake, spec: TableSpec, data: pa.Table, *, data_change
     return actions
 
 
-def _path_safe(v: str | None) -> str:
+def path_safe(v: str | None) -> str:
     """A directory name for a partition value. Readers take partition values from
     the log, never from paths, so unusual values get a hashed name instead of
     escaping rules that differ between engines."""
@@ -468,7 +467,7 @@ def _path_safe(v: str | None) -> str:
 STATS_PREFIX = 64
 
 
-def _stats_json(t: pa.Table, columns: list[str]) -> str:
+def stats_json(t: pa.Table, columns: list[str]) -> str:
     """Delta file statistics (numRecords, nullCount; min/max for numbers, times and strings)."""
     import json
 
@@ -503,7 +502,7 @@ def _stats_json(t: pa.Table, columns: list[str]) -> str:
     return json.dumps({"numRecords": t.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls})
 
 
-def committed_version(lake: Lake, name: str, app_id: str, txn_version: int, read_version: int) -> int | None:
+def committed_version(lake: LakeRoot, name: str, app_id: str, txn_version: int, read_version: int) -> int | None:
     """The version of the commit that carried the application transaction ``(app_id, txn_version)``, looked
     for from the newest commit down to the one after ``read_version`` (the version the writer read: its commit
     lands after it, after any rebase onto commits that landed meanwhile). Each (app_id, version) is committed
