@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Reject:
     row: int
     code: str                        # the first problem's code
@@ -73,7 +73,7 @@ class Failures:
             msg = probs[0][1] + "".join(f"; also: {m}" for _, m in probs[1:])
             if len(probs) > 1:
                 msg = f"{len(probs)} problems: {msg}"
-            out.append(Reject(i, probs[0][0], msg, problems=tuple(probs)))
+            out.append(Reject(row=i, code=probs[0][0], message=msg, problems=tuple(probs)))
         return out
 
 

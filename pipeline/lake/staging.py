@@ -78,7 +78,7 @@ class Declared:
         return rel in self.paths or any(rel.startswith(p) for p in self.prefixes)
 
 
-def _record_age_s(body: dict[str, Any], mtime: float | None, now: float) -> float:
+def record_age_s(body: dict[str, Any], mtime: float | None, now: float) -> float:
     """The younger of the two ages (writer's clock, store's clock): skew in one
     of them alone never makes a record look old."""
     ages = [now - float(body["created"])] if isinstance(body.get("created"), (int, float)) else []
@@ -111,7 +111,7 @@ def declared(lake: StagingRoot, *, remove_expired: bool = False) -> Declared:
         except (ValueError, KeyError, TypeError):
             body, listed = {}, []   # damaged: it protects nothing, and goes once old
         mtime = info.mtime.timestamp() if info.mtime is not None else None
-        if not body or holder_is_dead(body) or _record_age_s(body, mtime, now) > INTENT_MAX_AGE_S:
+        if not body or holder_is_dead(body) or record_age_s(body, mtime, now) > INTENT_MAX_AGE_S:
             if remove_expired:
                 release(lake, info.base_name[:-len(".json")])
             continue

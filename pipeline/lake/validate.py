@@ -35,7 +35,7 @@ from pipeline.lake.failures import Failures, Reject, as_numpy, bool_mask, flat_l
 from pipeline.lake.invariants import INVARIANTS
 from pipeline.schema import ColumnSpec, table_spec
 
-@dataclass
+@dataclass(kw_only=True)
 class Validated:
     valid: pa.Table                 # ingest schema (content_hash filled), valid rows only
     valid_rows: np.ndarray          # their indices in the input

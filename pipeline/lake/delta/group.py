@@ -49,7 +49,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -77,6 +77,16 @@ MAX_GROUP_ROWS = 500_000
 # waiting writers commit themselves. Only progress depends on it, never what lands.
 TAKEOVER_S = 2.0
 
+# Why :func:`choose` leaves an intent out of a commit: its transaction ``landed`` already, it is ``stale``,
+# a key of it landed after its check (``keys``), a key or transaction of an intent taken before it
+# (``repeat``), or the commit is ``full``.
+LeftOut = Literal["landed", "stale", "keys", "repeat", "full"]
+# How waiting for our intent ends (:func:`_drive`): ``landed`` with our files; a ``twin`` (our transaction
+# with other files) landed; our transaction landed, with which files the log no longer says (``unknown``);
+# ``keys`` of ours landed since our check; our files are ``gone``; or it ``failed`` (out of attempts).
+Outcome = Literal["landed", "twin", "unknown", "keys", "gone", "failed"]
+_BY_OURS: dict[bool | None, Outcome] = {True: "landed", False: "twin", None: "unknown"}
+
 
 def enabled(lake: LakeRoot) -> bool:
     """On unless ``PIPELINE_GROUP_COMMIT=0``, on stores with put-if-absent (local, S3)."""
@@ -85,7 +95,7 @@ def enabled(lake: LakeRoot) -> bool:
     return os.environ.get(GROUP_COMMIT_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Intent:
     """One writer's pending append, as published in its intent record."""
 
@@ -120,8 +130,9 @@ def _add_action(d: dict[str, Any]):
 def _publish(lake: LakeRoot, name: str, *, app_id: str, txn_version: int, extra: list[str], meta: dict[str, str],
              checked: int, actions: list, keys: np.ndarray, rows: int) -> Intent:
     rid = f"{INTENT_PREFIX}{name}.{int(time.time() * 1000):013d}-{uuid.uuid4().hex}"
-    intent = Intent(rid, app_id, txn_version, tuple(extra), dict(meta), checked,
-                    tuple(_action_dict(a) for a in actions), keys.astype("<i8"), rows, time.time())
+    intent = Intent(rid=rid, app_id=app_id, txn_version=txn_version, extra=tuple(extra), meta=dict(meta),
+                    checked=checked, actions=tuple(_action_dict(a) for a in actions), keys=keys.astype("<i8"),
+                    rows=rows, created=time.time())
     body = {"paths": sorted(f"{name}/{a.path}" for a in actions), "created": intent.created,
             "host": socket.gethostname(), "pid": os.getpid(),
             "pid_bound": False,     # a dead writer's intent may still be committed by another writer
@@ -159,10 +170,11 @@ def _parse(rid: str, raw: bytes, name: str | None = None) -> Intent | str:
                  "an add action lacks path, size, partition values, time, data change or stats")
         keys = base64.b64decode(c["keys"], validate=True)
         need(len(keys) == 8 * c["rows"], f"{len(keys)} bytes of keys for {c['rows']} rows")
-        return Intent(rid, c["app_id"], c["txn_version"], tuple(str(t) for t in c["extra"]),
-                      {str(k): str(v) for k, v in c["meta"].items()}, c["checked"],
-                      tuple(c["actions"]), np.frombuffer(keys, "<i8").astype(np.int64),
-                      c["rows"], float(body["created"]))
+        return Intent(rid=rid, app_id=c["app_id"], txn_version=c["txn_version"],
+                      extra=tuple(str(t) for t in c["extra"]), meta={str(k): str(v) for k, v in c["meta"].items()},
+                      checked=c["checked"], actions=tuple(c["actions"]),
+                      keys=np.frombuffer(keys, "<i8").astype(np.int64), rows=c["rows"],
+                      created=float(body["created"]))
     except (ValueError, KeyError, TypeError) as exc:
         return f"unreadable intent record ({type(exc).__name__}: {exc})"
 
@@ -253,7 +265,7 @@ def latest(lake: LakeRoot, name: str) -> DeltaTable:
     return dt
 
 
-@dataclass
+@dataclass(kw_only=True)
 class View:
     """Table ``name`` as of ``version``, read from its log alone (no snapshot loaded): what a waiting
     writer needs to see whether its transaction landed and which intents one commit could take.
@@ -267,7 +279,7 @@ class View:
 
     @classmethod
     def of(cls, lake: LakeRoot, name: str, dt: DeltaTable) -> View:
-        return cls(lake, name, str(dt.metadata().id), dt.version(), dt)
+        return cls(lake=lake, name=name, tid=str(dt.metadata().id), version=dt.version(), _dt=dt)
 
     def table(self) -> DeltaTable:
         """The snapshot at ``version`` (loaded only when the log alone does not tell)."""
@@ -281,7 +293,7 @@ class View:
         v = self.version
         while _commit_size(self.lake, self.name, v + 1) is not None:
             v += 1
-        return self if v == self.version else View(self.lake, self.name, self.tid, v)
+        return self if v == self.version else View(lake=self.lake, name=self.name, tid=self.tid, version=v)
 
 
 # commits are immutable: (lake, table, Delta table id, version) -> (application transactions, paths added)
@@ -375,13 +387,13 @@ class _KeysAdded:
 
 
 def choose(view: View, intents: list[Intent], *, now: float | None = None
-           ) -> tuple[list[Intent], dict[str, str]]:
+           ) -> tuple[list[Intent], dict[str, LeftOut]]:
     """The intents one commit on ``view`` takes, and why each other one is left out
     (``landed``, ``stale``, ``keys``: a key landed after its check, ``repeat``: a key or
     transaction of an intent taken before it, ``full``: the commit is full)."""
     now = time.time() if now is None else now
     out: list[Intent] = []
-    why: dict[str, str] = {}
+    why: dict[str, LeftOut] = {}
     live = []
     landed = _Landed(view)
     for i in intents:
@@ -463,8 +475,14 @@ def append(lake: LakeRoot, name: str, data: pa.Table, *, command: str, config_ha
     dt = latest(lake, name)
     landed = dt.transaction_version(app_id)
     if landed is not None and landed >= txn_version:
-        return writes.AppendResult(name, False, 0, None, app_id, txn_version)
+        return writes.AppendResult(table=name, landed=False, rows=0, version=None, app_id=app_id,
+                                   txn_version=txn_version)
     duplicates, conflicts = 0, None
+
+    def result(*, landed: bool, rows: int, version: int | None) -> writes.AppendResult:
+        return writes.AppendResult(table=name, landed=landed, rows=rows, version=version, app_id=app_id,
+                                   txn_version=txn_version, duplicates=duplicates, conflicts=conflicts)
+
     checked: int | None = None
     last: Exception | None = None
     for _ in range(MAX_KEYED_ATTEMPTS):
@@ -473,11 +491,11 @@ def append(lake: LakeRoot, name: str, data: pa.Table, *, command: str, config_ha
         if confl is not None:
             conflicts = confl if conflicts is None else pa.concat_tables([conflicts, confl])
         if data.num_rows == 0:
-            return writes.AppendResult(name, False, 0, None, app_id, txn_version, duplicates, conflicts)
+            return result(landed=False, rows=0, version=None)
         if checked is not None:     # a later pass: has a twin with our transaction landed meanwhile?
             landed = dt.transaction_version(app_id)
             if landed is not None and landed >= txn_version:
-                return writes.AppendResult(name, False, 0, None, app_id, txn_version, duplicates, conflicts)
+                return result(landed=False, rows=0, version=None)
         checked = dt.version()      # our transaction is not in the table up to here (every pass looked)
         actions = writes.write_data_files(lake, spec, data)
         intent = _publish(lake, name, app_id=app_id, txn_version=txn_version, extra=extra, meta=meta,
@@ -488,8 +506,7 @@ def append(lake: LakeRoot, name: str, data: pa.Table, *, command: str, config_ha
             pause_point(f"append:{name}:committed")
             _remove(lake, intent.rid)
             writes.release(lake, name, actions)
-            return writes.AppendResult(name, True, data.num_rows, version, app_id, txn_version, duplicates,
-                                       conflicts)
+            return result(landed=True, rows=data.num_rows, version=version)
         if outcome == "failed":
             break    # left published: another writer may still commit it, or it expires (maintenance)
         if outcome in ("keys", "gone") and _landed_as_of(lake, name, intent):
@@ -497,12 +514,12 @@ def append(lake: LakeRoot, name: str, data: pa.Table, *, command: str, config_ha
         if outcome == "unknown":   # our transaction landed; whether with our files the log no longer says:
             _remove(lake, intent.rid)           # keep them (orphan cleanup removes them if unreferenced)
             writes.release(lake, name, actions)
-            return writes.AppendResult(name, False, 0, version, app_id, txn_version, duplicates, conflicts)
+            return result(landed=False, rows=0, version=version)
         # our intent can never land (see _drive): drop it and its files
         _remove(lake, intent.rid)
         writes.discard(lake, name, actions)
         if outcome == "twin":
-            return writes.AppendResult(name, False, 0, None, app_id, txn_version, duplicates, conflicts)
+            return result(landed=False, rows=0, version=None)
         dt = latest(lake, name)     # "keys": dedupe what landed since `checked`; "gone": write the files again
     cause = f"{type(last).__name__}: {last}" if last is not None else "out of attempts"
     raise CommitError(f"could not append {data.num_rows} rows to {name}: {cause}",
@@ -525,7 +542,7 @@ def _wait_for_commit(lake: LakeRoot, name: str, version: int, *, until: float) -
 
 
 def _drive(lake: LakeRoot, spec: TableSpec, intent: Intent, meta: dict[str, str], view: View
-           ) -> tuple[str, int | None, Exception | None]:
+           ) -> tuple[Outcome, int | None, Exception | None]:
     """Wait for ``intent`` to land, committing pending intents (ours among them) when nobody
     else does. -> ("landed", version), ("twin": the same transaction landed with other files),
     ("keys": some of our keys landed since our check), ("gone": our files vanished) or
@@ -538,7 +555,7 @@ def _drive(lake: LakeRoot, spec: TableSpec, intent: Intent, meta: dict[str, str]
         view = view.advanced()
         version, ours = _Landed(view).where(intent)
         if version is not None:
-            return {True: "landed", False: "twin", None: "unknown"}[ours], version, None
+            return _BY_OURS[ours], version, None
         intents = pending(lake, name)
         if intent.rid not in {i.rid for i in intents}:
             intents = sorted([*intents, intent], key=lambda i: i.rid)

@@ -120,7 +120,8 @@ def _index_name(version: int) -> str:
     return f"keys-{version:020d}.idx"
 
 
-def _commit_file(lake: LakeRoot, name: str, version: int) -> bytes | None:
+def commit_file(lake: LakeRoot, name: str, version: int) -> bytes | None:
+    """The bytes of the log entry of commit ``version`` of table ``name``; None when it is gone."""
     fs, _ = lake.filesystem()
     base = lake.table_path(name)
     try:
@@ -132,11 +133,11 @@ def _commit_file(lake: LakeRoot, name: str, version: int) -> bytes | None:
 
 def _commit_sha(lake: LakeRoot, name: str, version: int) -> str | None:
     """sha256 of the log entry of ``version``: names that commit in this history of the table."""
-    raw = _commit_file(lake, name, version)
+    raw = commit_file(lake, name, version)
     return None if raw is None else hashlib.sha256(raw).hexdigest()
 
 
-def _anchor(raw: bytes | None) -> dict[str, Any] | None:
+def index_anchor(raw: bytes | None) -> dict[str, Any] | None:
     """The key-index record (``pipeline.key_index`` in the commit's metadata) of a commit's log entry."""
     for line in (raw or b"").splitlines():
         try:
@@ -326,10 +327,10 @@ def _load_key_index(lake: LakeRoot, name: str, version: int, *, dt: DeltaTable |
         try:
             if ext != "idx":
                 raise ValueError("an older format without table identity or checksum")
-            entry = _commit_file(lake, name, v)
+            entry = commit_file(lake, name, v)
             return (v, decode_index(raw, table=name, table_id=table_id, version=v,
                                     commit=None if entry is None else hashlib.sha256(entry).hexdigest(),
-                                    anchor=_anchor(entry))), rejected
+                                    anchor=index_anchor(entry))), rejected
         except ValueError as exc:
             rejected = True
             log.warning("ignoring the key index %s of table %s: %s; reading the keys from the table "

@@ -80,7 +80,7 @@ class StagedFilesMissing(KeyRace):
         self.missing = missing.missing
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Staged:
     """Data files written by :meth:`Lake.stage`, not yet committed."""
 
@@ -108,7 +108,7 @@ def row_keys(spec: TableSpec, data: pa.Table) -> pa.Array:
 
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AppendResult:
     """Outcome of one append. ``landed`` is False when the app transaction had
     already been committed (an exactly-once no-op), or when every row was
@@ -146,7 +146,7 @@ def stage(lake: LakeRoot, name: str, data: pa.Table) -> Staged:
     spec = table_spec(name)
     data = prepare(lake, spec, data)
     keys = (data.column(ROW_KEY).to_numpy() if spec.enforces_key else np.empty(0, np.int64))
-    return Staged(write_data_files(lake, spec, data), keys, data.num_rows, time.time())
+    return Staged(actions=write_data_files(lake, spec, data), keys=keys, rows=data.num_rows, written_at=time.time())
 
 
 
@@ -209,137 +209,193 @@ def append(lake: LakeRoot, name: str, data: pa.Table | None, *, command: str, co
     ``snapshot`` is a freshly loaded table the first attempt may use instead
     of loading it again.
     """
-    lake.ensure(name)
-    spec = table_spec(name)
-    keyed = spec.enforces_key
-    if staged is None:
-        data = prepare(lake, spec, data)
-        rows = data.num_rows
-    else:
-        rows = sum(s.rows for s in staged)
-    app_id = app_id or f"write-{uuid.uuid4().hex}"
-    meta = write_metadata(command, config_hash)
-    meta.update({"pipeline.app_id": app_id, "pipeline.txn_version": str(txn_version)})
-    meta.update(extra_metadata or {})
+    run = _Append(lake, name, data, command=command, config_hash=config_hash, app_id=app_id,
+                  txn_version=txn_version, extra_transactions=extra_transactions, extra_metadata=extra_metadata,
+                  staged=staged, read_version=read_version, lock=lock)
     last_exc: Exception | None = None
-    ambiguous = False  # an earlier attempt failed in a way that may have committed
-    actions = [a for s in staged for a in s.actions] if staged is not None else None
-    checked = read_version if staged is not None else None  # keys up to here are checked
-    duplicates, conflicts = 0, None
-    attempts = MAX_KEYED_ATTEMPTS if keyed or lock else MAX_ATTEMPTS
-    for attempt in range(attempts):
+    for attempt in range(run.attempts):
         # Check and write against the SAME table snapshot: delta-rs then refuses
         # (ConcurrentTransaction) a commit racing another with our app id (or the
         # serialising one), which closes the window between the check and the write.
         dt = snapshot if attempt == 0 and snapshot is not None else lake.table(name)
-        landed = dt.transaction_version(app_id)
-        if landed is not None and landed >= txn_version:
-            if not ambiguous:
-                # committed by someone else with this app id (or before this call)
-                if staged is None and actions:
-                    discard(lake, name, actions)    # ours were never committed: unreferenced files
-                return AppendResult(name, False, 0, None, app_id, txn_version, duplicates, conflicts)
-            # our own earlier attempt committed before failing: done
-            release(lake, name, actions or [])
-            return AppendResult(name, True, rows, lake.version(name), app_id, txn_version,
-                                duplicates, conflicts)
+        done = run.settled(dt)
+        if done is not None:
+            return done
         now_ms = int(time.time() * 1000)
-        txns = [Transaction(app_id, txn_version, now_ms)] + [
-            Transaction(t, 0, now_ms) for t in extra_transactions or [] if t != app_id]
-        if lock is not None:
-            held = dt.transaction_version(lock[0])
-            if held is not None and held >= lock[1]:
-                if staged is None and actions:
-                    discard(lake, name, actions)
-                raise LockTaken(*lock)
-            txns.append(Transaction(lock[0], lock[1], now_ms))
-        if keyed:
-            if staged is None:
-                try:
-                    data, dups, confl = drop_landed(lake, spec, dt, data, since=checked)
-                except BaseException:
-                    if actions and not ambiguous:   # never committed: nothing of this call stays behind
-                        discard(lake, name, actions)
-                    raise
-                if dups or confl is not None:
-                    duplicates += dups
-                    if confl is not None:   # a retry may find duplicates only (conflicts of an earlier pass stay)
-                        conflicts = confl if conflicts is None else pa.concat_tables([conflicts, confl])
-                    if actions is not None:  # written before a concurrent append landed some keys
-                        discard(lake, name, [Staged(actions, np.empty(0, np.int64), 0, 0.0)])
-                        actions = None
-                rows = data.num_rows
-                if rows == 0:
-                    return AppendResult(name, False, 0, None, app_id, txn_version, duplicates, conflicts)
-            else:
-                if time.time() - min(s.written_at for s in staged) > STAGE_MAX_AGE_S:
-                    raise KeyRace(np.empty(0, np.int64))
-                ours = np.concatenate([s.keys for s in staged])
-                hits = ours[keyindex.keys(lake, name, dt, since=checked).contains(ours)]
-                if hits.size:
-                    raise KeyRace(hits)
-            checked = dt.version()
+        txns = run.transactions(dt, now_ms)
+        if run.keyed:
+            done = run.dedupe(dt)
+            if done is not None:
+                return done
             txns.append(Transaction(KEYS_APP, (dt.transaction_version(KEYS_APP) or 0) + 1, now_ms))
         try:
-            if actions is None:  # data files are immutable: write once, commit as often as needed
-                actions = write_data_files(lake, spec, data)
-                written_at = time.time()
-            elif staged is None and time.time() - written_at > STAGE_MAX_AGE_S:
-                discard(lake, name, [Staged(actions, np.empty(0, np.int64), 0, 0.0)])
-                actions = write_data_files(lake, spec, data)
-                written_at = time.time()
-            pause_point(f"append:{name}:staged")
-            check_actions(lake, name, actions, what=f"append to {name}")   # nothing committed without its files
-            dt.create_write_transaction(
-                actions,
-                mode="append",
-                schema=spec.arrow_schema(),
-                partition_by=list(spec.partition_by) or None,
-                commit_properties=CommitProperties(
-                    custom_metadata=meta,
-                    max_commit_retries=MAX_COMMIT_RETRIES,
-                    app_transactions=txns,
-                ),
-            )
-            pause_point(f"append:{name}:committed")
-            release(lake, name, actions)
-            # delta-rs does not move `dt` to the version it committed: find the commit by its transaction
-            return AppendResult(name, True, rows, committed_version(lake, name, app_id, txn_version, dt.version()),
-                                app_id, txn_version, duplicates, conflicts)
+            return run.commit(dt, txns)
         except FilesMissing as exc:
             if staged is not None:
                 raise StagedFilesMissing(exc) from None
             last_exc = exc     # deleted under us: write them again on the next attempt
-            discard(lake, name, actions or [])
-            actions = None
+            discard(lake, name, run.actions or [])
+            run.actions = None
             continue
         except CommitFailedError as exc:
             last_exc = exc
-            if lock is not None:
-                held = lake.table(name).transaction_version(lock[0])
-                if held is not None and held >= lock[1] and \
-                        (lake.table(name).transaction_version(app_id) or -1) < txn_version:
-                    if staged is None:
-                        discard(lake, name, actions or [])
-                    raise LockTaken(*lock) from None
+            run.check_lock()
         except Exception as exc:  # ambiguous: the commit may have landed
             last_exc = exc
-            ambiguous = True
-        if keyed or lock:  # lost a serialising race: jittered back-off, then re-check
+            run.ambiguous = True
+        if run.keyed or lock:  # lost a serialising race: jittered back-off, then re-check
             time.sleep(random.uniform(0, min(0.02 * 2 ** min(attempt, 6), 1.0)))
         else:
             time.sleep(min(0.05 * 2**attempt, 2.0))
-    landed = lake.transaction_version(name, app_id)
-    if landed is not None and landed >= txn_version:
-        release(lake, name, actions or [])
-        return AppendResult(name, True, rows, lake.version(name), app_id, txn_version, duplicates, conflicts)
-    if staged is None and actions:
-        discard(lake, name, actions)     # never committed: unreferenced files
-    raise CommitError(
-        f"could not append {rows} rows to {name} after {attempts} attempts: {last_exc}",
-        hint=f"retry with the same transaction id ({app_id}, {txn_version}); it lands at most once",
-    )
+    return run.give_up(last_exc)
 
+
+class _Append:
+    """One call of :func:`append`: its inputs, and what its attempts learned so far (the files
+    written, the table version the keys are checked up to, the duplicates and conflicts found)."""
+
+    def __init__(self, lake: LakeRoot, name: str, data: pa.Table | None, *, command: str,
+                 config_hash: str | None, app_id: str | None, txn_version: int,
+                 extra_transactions: list[str] | None, extra_metadata: dict[str, str] | None,
+                 staged: list[Staged] | None, read_version: int | None, lock: tuple[str, int] | None) -> None:
+        lake.ensure(name)
+        self.lake, self.name, self.spec = lake, name, table_spec(name)
+        self.keyed = self.spec.enforces_key
+        self.staged, self.lock, self.txn_version = staged, lock, txn_version
+        self.extra_transactions = extra_transactions
+        if staged is None:
+            data = prepare(lake, self.spec, data)
+            self.rows = data.num_rows
+        else:
+            self.rows = sum(s.rows for s in staged)
+        self.data = data
+        self.app_id = app_id or f"write-{uuid.uuid4().hex}"
+        self.meta = write_metadata(command, config_hash)
+        self.meta.update({"pipeline.app_id": self.app_id, "pipeline.txn_version": str(txn_version)})
+        self.meta.update(extra_metadata or {})
+        self.ambiguous = False  # an earlier attempt failed in a way that may have committed
+        self.actions: list | None = [a for s in staged for a in s.actions] if staged is not None else None
+        self.written_at = 0.0   # when this call wrote ``actions`` (rows in memory only)
+        self.checked = read_version if staged is not None else None  # keys up to here are checked
+        self.duplicates, self.conflicts = 0, None
+        self.attempts = MAX_KEYED_ATTEMPTS if self.keyed or lock else MAX_ATTEMPTS
+
+    def result(self, *, landed: bool, rows: int, version: int | None) -> AppendResult:
+        return AppendResult(table=self.name, landed=landed, rows=rows, version=version, app_id=self.app_id,
+                            txn_version=self.txn_version, duplicates=self.duplicates, conflicts=self.conflicts)
+
+    def discard_written(self) -> None:
+        """Remove the files this call wrote itself (never the caller's staged ones)."""
+        if self.staged is None and self.actions:
+            discard(self.lake, self.name, self.actions)
+
+    def settled(self, dt: DeltaTable) -> AppendResult | None:
+        """The result when our transaction is already in ``dt``; None when it is not."""
+        landed = dt.transaction_version(self.app_id)
+        if landed is None or landed < self.txn_version:
+            return None
+        if not self.ambiguous:
+            # committed by someone else with this app id (or before this call)
+            self.discard_written()    # ours were never committed: unreferenced files
+            return self.result(landed=False, rows=0, version=None)
+        # our own earlier attempt committed before failing: done
+        release(self.lake, self.name, self.actions or [])
+        return self.result(landed=True, rows=self.rows, version=self.lake.version(self.name))
+
+    def transactions(self, dt: DeltaTable, now_ms: int) -> list[Transaction]:
+        """The application transactions of the commit on ``dt`` (:class:`LockTaken` if the lock is taken)."""
+        txns = [Transaction(self.app_id, self.txn_version, now_ms)] + [
+            Transaction(t, 0, now_ms) for t in self.extra_transactions or [] if t != self.app_id]
+        if self.lock is not None:
+            held = dt.transaction_version(self.lock[0])
+            if held is not None and held >= self.lock[1]:
+                self.discard_written()
+                raise LockTaken(*self.lock)
+            txns.append(Transaction(self.lock[0], self.lock[1], now_ms))
+        return txns
+
+    def dedupe(self, dt: DeltaTable) -> AppendResult | None:
+        """Keyed tables: leave out the rows whose key landed (in memory), or raise :class:`KeyRace` when
+        a staged key did; the result when no row is left to write."""
+        if self.staged is None:
+            try:
+                self.data, dups, confl = drop_landed(self.lake, self.spec, dt, self.data, since=self.checked)
+            except BaseException:
+                if self.actions and not self.ambiguous:   # never committed: nothing of this call stays behind
+                    discard(self.lake, self.name, self.actions)
+                raise
+            if dups or confl is not None:
+                self.duplicates += dups
+                if confl is not None:   # a retry may find duplicates only (conflicts of an earlier pass stay)
+                    self.conflicts = confl if self.conflicts is None else pa.concat_tables([self.conflicts, confl])
+                if self.actions is not None:  # written before a concurrent append landed some keys
+                    discard(self.lake, self.name, self.actions)
+                    self.actions = None
+            self.rows = self.data.num_rows
+            if self.rows == 0:
+                return self.result(landed=False, rows=0, version=None)
+        else:
+            if time.time() - min(s.written_at for s in self.staged) > STAGE_MAX_AGE_S:
+                raise KeyRace(np.empty(0, np.int64))
+            ours = np.concatenate([s.keys for s in self.staged])
+            hits = ours[keyindex.keys(self.lake, self.name, dt, since=self.checked).contains(ours)]
+            if hits.size:
+                raise KeyRace(hits)
+        self.checked = dt.version()
+        return None
+
+    def commit(self, dt: DeltaTable, txns: list[Transaction]) -> AppendResult:
+        """Write the data files (once; again when too old) and commit them on ``dt``."""
+        lake, name, spec = self.lake, self.name, self.spec
+        if self.actions is None:  # data files are immutable: write once, commit as often as needed
+            self.actions = write_data_files(lake, spec, self.data)
+            self.written_at = time.time()
+        elif self.staged is None and time.time() - self.written_at > STAGE_MAX_AGE_S:
+            discard(lake, name, self.actions)
+            self.actions = write_data_files(lake, spec, self.data)
+            self.written_at = time.time()
+        pause_point(f"append:{name}:staged")
+        check_actions(lake, name, self.actions, what=f"append to {name}")   # nothing committed without its files
+        dt.create_write_transaction(
+            self.actions,
+            mode="append",
+            schema=spec.arrow_schema(),
+            partition_by=list(spec.partition_by) or None,
+            commit_properties=CommitProperties(
+                custom_metadata=self.meta,
+                max_commit_retries=MAX_COMMIT_RETRIES,
+                app_transactions=txns,
+            ),
+        )
+        pause_point(f"append:{name}:committed")
+        release(lake, name, self.actions)
+        # delta-rs does not move `dt` to the version it committed: find the commit by its transaction
+        return self.result(landed=True, rows=self.rows,
+                           version=committed_version(lake, name, self.app_id, self.txn_version, dt.version()))
+
+    def check_lock(self) -> None:
+        """After a lost commit race: :class:`LockTaken` when another writer took the lock (and not with
+        our transaction)."""
+        if self.lock is None:
+            return
+        held = self.lake.table(self.name).transaction_version(self.lock[0])
+        if held is not None and held >= self.lock[1] and \
+                (self.lake.table(self.name).transaction_version(self.app_id) or -1) < self.txn_version:
+            if self.staged is None:
+                discard(self.lake, self.name, self.actions or [])
+            raise LockTaken(*self.lock) from None
+
+    def give_up(self, last_exc: Exception | None) -> AppendResult:
+        """Out of attempts: the result if our transaction landed after all, else :class:`CommitError`."""
+        landed = self.lake.transaction_version(self.name, self.app_id)
+        if landed is not None and landed >= self.txn_version:
+            release(self.lake, self.name, self.actions or [])
+            return self.result(landed=True, rows=self.rows, version=self.lake.version(self.name))
+        self.discard_written()     # never committed: unreferenced files
+        raise CommitError(
+            f"could not append {self.rows} rows to {self.name} after {self.attempts} attempts: {last_exc}",
+            hint=f"retry with the same transaction id ({self.app_id}, {self.txn_version}); it lands at most once",
+        )
 
 
 def drop_landed(lake: LakeRoot, spec: TableSpec, dt: DeltaTable, data: pa.Table, *, since: int | None
