@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 class Lake(LakeRoot):
     """A lake root holding Delta tables (``<root>/<table>``) and plain files
     (snapshot payloads, checkpoints). Local path or any object-store URI
-    deltalake accepts."""
+    deltalake accepts. Tables, reads, time travel, the log and the plain files
+    are :class:`~pipeline.lake.delta.root.LakeRoot`'s; the writes are here."""
 
     # -- writes (pipeline/lake/delta/writes.py) ---------------------------
     def stage(self, name: str, data: pa.Table) -> Staged:
