@@ -148,8 +148,10 @@ def _remote_lake_exists(lake: Lake) -> bool:
     import pyarrow.fs as pafs
 
     try:
+        from pipeline.lake.uri import split_uri
+
         fs, root = lake.filesystem()
-        root = root.split("://", 1)[-1]
+        root = split_uri(root)[1]
         infos = fs.get_file_info(pafs.FileSelector(root, recursive=False, allow_not_found=True))
     except Exception:   # cannot list (permissions, endpoint): let the command itself report
         return True

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from pipeline import __version__
 from pipeline.lake.ref import as_lake
+from pipeline.lake.uri import split_uri
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
@@ -105,7 +106,7 @@ class Dataset:
 def location(uri: str) -> tuple[str, str]:
     """(namespace, name) of a path or object-store URI per the naming spec."""
     if "://" in uri and not uri.startswith("file://"):
-        scheme, rest = uri.split("://", 1)
+        scheme, rest = split_uri(uri)
         bucket, _, key = rest.partition("/")
         return f"{scheme}://{bucket}", key.strip("/")
     if uri.startswith("file://"):

@@ -204,7 +204,7 @@ class TableCommitter:
         if not lands:   # nothing to land: the commit still records the sequence (no files)
             from pipeline.lake.delta import Staged
 
-            return [Staged([], np.empty(0, np.int64), 0, time.time())], 0, q_tables, np.empty(0, np.int64)
+            return [Staged(actions=[], keys=np.empty(0, np.int64), rows=0, written_at=time.time())], 0, q_tables, np.empty(0, np.int64)
         data = pa.concat_tables(lands, promote_options="permissive")
         st = self.lake.stage(self.table, data)
         return [st], data.num_rows, q_tables, st.keys

@@ -1,7 +1,6 @@
 """What every module of the table store shares: the write settings, the test
-pause points, the commit metadata and :class:`FilesMissing`. It imports nothing
-of the store, so the modules that import it (store, writes, keyindex, compact)
-form no circle.
+pause points, the commit metadata and :class:`FilesMissing`: the bottom of the
+store (docs/architecture.md, "Storage"). It imports nothing of the store.
 """
 
 from __future__ import annotations
@@ -78,13 +77,15 @@ class FilesMissing(IntegrityError):
         self.missing = missing
 
 
-def _partition_str(v: Any) -> str | None:
+def partition_str(v: Any) -> str | None:
+    """A partition value as the Delta log writes it (ISO text for dates and times)."""
     if v is None:
         return None
     return v.isoformat() if hasattr(v, "isoformat") else str(v)
 
 
-def _metadata(command: str, config_hash: str | None) -> dict[str, str]:
+def write_metadata(command: str, config_hash: str | None) -> dict[str, str]:
+    """The ``pipeline.*`` commit metadata of a write: command, user, host, pid, version, config hash."""
     try:
         user = getpass.getuser()
     except Exception:  # no passwd entry in some containers
