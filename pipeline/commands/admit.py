@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 def register(sub: argparse._SubParsersAction) -> None:
     from pipeline.admission.config import AdmissionConfig
-    from pipeline.cli import add_config_options, common
+    from pipeline.clikit import add_config_options, common
     from pipeline.config import keys_epilog
 
     keys = keys_epilog(AdmissionConfig)
@@ -61,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _admit(args: argparse.Namespace) -> int | None:
     from pipeline.admission.config import AdmissionConfig
     from pipeline.admission.run import admit
-    from pipeline.cli import emit, open_lake
+    from pipeline.clikit import emit, open_lake
     from pipeline.config import load_config, parse_set
 
     cfg = load_config(AdmissionConfig, args.config, parse_set(args.set))
@@ -96,7 +96,7 @@ def _follow(args: argparse.Namespace, cfg, engine, scheduler, scope) -> int | No
     import sys
 
     from pipeline.admission.follow import StopFlag, follow
-    from pipeline.cli import open_lake, out
+    from pipeline.clikit import open_lake, out
     from pipeline.errors import ConfigError
 
     if args.dry_run:

@@ -12,7 +12,7 @@ from typing import Callable
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pipeline.cli import common
+    from pipeline.clikit import common
 
     p = common(sub.add_parser(
         "sql", help="SQL over the lake's tables (DuckDB views named after the tables)",
@@ -103,7 +103,7 @@ def parse_params(items: list[str]) -> dict[str, object]:
 def _sql(args: argparse.Namespace) -> None:
     import re
 
-    from pipeline.cli import emit, open_lake, out, result_stream
+    from pipeline.clikit import emit, open_lake, out, result_stream
     from pipeline.errors import ConfigError, PipelineError
     from pipeline.query.duck import _strip_comments, declared_params, parse_as_of, query
     from pipeline.resources import resource_dir

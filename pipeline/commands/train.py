@@ -7,7 +7,7 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pipeline.cli import add_config_options, common
+    from pipeline.clikit import add_config_options, common
     from pipeline.config import keys_epilog
     from pipeline.train.config import TrainConfig
 
@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _train(args: argparse.Namespace) -> int | None:
-    from pipeline.cli import emit, note, open_lake
+    from pipeline.clikit import emit, note, open_lake
     from pipeline.config import load_config, parse_set
     from pipeline.errors import ConfigError
     from pipeline.train.config import TrainConfig
