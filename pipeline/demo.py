@@ -122,7 +122,7 @@ def warm_start_overrides(env: str) -> dict[str, Any]:
     return {"envs": (env, "arithmetic-tool"), "env_weights": (0.8, 0.2)}
 
 
-def _group_reasons(receipts) -> tuple[int, int]:
+def group_reasons(receipts) -> tuple[int, int]:
     """(groups with a stale member, groups with an infra-failed member) in receipts."""
     stale = infra = 0
     for excluded in receipts.column("excluded_members").to_pylist():
@@ -132,7 +132,8 @@ def _group_reasons(receipts) -> tuple[int, int]:
     return stale, infra
 
 
-def _train_cfg(cfg: DemoConfig, iteration: int):
+def train_cfg(cfg: DemoConfig, iteration: int):
+    """The one-snapshot trainer's config of the demo's ``iteration`` (its own seed)."""
     from pipeline.config import load_config
     from pipeline.train.config import TrainConfig
 
@@ -150,7 +151,7 @@ def _admission_cfg(cfg: DemoConfig):
 def _train(lake: Lake, snapshot_id: str, cfg: DemoConfig, iteration: int):
     from pipeline.train.run import train_snapshot
 
-    return train_snapshot(lake, snapshot_id, _train_cfg(cfg, iteration), progress=False)
+    return train_snapshot(lake, snapshot_id, train_cfg(cfg, iteration), progress=False)
 
 
 def _evaluate(lake: Lake, cfg: DemoConfig) -> tuple[int, float]:
@@ -166,7 +167,7 @@ def _evaluate(lake: Lake, cfg: DemoConfig) -> tuple[int, float]:
 
 
 def _line(k, lake: Lake, cfg, a, traj, reward, t0, version, heldout, train_result, rounds=()) -> IterationLine:
-    stale, infra = _group_reasons(a.receipts) if a is not None else (0, 0)
+    stale, infra = group_reasons(a.receipts) if a is not None else (0, 0)
     lag = None
     if a is not None and a.members is not None and a.members.num_rows:
         lags = a.members.column("policy_lag").to_pylist()
@@ -370,7 +371,7 @@ def _run_async(lake: Lake, cfg: DemoConfig, lines: list[IterationLine], out) -> 
     tlog = open(home / f"trainer-{os.getpid()}.log", "w")
     trainer = subprocess.Popen(child_argv([sys.executable, "-m", "pipeline", "train", "--follow", "--lake", lake.uri,
                                            "--json", "--no-progress", "--stop-after", str(cfg.iterations)]
-                                          + [a for k, v in _resident_train_sets(cfg).items()
+                                          + [a for k, v in resident_train_sets(cfg).items()
                                              for a in ("--set", f"{k}={v}")]),
                                stdout=subprocess.PIPE, stderr=tlog, text=True)
     signalled: int | None = None
@@ -464,7 +465,7 @@ def _stop_async(stop: Path, trainer: subprocess.Popen, worker: subprocess.Popen,
         stop.unlink(missing_ok=True)
 
 
-def _resident_train_sets(cfg: DemoConfig) -> dict[str, Any]:
+def resident_train_sets(cfg: DemoConfig) -> dict[str, Any]:
     """The resident trainer's config: one seed for every version (a config is the
     trainer's, not the version's), polling twice a second."""
     return {"lr": cfg.lr, "epochs": cfg.epochs, "seed": cfg.seed, "follow_poll_s": 0.5,

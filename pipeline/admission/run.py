@@ -186,7 +186,7 @@ STATE_PENDING = "pipeline.pending_after"         # ... and its pending bound (IS
 STATE_TARGET = "pipeline.target"                 # ... and its --target-groups report (JSON), when asked
 
 
-def _previous_state(lake: Lake, rv: int) -> tuple[int, datetime] | None:
+def previous_state(lake: Lake, rv: int) -> tuple[int, datetime] | None:
     """(trajectories version, pending bound) recorded by the admission commit at
     receipts version ``rv``; None when unknown (then everything is read)."""
     if rv < 0:
@@ -309,7 +309,7 @@ def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_ver
         assert tv is not None  # the table exists: checked above
         decided = (lake.read("receipts", columns=["group_id"], version=rv).column("group_id").combine_chunks()
                    if rv >= 0 else pa.array([], pa.string()))
-        previous = _previous_state(lake, rv)
+        previous = previous_state(lake, rv)
         sources = _trajectory_sources(lake, tv, previous)   # both engines read only what changed
         plan = read_plan(lake, tv, previous) if engine == "dask" else None
         members, groups, qsummary, n_cands = _decisions_from_engine(
@@ -329,7 +329,7 @@ def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_ver
         n_admit_groups = dec.counts.get("admit", 0)
         snapshot_id = snapshot_id_of(admitted, chash, cfg.advantage) if admitted.num_rows else None
         source_versions = {"trajectories": int(tv), "receipts": int(rv)}
-        target = _target_report(target_groups, n_admit_groups, dec.receipts.num_rows)
+        target = target_report(target_groups, n_admit_groups, dec.receipts.num_rows)
         receipts = stamp_receipts(dec.receipts, run_id, snapshot_id, receipts_schema)
         rows = receipts.num_rows
         result = AdmissionResult(run_id, snapshot_id, current, chash, engine, dry_run, receipts, dict(dec.counts),
@@ -499,7 +499,7 @@ def _check_decided_once(lake: Lake, group_ids: pa.ChunkedArray) -> None:
                              hint="two admission runs raced past the receipts guard; report this")
 
 
-def _target_report(target: int | None, admitted: int, decided: int) -> dict[str, Any] | None:
+def target_report(target: int | None, admitted: int, decided: int) -> dict[str, Any] | None:
     """DAPO-style dynamic sampling: how many more groups a scheduler should sample."""
     if target is None:
         return None

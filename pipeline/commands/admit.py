@@ -159,7 +159,7 @@ def _admit_text(d: dict[str, Any]) -> str:
     else:
         lines.append(f"decided {d['decided_groups']} group(s): {_counts(d['counts'])}")
     if d.get("target"):
-        lines.append(_target_text(d["target"]))
+        lines.append(target_text(d["target"]))
     for rev, n in sorted(((d.get("quality") or {}).get("deferred_groups") or {}).items()):
         lines.append(f"{n} group(s) of tokenizer {rev} left undecided: they wait for a policy of that tokenizer "
                      f"(pipeline policy import), and the next admission scans them again")
@@ -172,7 +172,7 @@ def _admit_text(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _target_text(t: dict[str, Any]) -> str:
+def target_text(t: dict[str, Any]) -> str:
     """The --target-groups line; no decided group (rate None) or none admitted (rate 0) says so in words."""
     rate = t["observed_admit_rate"]
     head = f"target {t['target_groups']} groups: {t['missing_groups']} missing"

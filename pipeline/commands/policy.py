@@ -140,14 +140,14 @@ def _eval(args: argparse.Namespace) -> None:
     if args.record and lake is not None:      # a plain HF directory evaluated without a lake: nothing to record
         r["eval_id"] = record_evaluation(lake, r, command="pipeline policy eval")["eval_id"]
     emit(r, args, lambda r: (
-        f"{_policy_label(r, args.policy)} on {r['env']} (held-out, "
+        f"{policy_label(r, args.policy)} on {r['env']} (held-out, "
         f"{'greedy' if r['samples'] == 1 else str(r['samples']) + ' samples'}, n={r['n']}): "
         f"success {r['success_rate']:.3f}, format {r['format_rate']:.3f}, tool use {r['tool_use_rate']:.3f}"
         + "".join(f", pass@{k} {v:.3f}" for k, v in r["pass_at_k"].items() if k > 1)
         + "".join(f"\n  {k}: {v:.3f}" for k, v in r["success_by_difficulty"].items())))
 
 
-def _policy_label(r: dict, policy: str) -> str:
+def policy_label(r: dict, policy: str) -> str:
     """``policy v3`` for a lake version; a local HF directory has no version (-1 in the result): its path."""
     version = r.get("policy_version")
     if version is None or version < 0:
