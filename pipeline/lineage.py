@@ -26,6 +26,7 @@ execution parameters; the parent run when a scheduled job started the command
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import sys
@@ -63,9 +64,15 @@ def lineage_file(lake: Lake) -> Path:
         return Path(override)
     if lake.is_local:
         return Path(lake.uri) / DEFAULT_FILE
-    from pipeline.policy_store import local_checkpoint_dir
+    return _lake_cache_dir(lake) / DEFAULT_FILE
 
-    return local_checkpoint_dir(lake, "_lineage").parent / DEFAULT_FILE   # per-lake cache dir
+
+def _lake_cache_dir(lake: Lake) -> Path:
+    """This machine's cache folder of an object-store lake: ``$PIPELINE_CACHE`` (default ~/.cache/pipeline)
+    ``/checkpoints/<first 12 hex of sha256(lake URI)>``, the folder pipeline.policy_store.local_dir fetches the
+    lake's checkpoints into (the lineage file of that lake sits beside them)."""
+    cache = Path(os.environ.get("PIPELINE_CACHE", Path.home() / ".cache" / "pipeline"))
+    return cache / "checkpoints" / hashlib.sha256(lake.uri.encode()).hexdigest()[:12]
 
 
 def _user_configured() -> bool:

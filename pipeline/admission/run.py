@@ -50,6 +50,7 @@ from pipeline.admission.advantages import TURN_ESTIMATORS
 from pipeline.admission.config import AdmissionConfig, admission_config_hash
 from pipeline.admission.decide import conform, finalize, group_schema, member_schema
 from pipeline.errors import IntegrityError, PipelineError
+from pipeline.hooks import mark_and_wait
 from pipeline.lake.ref import as_lake
 from pipeline.schema import table_spec
 from pipeline.snapshots.format import compute_snapshot_id, snapshot_dir
@@ -122,10 +123,7 @@ def _pause_point(attempt: int) -> None:
         return
     if raw.startswith("barrier:"):   # decided; the commit is next: say so, then wait for the test's go
         d = Path(raw[len("barrier:"):])
-        (d / f"ready-{os.getpid()}").write_text("")
-        deadline = time.time() + 240
-        while not (d / "go").exists() and time.time() < deadline:
-            time.sleep(0.005)
+        mark_and_wait(d / f"ready-{os.getpid()}", d / "go", timeout_s=240, poll_s=0.005)
         return
     time.sleep(max(0.0, float(raw[1:]) - time.time()) if raw.startswith("@") else float(raw))
 

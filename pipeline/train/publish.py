@@ -18,8 +18,9 @@ import os
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from pipeline.config import config_dict, config_hash
 from pipeline.train.records import TrainResult
@@ -146,6 +147,31 @@ def live_metrics(lake: Lake, cfg: TrainConfig, checkpoint_id: str, *, with_track
 def close_trackers(live: LiveMetrics | None) -> None:
     if live is not None and live.trackers is not None:
         live.trackers.close()
+
+
+@contextmanager
+def lineage_run(run: Run) -> Iterator[None]:
+    """The run's OpenLineage events around the block, from rank 0: START on entry; on any exception the
+    trackers are closed and FAIL is emitted (an error emitting it never masks the real one), then it re-raises.
+    COMPLETE is the publication's (checkpoint_and_publish)."""
+    from pipeline import lineage
+
+    outputs = lambda: [lineage.checkpoint(run.lake, run.checkpoint_id, rel=run.final_rel or None)]  # noqa: E731
+    if run.rank == 0:
+        lineage.emit_run_event(run.lake, event_type="START", run_id=run.lineage_run_id, job_name=JOB_NAME,
+                               inputs=run.inputs, outputs=outputs(), **run.ol)
+    try:
+        yield
+    except BaseException as exc:
+        if run.rank == 0:
+            close_trackers(run.live)
+            try:
+                lineage.emit_run_event(run.lake, event_type="FAIL", run_id=run.lineage_run_id, job_name=JOB_NAME,
+                                       inputs=run.inputs, outputs=outputs(), error=f"{type(exc).__name__}: {exc}",
+                                       **run.ol)
+            except Exception:  # pragma: no cover - never mask the real error
+                pass
+        raise
 
 
 def crash_while_publishing(strategy: DeepSpeedStrategy, final: Path, client_state, train_config, lm, parent: PolicyRef) -> None:
