@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DemoConfig:
     config_section: ClassVar[str] = "demo"   # its section in an experiment file (pipeline.config.SECTIONS)
 
@@ -82,7 +82,7 @@ class DemoConfig:
         parse_trackers(self.trackers)   # refused before any work, not at the first training run
 
 
-@dataclass
+@dataclass(kw_only=True)
 class IterationLine:
     iteration: int
     policy_version: int
@@ -207,7 +207,9 @@ def _run_demo(lake: Lake, cfg: DemoConfig, out, t_start: float) -> dict[str, Any
     out(f"policy version {ref.policy_version} (warm start) in {time.perf_counter() - t0:.1f}s: "
         f"held-out success {heldout0:.3f}")
     out(HEADER)
-    lines = [IterationLine(0, version, 0, 0, 0, 0, 0, None, heldout0, None, time.perf_counter() - t0)]
+    lines = [IterationLine(iteration=0, policy_version=version, trajectories=0, admitted=0, zero_variance=0, stale=0,
+                           infra_failed=0, reward_mean=None, heldout_success=heldout0, policy_lag=None,
+                           seconds=time.perf_counter() - t0)]
     out(lines[0].text())
     if cfg.mode == "sync":
         if cfg.ingest_url:
@@ -300,7 +302,7 @@ def _run_sync(lake: Lake, cfg: DemoConfig, lines: list[IterationLine], out) -> d
     return {"trainer_idle_fraction": idle / max(idle + busy, 1e-9), "lag_distribution": dict(sorted(lags.items()))}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Sampled:
     """What one sync iteration sampled and admitted (``sample_to_target``)."""
 
@@ -345,7 +347,8 @@ def sample_to_target(lake: Lake, cfg: DemoConfig, k: int, groups: int, offset: i
         probes.append(probe.target)
         n = plan_next_rollout(probe.target, default=cfg.groups, max_groups=cfg.max_groups)
     a = admit(lake, acfg, target_groups=cfg.target_groups, command="pipeline demo")
-    return Sampled(a, total, reward_sum / n_traj if n_traj else None, offset, rounds, probes)
+    return Sampled(admission=a, trajectories=total, reward_mean=reward_sum / n_traj if n_traj else None, offset=offset,
+                   rounds=rounds, probes=probes)
 
 
 def _run_async(lake: Lake, cfg: DemoConfig, lines: list[IterationLine], out) -> dict[str, Any]:

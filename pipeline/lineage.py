@@ -248,8 +248,8 @@ class ScheduledRun:
     or FAIL from its result; the command's own runs name this one as parent."""
 
     def __init__(self, lake: Lake, job: str, args: list[str]) -> None:
-        self.run = JobRun(lake, f"pipeline.jobs.{job}", new_run_id(), "SCHEDULED_JOB", None,
-                          {"job": job, "args": list(args)})
+        self.run = JobRun(lake=lake, job_name=f"pipeline.jobs.{job}", run_id=new_run_id(), job_type="SCHEDULED_JOB",
+                          engine=None, config={"job": job, "args": list(args)})
         self.run._emit("START")
 
     def env(self) -> dict[str, str]:
@@ -396,7 +396,7 @@ def emit_run_event(lake: Lake, *, event_type: str, run_id: str, job_name: str,
     return json.loads(Serde.to_json(event))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class JobRun:
     """What a running job has read and written so far (reported at COMPLETE/FAIL)."""
     lake: Any
@@ -436,7 +436,8 @@ def _dedupe(ds: list[Dataset]) -> list[Dataset]:
 def job_run(lake: Lake, job_name: str, *, job_type: str, engine: str | None = None, config: Any = None,
             inputs: list[Dataset] | None = None, run_id: str | None = None) -> Iterator[JobRun]:
     """START now; COMPLETE when the block returns, FAIL (with the error) when it raises."""
-    run = JobRun(lake, job_name, run_id or new_run_id(), job_type, engine, config, list(inputs or []))
+    run = JobRun(lake=lake, job_name=job_name, run_id=run_id or new_run_id(), job_type=job_type, engine=engine,
+                 config=config, inputs=list(inputs or []))
     run._emit("START")
     try:
         yield run

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -23,11 +23,18 @@ OPS: dict[str, Callable[[Any, Any], Any]] = {  # elementwise over numpy arrays t
     ">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt, "==": operator.eq}
 
 
+# A group's decision (receipts.decision): admitted, or the decision of the first blocking check that failed
+# (CHECKS), or reverification's verdict_disagreement (reverify.py).
+Decision = Literal["admit", "incomplete", "insufficient_valid", "zero_variance", "gated", "batch_config_mismatch",
+                   "capped", "verdict_disagreement"]
+ADMIT: Decision = "admit"
+
+
 @dataclass(frozen=True)
 class CheckSpec:
     name: str
     blocking: Callable[[AdmissionConfig], bool]
-    decision: str | None     # the decision when it blocks
+    decision: Decision | None     # the decision when it blocks
     description: str
 
 
@@ -160,7 +167,7 @@ def group_outcomes(cfg: AdmissionConfig, *, group_baseline: bool, excluded_group
 def decide(cfg: AdmissionConfig, outcomes: dict[str, np.ndarray]) -> np.ndarray:
     """Per group: the first failing blocking check's decision, else ``admit``."""
     n = len(next(iter(outcomes.values())))
-    decision = np.full(n, "admit", dtype=object)
+    decision = np.full(n, ADMIT, dtype=object)
     for spec in reversed(CHECKS):  # earlier checks overwrite later ones
         if spec.decision and spec.blocking(cfg) and spec.name in outcomes:
             failed = failed_mask(outcomes[spec.name])
@@ -175,14 +182,14 @@ def failed_mask(outcome: np.ndarray) -> np.ndarray:
     return np.asarray(pc.starts_with(pa.array(outcome, pa.string()), "fail").to_numpy(zero_copy_only=False), bool)
 
 
-def first_blocking(failed: Collection[str], cfg: AdmissionConfig | None = None) -> str:
+def first_blocking(failed: Collection[str], cfg: AdmissionConfig | None = None) -> Decision:
     """One group's ``decide``: the decision of the first failing blocking check
     among the check names in ``failed``, in declared order, else ``admit``.
     ``cfg`` None: every check that has a decision blocks (the simulator's gate)."""
     for spec in CHECKS:
         if spec.decision and spec.name in failed and (cfg is None or spec.blocking(cfg)):
             return spec.decision
-    return "admit"
+    return ADMIT
 
 
 def batch_config_outcomes(cfg: AdmissionConfig, configs: dict[str, Any], admit: np.ndarray) -> np.ndarray:

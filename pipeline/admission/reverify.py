@@ -34,15 +34,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.admission.checks import Decision
 from pipeline.admission.config import AdmissionConfig
 from pipeline.errors import ConfigError, PipelineError
 
 Reverifier = Callable[[pa.Table], Sequence[str]]
-DECISION = "verdict_disagreement"
+DECISION: Decision = "verdict_disagreement"
 VERDICTS = ("PASS", "FAIL", "UNKNOWN")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ReverifyStats:
     groups: int = 0            # admitted groups re-verified (any member)
     shadow_groups: int = 0     # of which in the shadow sample

@@ -52,7 +52,7 @@ class FencedError(ConflictError):
     must not commit (it stops; nothing it pulled is acked)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ServeSettings:
     stream: str = wire.DEFAULT_STREAM
     tables: tuple[str, ...] = ("trajectories", "events")
@@ -69,7 +69,7 @@ class ServeSettings:
     lease_ttl_s: float = 30.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FlushReport:
     table: str
     messages: int = 0
@@ -134,7 +134,7 @@ class TableCommitter:
         msgs = sorted(msgs, key=lambda m: m.seq)
         for _ in range(MAX_RESYNCS):
             fresh = [m for m in msgs if m.seq > self.committed_seq]
-            report = FlushReport(self.table, messages=len(msgs), skipped=len(msgs) - len(fresh))
+            report = FlushReport(table=self.table, messages=len(msgs), skipped=len(msgs) - len(fresh))
             if not fresh:
                 return report, msgs
             try:

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 __all__ = ["FollowResult", "Recovery", "follow", "pending_snapshots", "recovery_plan", "superseded"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FollowResult:
     versions: list[dict[str, Any]] = field(default_factory=list)   # TrainResult.to_dict() per published version
     replayed: list[str] = field(default_factory=list)              # checkpoint ids re-trained and verified

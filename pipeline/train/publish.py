@@ -127,9 +127,12 @@ def publish(lake: Lake, *, checkpoint_id: str, parent: PolicyRef, snapshot_id: s
     version = published["policy_version"]
     lost = bool(published["already_published"])
     path = local_dir(lake, row_rel(published)) if lost else final
-    return TrainResult(checkpoint_id, version, parent.checkpoint_id, snapshot_id, global_step, samples_seen, summary,
-                       weight_hashes(dict(published["file_sha256"])), str(path), world_size, resumed_from, lost,
-                       time.perf_counter() - t_start, lineage_run_id, published_by=published["published_by"])
+    return TrainResult(checkpoint_id=checkpoint_id, policy_version=version, parent_checkpoint_id=parent.checkpoint_id,
+                       snapshot_id=snapshot_id, global_step=global_step, samples_seen=samples_seen, metrics=summary,
+                       weight_sha256=weight_hashes(dict(published["file_sha256"])), path=str(path),
+                       world_size=world_size, resumed_from_step=resumed_from, already_published=lost,
+                       seconds=time.perf_counter() - t_start, lineage_run_id=lineage_run_id,
+                       published_by=published["published_by"])
 
 
 def live_metrics(lake: Lake, cfg: TrainConfig, checkpoint_id: str, *, with_trackers: bool = True,
