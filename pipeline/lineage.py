@@ -34,7 +34,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Sequence
 
 
 from pipeline import __version__
@@ -353,7 +353,10 @@ def parent_env(job_name: str, run_id: str) -> dict[str, str]:
     return {PARENT_ENV: json.dumps({"namespace": NAMESPACE_JOB, "name": job_name, "runId": run_id})}
 
 
-def emit_run_event(lake: Lake, *, event_type: str, run_id: str, job_name: str,
+EventType = Literal["START", "COMPLETE", "FAIL"]   # the OpenLineage run states this package emits
+
+
+def emit_run_event(lake: Lake, *, event_type: EventType, run_id: str, job_name: str,
                    inputs: list, outputs: list, run_facets: dict[str, Any] | None = None,
                    error: str | None = None, job_type: str | None = None, engine: str | None = None,
                    config: Any = None) -> dict[str, Any]:
@@ -415,7 +418,7 @@ class JobRun:
     def output(self, *ds: Dataset | None) -> None:
         self.outputs.extend(d for d in ds if d is not None)
 
-    def _emit(self, event_type: str, error: str | None = None) -> None:
+    def _emit(self, event_type: EventType, error: str | None = None) -> None:
         try:
             emit_run_event(self.lake, event_type=event_type, run_id=self.run_id, job_name=self.job_name,
                            inputs=_dedupe(self.inputs), outputs=_dedupe(self.outputs), error=error,

@@ -20,7 +20,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Literal
 
 from pipeline.config import config_dict, config_hash
 from pipeline.train.records import TrainResult
@@ -35,10 +35,11 @@ if TYPE_CHECKING:
     from pipeline.train.records import Data, Plan, Run, State
 
 JOB_NAME = "pipeline.train"
+CrashPoint = Literal["publish"]   # failure drills only: die with the checkpoint files half written
 
 
 def checkpoint_and_publish(run: Run, strategy: DeepSpeedStrategy, data: Data, plan: Plan, state: State, *,
-                           crash_at: str | None, t_start: float, full: bool = True,
+                           crash_at: CrashPoint | None, t_start: float, full: bool = True,
                            extra_config: dict[str, Any] | None = None, pause_prefix: str = "",
                            exclusive: bool = False) -> TrainResult | None:
     """Step 7: the checkpoint dir (``latest`` last); rank 0 publishes (metrics rows, then

@@ -40,7 +40,7 @@ from pipeline.lake.ref import as_lake
 from pipeline.train.config import TrainConfig
 from pipeline.train.freshness import check_freshness
 from pipeline.train.identity import identify, run_identity
-from pipeline.train.publish import JOB_NAME, checkpoint_and_publish, lineage_run
+from pipeline.train.publish import JOB_NAME, CrashPoint, checkpoint_and_publish, lineage_run
 from pipeline.train.records import TrainResult
 from pipeline.train.steps import build_engine, carry_optimizer, plan_run, prepare_data, prepare_workdir, restore, step_loop
 from pipeline.train.update import kl_reference_spec
@@ -57,7 +57,7 @@ __all__ = ["TrainConfig", "TrainResult", "train_snapshot", "run_identity", "chec
 
 def train_snapshot(lake: Lake | str | os.PathLike[str], snapshot_id: str, cfg: TrainConfig | None = None, *,
                    from_checkpoint: str | int | None = None, resume: bool = False, nproc: int = 1, force: bool = False,
-                   progress: bool | None = None, crash_at: str | None = None) -> TrainResult:
+                   progress: bool | None = None, crash_at: CrashPoint | None = None) -> TrainResult:
     """Train on ``snapshot_id`` starting from ``from_checkpoint`` (a checkpoint
     id, policy version, or HF dir; default: the newest published policy) and
     publish the result as the next policy version.
@@ -82,7 +82,7 @@ def train_snapshot(lake: Lake | str | os.PathLike[str], snapshot_id: str, cfg: T
 
 
 def _launch(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint: str | int | None, resume: bool, nproc: int, force: bool,
-            progress: bool | None, crash_at: str | None = None) -> TrainResult:
+            progress: bool | None, crash_at: CrashPoint | None = None) -> TrainResult:
     """N processes via torchrun running pipeline.train.worker; rank 0 writes the result."""
     from pipeline.train.launch import launch
 
@@ -97,7 +97,7 @@ def _launch(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint: 
 
 
 def _train(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint: str | int | None, resume: bool, force: bool,
-           progress: bool | None, crash_at: str | None) -> TrainResult:
+           progress: bool | None, crash_at: CrashPoint | None) -> TrainResult:
     from pipeline.train.ds_adapter import single_process_scope
 
     t_start = time.perf_counter()
@@ -107,7 +107,7 @@ def _train(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint: s
 
 
 def _train_in_env(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint: str | int | None, resume: bool, force: bool,
-                  progress: bool | None, crash_at: str | None, t_start: float) -> TrainResult:
+                  progress: bool | None, crash_at: CrashPoint | None, t_start: float) -> TrainResult:
     import torch
 
     torch.set_num_threads(cfg.threads)
