@@ -47,6 +47,7 @@ import pyarrow.compute as pc
 
 from pipeline.admission import candidates as cand
 from pipeline.admission.advantages import TURN_ESTIMATORS
+from pipeline.admission.checks import ADMIT
 from pipeline.admission.config import AdmissionConfig, admission_config_hash
 from pipeline.admission.decide import conform, finalize, group_schema, member_schema
 from pipeline.errors import IntegrityError, PipelineError
@@ -328,7 +329,7 @@ def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_ver
                                              current_policy_version=current, previous_baseline=prev_baseline)
         timings["decide_s"] = time.perf_counter() - t0
         admitted = dec.admitted
-        n_admit_groups = dec.counts.get("admit", 0)
+        n_admit_groups = dec.counts.get(ADMIT, 0)
         snapshot_id = snapshot_id_of(admitted, chash, cfg.advantage) if admitted.num_rows else None
         source_versions = {"trajectories": int(tv), "receipts": int(rv)}
         target = target_report(target_groups, n_admit_groups, dec.receipts.num_rows)
@@ -428,7 +429,7 @@ def stamp_receipts(core: pa.Table, run_id: str, snapshot_id: str | None, schema:
                    decided_at: datetime | None = None) -> pa.Table:
     """Receipt rows from finalize's core columns plus this run's id, snapshot and time (default: now)."""
     n = core.num_rows
-    admitted = pc.equal(core.column("decision"), "admit")
+    admitted = pc.equal(core.column("decision"), ADMIT)
     cols = {c: core.column(c) for c in core.column_names}
     cols["admission_run_id"] = pa.array([run_id] * n, pa.string())
     cols["snapshot_id"] = pc.if_else(admitted, pa.scalar(snapshot_id, pa.string()), pa.scalar(None, pa.string())) \
