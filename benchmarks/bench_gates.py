@@ -191,7 +191,7 @@ def run_arm(lake, arm: Arm, seed: int, cfg: GatesConfig, v0: dict[str, Any]) -> 
     """K iterations of rollout -> admit -> train -> evaluate on a lake holding version 0."""
     from pipeline.admission.config import AdmissionConfig
     from pipeline.admission.run import admit
-    from pipeline.demo import _group_reasons
+    from pipeline.demo import group_reasons
     from pipeline.policy_store import resolve_policy
     from pipeline.rollout.run import run_rollout
     from pipeline.train.config import TrainConfig
@@ -220,7 +220,7 @@ def run_arm(lake, arm: Arm, seed: int, cfg: GatesConfig, v0: dict[str, Any]) -> 
         rollout_s = time.perf_counter() - t0
         rewards = [(p.reward_mean, p.trajectories) for p in parts if p.reward_mean is not None]
         a = admit(lake, adm, command="bench_gates")
-        stale, infra = _group_reasons(a.receipts)
+        stale, infra = group_reasons(a.receipts)
         row: dict[str, Any] = {
             "iteration": k, "sampled": sum(p.trajectories for p in parts), "rollout_s": round(rollout_s, 2),
             "sampled_reward": (sum(r * n for r, n in rewards) / sum(n for _, n in rewards)) if rewards else None,

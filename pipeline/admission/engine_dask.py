@@ -106,10 +106,9 @@ def _hold(d: str) -> None:
     import time
     from pathlib import Path
 
-    Path(d, f"task-{os.getpid()}-{time.time_ns()}").touch()
-    deadline = time.time() + 120
-    while not Path(d, "go").exists() and time.time() < deadline:
-        time.sleep(0.01)
+    from pipeline.hooks import mark_and_wait
+
+    mark_and_wait(Path(d, f"task-{os.getpid()}-{time.time_ns()}"), Path(d, "go"), timeout_s=120, poll_s=0.01)
 
 
 _FILESYSTEMS: dict[tuple, Any] = {}

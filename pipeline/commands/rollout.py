@@ -6,7 +6,7 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pipeline.cli import add_config_options, common, config_keys_epilog
+    from pipeline.clikit import add_config_options, common, config_keys_epilog
 
     p = common(sub.add_parser(
         "rollout", help="run rollout workers for an environment and land trajectories + events",
@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _rollout(args: argparse.Namespace) -> None:
     import os
 
-    from pipeline.cli import config_overrides, emit, open_lake
+    from pipeline.clikit import config_overrides, emit, open_lake
     from pipeline.config import load_config
     from pipeline.rollout.run import RolloutConfig, run_rollout
 

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 __all__ = ["FollowResult", "Recovery", "follow", "pending_snapshots", "recovery_plan", "superseded"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FollowResult:
     versions: list[dict[str, Any]] = field(default_factory=list)   # TrainResult.to_dict() per published version
     replayed: list[str] = field(default_factory=list)              # checkpoint ids re-trained and verified
@@ -93,17 +93,12 @@ def follow(lake: Lake, cfg: TrainConfig | None = None, *, from_checkpoint: str |
         with hold_line(lake, "follow", ""):
             return _launch(lake, cfg, from_checkpoint=from_checkpoint, nproc=nproc, stop_after=stop_after,
                            idle_timeout_s=idle_timeout_s, stop_file=stop_file, progress=progress)
-    from pipeline.train.ds_adapter import single_process_env
+    from pipeline.train.ds_adapter import single_process_scope
     from pipeline.train.hold import hold_line
 
-    with hold_line(lake, "follow", ""):                # one trainer on the line at a time (pipeline.train.hold)
-        added = single_process_env()
-        try:
-            return _Follower(lake, cfg, from_checkpoint, stop_after, idle_timeout_s, stop_file, progress,
-                             on_version).run()
-        finally:
-            for k in added:
-                os.environ.pop(k, None)
+    with hold_line(lake, "follow", ""), single_process_scope():   # one trainer on the line at a time
+        return _Follower(lake, cfg, from_checkpoint, stop_after, idle_timeout_s, stop_file, progress,
+                         on_version).run()
 
 
 WAIT_NOTE_EVERY_S = 60.0   # a waiting resident trainer says so this often
@@ -239,7 +234,7 @@ class _Follower:
                               "from the one this line was trained with",
                               hint="restart with the line's --config/--set (recorded in its checkpoints rows)")
         data = prepare_data(run, lm=self.lm)
-        plan, state = self._train(run, data, replay=True)
+        self._train(run, data, replay=True)   # the weights it leaves in memory are what is compared
         published = resolve_policy(self.lake, row["checkpoint_id"], verify=False)
         with tempfile.TemporaryDirectory(prefix="pipeline-replay-") as tmp:
             out = Path(tmp) / "v"
@@ -284,11 +279,10 @@ class _Follower:
 
     def _version(self, sid: str) -> None:
         """Train ``sid`` from the head and publish the next version (or record a skip)."""
-        from pipeline import lineage
         from pipeline.errors import ConflictError
         from pipeline.lake.delta import pause_point
         from pipeline.train.identity import identify
-        from pipeline.train.publish import JOB_NAME, checkpoint_and_publish, close_trackers
+        from pipeline.train.publish import checkpoint_and_publish, lineage_run
         from pipeline.train.records import TrainResult
         from pipeline.train.steps import prepare_data
 
@@ -324,11 +318,7 @@ class _Follower:
             from pipeline.policy_store import next_policy_version
 
             self.trackers.begin(run.checkpoint_id, next_policy_version(self.lake))   # the version it will publish
-        if self.rank == 0:
-            lineage.emit_run_event(self.lake, event_type="START", run_id=run.lineage_run_id, job_name=JOB_NAME,
-                                   inputs=run.inputs, outputs=[lineage.checkpoint(self.lake, run.checkpoint_id, rel=run.final_rel or None)],
-                                   **run.ol)
-        try:
+        with lineage_run(run):
             plan, state = self._train(run, data, replay=False, plan=plan)
             full = self._broadcast(self._full_now(n) if self.rank == 0 else None)
             extra = {"trainer": "follow", "skipped_snapshots": self.unrecorded_skips}
@@ -337,19 +327,8 @@ class _Follower:
                                             exclusive=True)
             self.strategy.barrier()
             result = self.strategy.broadcast_object(result)
-        except BaseException as exc:
-            if self.rank == 0:
-                close_trackers(run.live)
-                try:
-                    lineage.emit_run_event(self.lake, event_type="FAIL", run_id=run.lineage_run_id,
-                                           job_name=JOB_NAME, inputs=run.inputs,
-                                           outputs=[lineage.checkpoint(self.lake, run.checkpoint_id, rel=run.final_rel or None)],
-                                           error=f"{type(exc).__name__}: {exc}", **run.ol)
-                except Exception:  # pragma: no cover - never mask the real error
-                    pass
-            raise
         self.unrecorded_skips = []
-        self.head = _published_ref(self.lake, result)
+        self.head = _published_ref(result)
         self.optimizer_from = self.head.checkpoint_id
         self.since_full = 0 if full else self.since_full + 1
         self.trained = True
@@ -454,7 +433,7 @@ class _Follower:
         return box[0]
 
 
-def _published_ref(lake: Lake, result: Any) -> PolicyRef:
+def _published_ref(result: Any) -> PolicyRef:
     """The version just published, as the next version's parent (its files were
     hashed by the publish a moment ago: no second read of the weights)."""
     from pipeline.policy_store import PolicyRef

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from pipeline.lake.delta import Lake
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from pipeline.train.packing import Step
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainResult:
     checkpoint_id: str
     policy_version: int
@@ -47,7 +47,7 @@ class TrainResult:
 
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     """One training run: who it is, where its files go, its lineage (step 1)."""
 
@@ -80,11 +80,11 @@ class Data:
     freshness: dict[str, Any]       # check_freshness figures + consumed_at, snapshot_wait_ms
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Plan:
     """What the pre-pass resolved: the loss, the step plan, the length normaliser (step 4)."""
 
-    loss_kind: str
+    loss_kind: Literal["ppo", "reinforce"]   # cfg.policy_loss with "auto" resolved (steps.plan_run)
     optimizer_from: str | None
     steps: list[Step]
     norm_len: float
