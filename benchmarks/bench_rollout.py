@@ -24,7 +24,9 @@ Four arms, each at zero latency and with the latency, on the same N groups
 groups per wave, each turn waits for the wave's slowest tool call),
 ``streaming`` (``schedule=stream``: a new group starts when there is room),
 ``spare`` (streaming + over-provisioning, ``group_redundancy=0.25``: the
-run ends once N groups are complete, the stragglers cancelled) and
+run ends once N groups are complete, the stragglers cancelled; its in-flight
+bound has room for the spares, ceil(0.25 x) more groups, so they run beside
+the others instead of after them) and
 ``continuous`` (``follow``: two rounds of N/2 groups with no barrier between
 them, the same group indices as one round of N). For each arm the zero- and
 the with-latency run are adjacent in time; the whole sequence runs twice,
@@ -114,8 +116,9 @@ def _config(arm: str, latency: bool, run_id: str, policy: Path, groups: int, inf
     over: dict = dict(LATENCY) if latency else {}
     if arm == "waves":
         over |= {"schedule": "waves"}
-    elif arm == "spare":
+    elif arm == "spare":      # the spare groups run beside the others: room for them in flight
         over |= {"group_redundancy": REDUNDANCY}
+        inflight += math.ceil(inflight * REDUNDANCY)
     elif arm == "continuous":
         over |= {"follow": True, "rounds": sz["rounds"]}
         groups //= sz["rounds"]          # rounds of N/R groups: the same group indices as one round of N
@@ -237,6 +240,12 @@ def _rollout_results(raw: dict) -> list[Result]:
     note = (f"{where}; {LAT_TEXT}; zero/latency runs adjacent, the sequence twice (reversed); mean of "
             f"{sz['repeats']} repetition(s); load (1 min) {min(load):.1f}-{max(load):.1f} at the runs' starts; "
             f"same trajectories in every run (checked)")
+    # waves runs the same engine batches with and without latency: their engine time differs by the box alone
+    same = [b["engine_busy_s"] / a["engine_busy_s"] for a, b in _pairs(e, "waves")
+            if a["engine_steps"] == b["engine_steps"]]
+    if same:
+        note += (f"; engine time of identical batches (waves) with / without latency: "
+                 f"{', '.join(f'{x:.2f}' for x in same)} (the shared box's scheduling and load)")
     zero_s = [a for a, _ in _pairs(e, "streaming")]
     out.append(Result(
         name=f"rollout engine-bound {n}x{g} streaming, zero tool latency: engine busy share of the wall "
@@ -255,9 +264,11 @@ def _rollout_results(raw: dict) -> list[Result]:
             name=f"rollout engine-bound {n}x{g} {arm}: {useful}/s with tool latency / zero latency",
             ratio=_mean(ratios), target=None if base else 0.8, higher_is_better=True,
             measured=f"with latency {_mean([_tps(b) for _, b in pairs]):.2f} traj/s "
-                     f"({_mean([b['rollout_s'] for _, b in pairs]):.1f}s){_spread(ratios)}",
+                     f"({_mean([b['rollout_s'] for _, b in pairs]):.1f}s, "
+                     f"{_mean([b['engine_steps'] for _, b in pairs]):.0f} engine calls){_spread(ratios)}",
             baseline=f"zero latency {_mean([_tps(a) for a, _ in pairs]):.2f} traj/s "
-                     f"({_mean([a['rollout_s'] for a, _ in pairs]):.1f}s)",
+                     f"({_mean([a['rollout_s'] for a, _ in pairs]):.1f}s, "
+                     f"{_mean([a['engine_steps'] for a, _ in pairs]):.0f} engine calls)",
             note=("baseline (lockstep waves); " if base else "moonshot 0.9; ") + note,
             possible=(0.0, 1.0 + NOISE)))
         busy = [_busy(b) for _, b in pairs]

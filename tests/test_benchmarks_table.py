@@ -298,7 +298,8 @@ def _rollout_raw(lat_s=12.0):
     """Hand-made raw measurements of bench_rollout: every arm 10 s at zero latency (engine busy 9.5 s),
     ``lat_s`` with latency (busy 9.9 s); demo 1 s at zero latency, 20 episodes with 1..20 s of tools."""
     def runs(zero, lat, busy_zero, busy_lat, tools):
-        return [{"arm": a, "latency": lat_, "rep": 0, "rollout_s": t, "engine_busy_s": b, "trajectories": 48,
+        return [{"arm": a, "latency": lat_, "rep": 0, "rollout_s": t, "engine_busy_s": b, "engine_steps": 8,
+                 "trajectories": 48,
                  "cancelled": 0, "min_tool_calls": 3, "episode_tool_s": tools if lat_ else [0.0] * 20,
                  "load_1m_at_start": 3.0}
                 for a in ("waves", "streaming", "spare", "continuous")
@@ -326,6 +327,7 @@ def test_rollout_figures_are_recomputed_from_the_runs_and_a_mismatch_or_an_impos
     assert share.ratio == pytest.approx(0.95) and share.target is None
     tps = by("engine-bound 6x8 streaming: trajectories/s with tool latency / zero latency")
     assert tps.ratio == pytest.approx((48 / 12) / (48 / 10)) and tps.target == 0.8 and tps.ok is True
+    assert "identical batches (waves) with / without latency: 1.04" in tps.note         # 9.9 / 9.5
     busy = by("engine-bound 6x8 continuous with tool latency: engine busy share")
     assert busy.ratio == pytest.approx(9.9 / 12) and busy.target == 0.9 and busy.ok is False
     assert by("engine-bound 6x8 waves: trajectories/s").target is None        # the baseline
