@@ -16,8 +16,11 @@ Reward: 1 when all ``tool_turns`` calls ran (PASS), else 0 (FAIL); component
 not the policy: use it for throughput and tail-latency benchmarks
 (benchmarks/bench_rollout.py), not for training.
 
-    pipeline rollout --env tool-relay --groups 8 --max-turns 4 \\
+    pipeline rollout --env tool-relay --groups 8 \\
         --set tool_latency_ms=300 --set tool_latency_sigma=1 --set slow_tool_p=0.05
+
+(``max_turns``, 4 by default, must exceed ``tool_turns``: the turn after the
+last call is the final one.)
 """
 
 from __future__ import annotations
