@@ -277,3 +277,73 @@ def test_loop_figures_count_every_version_and_show_the_prepass_apart():
     assert "pre-pass counted as overhead: 56%" in overhead.measured          # (13 + 2) / 27
     assert prepass.ratio == pytest.approx(2 / 27)
     assert bytes_.ratio == pytest.approx((110 + 300) / 2 / 100)             # one weights-only, one full, every 2
+
+
+def _bench(name):
+    """benchmarks/bench_NAME.py as a module (benchmarks/run.py on the path only while it loads)."""
+    had = set(sys.modules)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}_t", ROOT / "benchmarks" / f"bench_{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+        for n in {"run", "provenance"} - had:   # benchmarks/run.py is no module of the project
+            sys.modules.pop(n, None)
+    return mod
+
+
+def _rollout_raw(lat_s=12.0):
+    """Hand-made raw measurements of bench_rollout: every arm 10 s at zero latency (engine busy 9.5 s),
+    ``lat_s`` with latency (busy 9.9 s); demo 1 s at zero latency, 20 episodes with 1..20 s of tools."""
+    def runs(zero, lat, busy_zero, busy_lat, tools):
+        return [{"arm": a, "latency": lat_, "rep": 0, "rollout_s": t, "engine_busy_s": b, "engine_steps": 8,
+                 "trajectories": 48,
+                 "cancelled": 0, "min_tool_calls": 3, "episode_tool_s": tools if lat_ else [0.0] * 20,
+                 "load_1m_at_start": 3.0}
+                for a in ("waves", "streaming", "spare", "continuous")
+                for lat_, t, b in ((False, zero, busy_zero), (True, lat, busy_lat))]
+
+    def policy(rs):
+        return {"groups": 6, "inflight_groups": 3, "runs": rs,
+                "trajectory_checks": [{"run": f"{r['arm']}-{r['latency']}", "compared": 48, "mismatched": 0}
+                                      for r in rs]}
+
+    tools = [float(k) for k in range(1, 21)]      # p95 of 20 values: the 19th, 19 s
+    return {"sizes": {"group_size": 8, "tool_turns": 3, "repeats": 1}, "engine_bound_params": 113e6,
+            "load_1m_per_run": [3.0, 4.0],
+            "policies": {"engine_bound": policy(runs(10.0, lat_s, 9.5, 9.9, tools)),
+                         "demo": policy(runs(1.0, 22.0, 0.5, 0.6, tools))},
+            "weight_switch": [{"engine": "hf", "label": "x", "in_place_s": [0.02, 0.01], "new_engine_s": [0.5]}]}
+
+
+def test_rollout_figures_are_recomputed_from_the_runs_and_a_mismatch_or_an_impossible_ratio_fails():
+    roll = _bench("rollout")
+    prov = _provenance()
+    figs = {f.name: f for f in roll.derive(_rollout_raw())}
+    by = lambda part: next(f for n, f in figs.items() if part in n)   # noqa: E731
+    share = by("streaming, zero tool latency: engine busy share")
+    assert share.ratio == pytest.approx(0.95) and share.target is None
+    tps = by("engine-bound 6x8 streaming: trajectories/s with tool latency / zero latency")
+    assert tps.ratio == pytest.approx((48 / 12) / (48 / 10)) and tps.target == 0.8 and tps.ok is True
+    assert "identical batches (waves) with / without latency: 1.04" in tps.note         # 9.9 / 9.5
+    busy = by("engine-bound 6x8 continuous with tool latency: engine busy share")
+    assert busy.ratio == pytest.approx(9.9 / 12) and busy.target == 0.9 and busy.ok is False
+    assert by("engine-bound 6x8 waves: trajectories/s").target is None        # the baseline
+    demo = by("demo policy 6x8 spare")
+    assert demo.ratio == pytest.approx(22 / (1 + 19)) and demo.target == 1.0 and demo.ok is False
+    assert by("weight switch hf").ratio == pytest.approx(0.01 / 0.5)
+    assert all(prov.outside_possible(f.name, f.ratio, f.possible) is None for f in figs.values())
+    # with latency 20% faster than without: beyond the stated noise, the figure is impossible
+    fast = next(f for f in roll.derive(_rollout_raw(lat_s=8.0)) if "streaming: trajectories/s" in f.name)
+    assert "outside the range a real measurement can fall in" in prov.outside_possible(fast.name, fast.ratio,
+                                                                                       fast.possible)
+    raw = _rollout_raw()
+    raw["policies"]["engine_bound"]["trajectory_checks"][3]["mismatched"] = 1
+    with pytest.raises(RuntimeError, match="trajectories differ"):
+        roll.derive(raw)
+    raw = _rollout_raw()
+    raw["policies"]["demo"]["runs"][0]["min_tool_calls"] = 2
+    with pytest.raises(RuntimeError, match="fewer than 3 tool calls"):
+        roll.derive(raw)

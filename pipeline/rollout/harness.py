@@ -141,6 +141,12 @@ def parse_answer(turn: list[int]) -> str | None:
     return None
 
 
+def scripted_turns(env: Environment) -> int:
+    """An environment's ``scripted_tool_turns``: its first N turns are tool calls whose argument is
+    the turn's text, whatever the policy wrote (a load generator: envs/relay.py); 0 = none."""
+    return int(getattr(env, "scripted_tool_turns", 0) or 0)
+
+
 def parse_call(turn: list[int]) -> str | None:
     """The tool call text of a turn ``<call>…</call>``, None otherwise."""
     if len(turn) >= 2 and turn[0] == vocab.CALL_ID and turn[-1] == vocab.END_CALL_ID:
@@ -307,7 +313,12 @@ class Harness:
         if self._past_wall_clock(ep):
             self._terminal(ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None, turn_payload)
             return None
-        call = parse_call(turn) if self.codec.char else codecs.parse_turn(self.codec, turn)[0]
+        if ep.turns <= scripted_turns(self.env):   # the environment takes the turn's text as its call, whatever it is
+            call, finish = self.codec.decode(turn), "stop"
+        elif scripted_turns(self.env):            # ... and the turn after the last one as the final turn
+            call, finish = None, "stop"
+        else:
+            call = parse_call(turn) if self.codec.char else codecs.parse_turn(self.codec, turn)[0]
         if finish == "length":
             self._reject(ep, "max_length", turn_payload)
         elif call is not None and self.env.multi_turn:

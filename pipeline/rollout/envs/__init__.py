@@ -6,6 +6,7 @@ from pipeline.rollout.envs import arithmetic as _arithmetic  # noqa: F401  (regi
 from pipeline.rollout.envs import reverse as _reverse  # noqa: F401  (registers reverse-digits)
 from pipeline.rollout.envs import flaky as _flaky  # noqa: F401  (registers flaky-tool)
 from pipeline.rollout.envs import sql as _sql  # noqa: F401  (registers sql-agent)
+from pipeline.rollout.envs import relay as _relay  # noqa: F401  (registers tool-relay)
 
 __all__ = ["Demonstrating", "Environment", "Stateful", "Task", "ToolError", "ToolTimeout", "Verification", "get_env", "list_envs",
            "register_env", "split_of"]
