@@ -1,6 +1,6 @@
 """Issue 41 (6): what scoring over-budget observations as policy failures does to tool use.
 
-    .venv/bin/python benchmarks/run.py --only sql_obs            # full: 6 seeds, 2 arms, 3 updates (~25 min on a loaded 2-core box)
+    .venv/bin/python benchmarks/run.py --only sql_obs            # full: 6 seeds, 3 arms, 3 updates (~22 min on a loaded 2-core box)
     .venv/bin/python benchmarks/run.py --only sql_obs --quick    # smoke (1 seed, 1 update; nothing committed)
 
 The demo policy (the built-in tiny character Llama, warm-started by
@@ -14,7 +14,7 @@ are *hot*: their row is stored 8 times, so the same query returns 8 rows, and
 the observation budget on (``max_obs_tokens = 16``: a one-row result takes 6
 tokens, the 8 rows 55, the truncation marker alone 26) cannot hold it: the
 episode ends over budget through tool output alone. The two arms differ in
-that outcome only:
+that outcome only (and the third in how admission scores it):
 
     obs_env_outcome   the shipped default (harness/3): INFRA_FAILED / ENV_ERROR / obs_budget, null
                       reward: left out of the group baseline (an environment outcome)
@@ -22,6 +22,9 @@ that outcome only:
                       reward 0, which admission's default truncation policy (score_zero) trains on as
                       the policy's failure. Reproduced here by re-labelling that one terminal outcome
                       in this process (``old_scoring``): nothing else of the harness changes.
+    obs_as_zero_filter  the old behaviour, admitted with ``truncation=filter``: every max_length
+                      member (the re-labelled ones and the policy's own) excluded, reason truncated:
+                      what the admission-side truncation policy alone can undo
 
 With hot keys at 1/2 and scored 0, a query is worth 0.95 x 1/2 ~ 0.48 on
 average against ~0.55 for a direct guess: the naive scoring should teach the
@@ -54,7 +57,10 @@ sys.path.insert(0, str(HERE))
 
 TRAIN_ENV = "sql-lookup-hot"
 EVAL_ENV = "sql-lookup"
-ARMS = ("obs_env_outcome", "obs_as_zero")
+ARMS = ("obs_env_outcome", "obs_as_zero", "obs_as_zero_filter")
+# the arm whose admission filters truncated members (truncation=filter) instead of scoring them 0
+FILTER_ARMS = ("obs_as_zero_filter",)
+PAIRS = (("obs_env_outcome", "obs_as_zero"), ("obs_as_zero_filter", "obs_as_zero"))
 
 
 @dataclass(frozen=True)
@@ -100,7 +106,7 @@ def old_scoring():
 
 
 SAMPLED_SQL = """
-SELECT count(*) AS n, sum(num_tool_calls) AS queries, count(*) FILTER (WHERE num_tool_calls > 0) AS querying,
+SELECT count(*) AS n, coalesce(sum(num_tool_calls), 0)::BIGINT AS queries, count(*) FILTER (WHERE num_tool_calls > 0) AS querying,
        count(*) FILTER (WHERE stop_reason = 'obs_budget') AS obs_budget,
        count(*) FILTER (WHERE status = 'REJECTED' AND stop_reason = 'max_length') AS max_length,
        count(*) FILTER (WHERE status = 'ACCEPTED' AND verdict = 'PASS') AS passed,
@@ -132,16 +138,17 @@ def run_arm(lake, arm: str, seed: int, cfg: Config, v0: dict[str, float]) -> dic
     for k in range(1, cfg.iterations + 1):
         run_id = f"{arm}-{seed}-{k}"
         t0 = time.perf_counter()
-        with (old_scoring() if arm == "obs_as_zero" else contextlib.nullcontext({"n": 0})) as relabelled:
+        with (old_scoring() if arm.startswith("obs_as_zero") else contextlib.nullcontext({"n": 0})) as relabelled:
             run_rollout(lake, env=TRAIN_ENV, groups=cfg.groups, group_size=cfg.group_size, seed=seed * 1000 + k,
                         group_offset=k * 1000, run_id=run_id, policy="latest", **cfg.limits)
         rollout_s = time.perf_counter() - t0
         s = query(lake, SAMPLED_SQL, params={"run": run_id}).to_pylist()[0]
-        a = admit(lake, AdmissionConfig(), command="bench_sql_obs")
+        a = admit(lake, AdmissionConfig(truncation="filter" if arm in FILTER_ARMS else "score_zero"),
+                  command="bench_sql_obs")
         # an episode over budget issued one more query than it observed (num_tool_calls counts observations)
         over = s["obs_budget"] + relabelled["n"]
         row: dict[str, Any] = {"iteration": k, "rollout_s": round(rollout_s, 2), "sampled": s["n"],
-                               "queries": (s["queries"] or 0) + over, "querying": s["querying"] + over,
+                               "queries": int(s["queries"]) + over, "querying": int(s["querying"]) + over,
                                "passed": s["passed"],
                                "obs_budget": s["obs_budget"], "max_length": s["max_length"],
                                "relabelled": relabelled["n"], "states": s["states"],
@@ -177,7 +184,7 @@ def run_all(cfg: Config, root: Path) -> dict[str, Any]:
         _, s0, t0_tool = _evaluate(Lake(base), cfg)
         v0s[str(seed)] = {"success": s0, "tool": t0_tool, "warm_start_s": round(time.perf_counter() - t0, 1)}
         print(f"seed {seed}: version 0 held-out success {s0:.2f} (tool use {t0_tool:.2f})", file=sys.stderr, flush=True)
-        order = ARMS[i % 2:] + ARMS[:i % 2]          # the arm order alternates per seed
+        order = ARMS[i % len(ARMS):] + ARMS[:i % len(ARMS)]      # the arm order rotates per seed
         for arm in order:
             lake_dir = root / f"{arm}-seed{seed}"
             shutil.copytree(base, lake_dir)
@@ -231,8 +238,8 @@ METRICS = ("heldout_success", "heldout_tool_use", "query_share", "queries_per_ep
 
 
 def summary(raw: dict[str, Any]) -> dict[str, Any]:
-    """Per arm and metric: per-seed means, their mean and bootstrap 95% interval; per metric the
-    paired difference obs_env_outcome - obs_as_zero (same seeds, same version 0)."""
+    """Per arm and metric: per-seed means, their mean and bootstrap 95% interval; per pair of
+    ``PAIRS`` run and metric, the paired (same seeds, same version 0) difference ``a - b``."""
     from bench_gates import bootstrap_ci
 
     out: dict[str, Any] = {"arms": {}, "differences": {}}
@@ -242,37 +249,44 @@ def summary(raw: dict[str, Any]) -> dict[str, Any]:
             ps = per_seed(raw, arm, m)
             out["arms"][arm][m] = {"mean": round(statistics.fmean(ps.values()), 4), "ci95": bootstrap_ci(list(ps.values())),
                                    "seeds": {k: round(v, 4) for k, v in ps.items()}}
-    a, b = raw["arms"]
-    for m in METRICS:
-        pa, pb = per_seed(raw, a, m), per_seed(raw, b, m)
-        d = [pa[s] - pb[s] for s in sorted(set(pa) & set(pb), key=int)]
-        out["differences"][m] = {"mean": round(statistics.fmean(d), 4), "ci95": bootstrap_ci(d),
-                                 "seeds": [round(x, 4) for x in d]}
+    for a, b in PAIRS:
+        if a not in raw["arms"] or b not in raw["arms"]:
+            continue
+        out["differences"][f"{a}-{b}"] = diff = {}
+        for m in METRICS:
+            pa, pb = per_seed(raw, a, m), per_seed(raw, b, m)
+            d = [pa[s] - pb[s] for s in sorted(set(pa) & set(pb), key=int)]
+            diff[m] = {"mean": round(statistics.fmean(d), 4), "ci95": bootstrap_ci(d), "seeds": [round(x, 4) for x in d]}
     return out
 
 
+NAMES = {"heldout_success": "held-out success", "heldout_tool_use": "held-out tool use (share querying)",
+         "query_share": "sampled episodes that query", "queries_per_episode": "queries per sampled episode",
+         "over_budget_share": "sampled episodes over the obs budget"}
+
+
 def derive(raw: dict[str, Any]) -> list:
-    """The figures: per metric, obs_as_zero's mean over seeds / obs_env_outcome's, with both
-    arms' 95% intervals and the paired difference in the text."""
+    """The figures: per pair (a, b) of ``PAIRS`` and metric, b's mean over seeds / a's, with
+    both arms' 95% intervals and the paired difference a - b in the text."""
     from run import Result
 
     s = summary(raw)
-    a, b = raw["arms"]
     n = len(raw["config"]["seeds"])
-    names = {"heldout_success": "held-out success", "heldout_tool_use": "held-out tool use (share querying)",
-             "query_share": "sampled episodes that query", "queries_per_episode": "queries per sampled episode",
-             "over_budget_share": "sampled episodes over the obs budget"}
     out = []
-    for m, label in names.items():
-        x, y, d = s["arms"][b][m], s["arms"][a][m], s["differences"][m]
-        out.append(Result(
-            name=f"sql obs budget ({n} seeds): {label}, over-budget scored 0 / excluded",
-            ratio=x["mean"] / y["mean"] if y["mean"] else 0.0, target=None, higher_is_better=True,
-            measured=f"{b}: {x['mean']:.3f} [{x['ci95'][0]:.3f}, {x['ci95'][1]:.3f}]",
-            baseline=f"{a}: {y['mean']:.3f} [{y['ci95'][0]:.3f}, {y['ci95'][1]:.3f}]",
-            note=f"paired difference {a} - {b}: {d['mean']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}] "
-                 f"(95% bootstrap over seeds)",
-            possible=(0.0, None)))
+    for pair, diff in s["differences"].items():
+        a, b = pair.split("-")
+        what = {"obs_env_outcome": "excluded", "obs_as_zero": "scored 0",
+                "obs_as_zero_filter": "scored 0, truncation=filter"}
+        for m, label in NAMES.items():
+            x, y, d = s["arms"][b][m], s["arms"][a][m], diff[m]
+            out.append(Result(
+                name=f"sql obs budget ({n} seeds): {label}, over-budget {what[b]} / {what[a]}",
+                ratio=x["mean"] / y["mean"] if y["mean"] else 0.0, target=None, higher_is_better=True,
+                measured=f"{b}: {x['mean']:.3f} [{x['ci95'][0]:.3f}, {x['ci95'][1]:.3f}]",
+                baseline=f"{a}: {y['mean']:.3f} [{y['ci95'][0]:.3f}, {y['ci95'][1]:.3f}]",
+                note=f"paired difference {a} - {b}: {d['mean']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}] "
+                     f"(95% bootstrap over seeds)",
+                possible=(0.0, None)))
     return out
 
 
