@@ -2,7 +2,10 @@
 tool and verifier calls under deadlines and stepping the engine on whatever is
 ready (pipeline/rollout/harness.py records what each step does).
 
-Streaming (``_Scheduler``): there is no wave barrier. When an episode's turn
+The scheduler meets the harness through ``Stepper``, the interface it owns
+(the harness implements it; this module imports nothing of the harness).
+
+Streaming (``Scheduler``): there is no wave barrier. When an episode's turn
 is generated it goes to its tool or its verifier, each a daemon thread (at
 most ``tool_concurrency`` / ``verifier_concurrency`` at once) under a deadline
 (``tool_timeout_s`` else the environment's, else 30s; ``verify_timeout_s``)
@@ -42,13 +45,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Literal, Protocol
 
+from pipeline.rollout.engine import Engine, Request, Sampling
 from pipeline.rollout.envs import ToolTimeout
-from pipeline.rollout.settings import pool_size
+from pipeline.rollout.episode import Episode, Status, StopReason, Verdict
+from pipeline.rollout.settings import Faults, Latency, Limits, Schedule, pool_size
 
-if TYPE_CHECKING:  # the harness imports this module; these names are for the type checker only
-    from pipeline.rollout.harness import Episode, Harness
+CallKind = Literal["tool", "verify"]
 
 
 class EngineStats:
@@ -91,11 +95,56 @@ class VerifierTimeout(Exception):
     """A verifier call did not answer within ``verify_timeout_s``."""
 
 
+class Stepper(Protocol):
+    """What the scheduler needs of a harness (pipeline/rollout/harness.py implements it): its
+    settings, its counters, and the steps of an episode, each recording what it does in the spool.
+    The scheduler decides when each step runs; the harness what it does."""
+
+    env: Any
+    spool: Any
+    worker_id: str
+    limits: Limits
+    schedule: Schedule
+    faults: Faults
+    latency: Latency
+    stats: EngineStats
+    before_tools: Callable[[], Any] | None
+    engine_fn: Callable[[], tuple[Engine, int]]
+    follow_every_turn: bool
+    engine_changed: bool            # the worker switched the policy between episodes: the next step reloads
+    cancel_rest: bool               # the worker has its groups: end the active episodes (``Stepper.cancel``)
+    pool_bounds: dict[str, int]     # set by the scheduler: the pool sizes it runs with
+    tools_abandoned: int            # counted by the scheduler: calls left behind past their deadline
+    verifiers_abandoned: int
+
+    def next_ended(self) -> Episode | None: ...
+    def restore(self, ep: Episode) -> None: ...
+    def terminal(self, ep: Episode, status: Status, verdict: Verdict, stop_reason: StopReason, reward: float | None,
+                 components: dict[str, float] | None, payload: dict[str, Any] | None) -> None: ...
+    def cancel(self, ep: Episode) -> None: ...
+    # a turn
+    def start_turn(self, ep: Episode, version: int) -> None: ...
+    def turn_budget(self, ep: Episode) -> int: ...
+    def turn_sampling(self, budget: int) -> Sampling: ...
+    def turn_request(self, ep: Episode) -> Request: ...
+    def end_turn(self, ep: Episode, c: Any, version: int, meta: dict[str, Any]) -> str | None: ...
+    # tool and verifier calls
+    def tool_waiting(self, ep: Episode) -> None: ...
+    def draw_key(self, ep: Episode, call: str) -> str: ...
+    def tool_fault(self, ep: Episode) -> Exception | None: ...
+    def verifier_fault(self, ep: Episode) -> Exception | None: ...
+    def tool_timeout(self) -> float: ...
+    def call_tool(self, ep: Episode, pause_s: float) -> Any: ...
+    def call_verifier(self, ep: Episode, pause_s: float) -> Any: ...
+    def record_tool_result(self, ep: Episode, out: Any, meta: dict[str, Any]) -> None: ...
+    def record_verdict(self, ep: Episode, out: Any, meta: dict[str, Any]) -> None: ...
+
+
 @dataclass
 class _Call:
     """A tool or verifier call: queued, then running in a daemon thread under its deadline."""
 
-    kind: str                       # "tool" | "verify"
+    kind: CallKind
     ep: Episode
     fault: Exception | None
     queued: float
@@ -107,7 +156,7 @@ class _Call:
     finished: bool = False          # answered (its slot is free; the loop has yet to record it)
 
 
-class _Scheduler:
+class Scheduler:
     """Advances episodes independently. One loop, in the calling thread (the only
     writer of the spool and the only caller of the engine):
 
@@ -131,7 +180,7 @@ class _Scheduler:
     faults (kill/hold after the Nth execution) run tools one at a time and the
     engine waits for the tool queue, so the crash point is exact."""
 
-    def __init__(self, h: Harness, episodes: list[Episode], feed, on_finish, tick) -> None:
+    def __init__(self, h: Stepper, episodes: list[Episode], feed, on_finish, tick) -> None:
         self.h = h
         self.eps: list[Episode] = []
         self.ready: list[tuple[int, Episode, float]] = []      # (order, episode, ready since)
@@ -184,9 +233,9 @@ class _Scheduler:
                 self.ready.append((next(self._order), ep, now))
             elif p is not None:
                 if not p.get("waiting"):
-                    h._event(ep, "TOOL_WAITING", step=p["step"], action_id=p["action_id"], state="TOOL_WAITING")
+                    h.tool_waiting(ep)
                 if p.get("unconfirmed") and not h.env.idempotent:
-                    h._terminal(ep, "INFRA_FAILED", "ENV_ERROR", "stop_sequence", None, None,
+                    h.terminal(ep, "INFRA_FAILED", "ENV_ERROR", "stop_sequence", None, None,
                                 {"error": "tool outcome unknown after a restart; the tool is not idempotent"})
                 else:
                     self._queue("tool", ep, now)
@@ -196,15 +245,15 @@ class _Scheduler:
                 self.ready.append((next(self._order), ep, now))
         self._finished()
 
-    def _queue(self, kind: str, ep: Episode, now: float) -> None:
+    def _queue(self, kind: CallKind, ep: Episode, now: float) -> None:
         """Stage a call; it becomes runnable once the spool is synced (``_publish``)."""
         h = self.h
         if kind == "tool":
-            fault = h._tool_fault(ep)
+            fault = h.tool_fault(ep)
             key = h.draw_key(ep, ep.call["action_id"])
             self.ship_first = self.ship_first or h.before_tools is not None
         else:
-            fault = h._verify_fault(ep)
+            fault = h.verifier_fault(ep)
             key = h.draw_key(ep, f"verify{ep.turns}")
         pause = 0.0 if fault is not None else h.latency.draw(kind, key)
         self.staged.append(_Call(kind, ep, fault, now, pause_s=pause))
@@ -224,8 +273,7 @@ class _Scheduler:
 
     def _finished(self) -> None:
         """Hand the episodes that just ended to ``on_finish`` (retries come back as new episodes)."""
-        while self.h._ended:
-            ep = self.h._ended.pop(0)
+        while (ep := self.h.next_ended()) is not None:
             self.active -= 1
             if self.on_finish is not None:
                 more = self.on_finish(ep)
@@ -241,7 +289,7 @@ class _Scheduler:
             return bool(self.running or self.queues["tool"] or self.queues["verify"] or self.staged)
 
     # -- calls -----------------------------------------------------------------------------
-    def _next(self, kind: str) -> _Call | None:
+    def _next(self, kind: CallKind) -> _Call | None:
         """Under ``lock``: the next queued call of ``kind`` if a slot is free, registered as running."""
         q = self.queues[kind]
         if not q or sum(1 for c in self.running.values() if c.kind == kind and not c.finished) >= self.bounds[kind]:
@@ -251,7 +299,7 @@ class _Scheduler:
         c.started = time.monotonic()
         if c.started > c.published:
             self.h.stats.slot_waits[kind].append((c.published, c.started))
-        timeout = self.h._tool_timeout() if kind == "tool" else float(self.h.limits.verify_timeout_s or math.inf)
+        timeout = self.h.tool_timeout() if kind == "tool" else float(self.h.limits.verify_timeout_s or math.inf)
         c.deadline = c.started + timeout
         self.running[c.token] = c
         return c
@@ -281,8 +329,8 @@ class _Scheduler:
                 out: Any = c.fault
             else:
                 try:
-                    out = (self.h._tool_call(c.ep, c.pause_s) if c.kind == "tool"
-                           else self.h._verify_call(c.ep, c.pause_s))
+                    out = (self.h.call_tool(c.ep, c.pause_s) if c.kind == "tool"
+                           else self.h.call_verifier(c.ep, c.pause_s))
                 except BaseException as exc:  # noqa: BLE001 - handed to the harness as the call's outcome
                     out = exc
             self.done.put((c.token, out, time.monotonic()))
@@ -324,7 +372,7 @@ class _Scheduler:
                     overdue.append(c)
         for c in expired:
             h.stats.slot_waits[c.kind].append((c.published, now))
-            h._terminal(c.ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None,
+            h.terminal(c.ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None,
                         {"error": f"the wall clock ran out while the {c.kind} call was queued "
                                   f"(wall_clock_s={wall_s:g})", "waited_ms": round((now - c.queued) * 1000, 3)})
         for c in overdue:
@@ -334,14 +382,14 @@ class _Scheduler:
                 h.verifiers_abandoned += 1
             meta = {"waited_ms": round((now - c.queued) * 1000, 3)}
             if c.ep.started + wall_s <= c.deadline:     # the episode's wall clock ran out during the call
-                h._terminal(c.ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None,
+                h.terminal(c.ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None,
                             {"error": f"{c.kind} call outlived the episode's wall clock "
                                       f"(wall_clock_s={wall_s:g})"} | meta)
             elif c.kind == "tool":
-                h._tool_result(c.ep, ToolTimeout(f"tool call exceeded its deadline of {c.deadline - c.started:g}s "
+                h.record_tool_result(c.ep, ToolTimeout(f"tool call exceeded its deadline of {c.deadline - c.started:g}s "
                                                  f"(harness tool_timeout_s)"), meta)
             else:
-                h._verified(c.ep, VerifierTimeout(f"verifier exceeded its deadline of "
+                h.record_verdict(c.ep, VerifierTimeout(f"verifier exceeded its deadline of "
                                                   f"{c.deadline - c.started:g}s (verify_timeout_s)"), meta)
         self._finished()
 
@@ -351,11 +399,11 @@ class _Scheduler:
         h.stats.sample(c.kind, waited)
         meta = {"waited_ms": round(waited, 3), "injected_ms": round(c.pause_s * 1000, 3)}
         if c.kind == "tool":
-            h._tool_result(c.ep, out, meta)
+            h.record_tool_result(c.ep, out, meta)
             if not c.ep.done:
                 self.ready.append((next(self._order), c.ep, time.monotonic()))
         else:
-            h._verified(c.ep, out, meta)
+            h.record_verdict(c.ep, out, meta)
 
     # -- the engine ------------------------------------------------------------------------
     def _engine(self) -> None:
@@ -394,7 +442,7 @@ class _Scheduler:
         batch = []
         now = time.monotonic()
         for ep, since in self._take():
-            h._start_turn(ep, self.version)
+            h.start_turn(ep, self.version)
             if not ep.done:
                 batch.append((ep, since))
         self._finished()
@@ -404,18 +452,18 @@ class _Scheduler:
         if self.continuous:
             for ep, since in batch:
                 rid = f"{ep.episode_id}/t{ep.turns}"
-                self.engine.add_request(rid, h._request(ep), h._sampling(h._budget(ep)))
+                self.engine.add_request(rid, h.turn_request(ep), h.turn_sampling(h.turn_budget(ep)))
                 self.generating[rid] = (ep, since, now)
             return
         self._batch += 1
         by_budget: dict[int, list[int]] = {}
         for i, (ep, _) in enumerate(batch):
-            by_budget.setdefault(h._budget(ep), []).append(i)
+            by_budget.setdefault(h.turn_budget(ep), []).append(i)
         outs: dict[int, Any] = {}
         t0 = time.perf_counter()
         for b, idx in by_budget.items():          # one engine call per distinct budget (usually one)
-            reqs = [h._request(batch[i][0]) for i in idx]
-            for i, comps in zip(idx, self.engine.generate(reqs, h._sampling(b))):
+            reqs = [h.turn_request(batch[i][0]) for i in idx]
+            for i, comps in zip(idx, self.engine.generate(reqs, h.turn_sampling(b))):
                 outs[i] = comps[0]
         busy = time.perf_counter() - t0
         h.stats.busy(busy, len(batch))
@@ -424,7 +472,7 @@ class _Scheduler:
         for i, (ep, since) in enumerate(batch):
             queued = (now - since) * 1000
             h.stats.sample("engine_queue", queued)
-            calls.append((ep, h._end_turn(ep, outs[i], self.version, meta | {"queue_ms": round(queued, 3)})))
+            calls.append((ep, h.end_turn(ep, outs[i], self.version, meta | {"queue_ms": round(queued, 3)})))
         self._after_turns(calls)
 
     def _step_continuous(self) -> None:
@@ -441,7 +489,7 @@ class _Scheduler:
             h.stats.sample("engine_queue", queued)
             meta = {"batch": f"{h.worker_id}:{rid}", "gen_ms": round((time.monotonic() - started) * 1000, 3),
                     "queue_ms": round(queued, 3)}
-            calls.append((ep, h._end_turn(ep, comp, self.version, meta)))
+            calls.append((ep, h.end_turn(ep, comp, self.version, meta)))
         self._after_turns(calls)
 
     def _after_turns(self, calls: list[tuple[Episode, str | None]]) -> None:
@@ -449,8 +497,7 @@ class _Scheduler:
         now = time.monotonic()
         for ep, nxt in calls:
             if nxt == "tool":
-                p = ep.call
-                h._event(ep, "TOOL_WAITING", step=p["step"], action_id=p["action_id"], state="TOOL_WAITING")
+                h.tool_waiting(ep)
                 self._queue("tool", ep, now)
             elif nxt == "verify":
                 self._queue("verify", ep, now)

@@ -1,5 +1,5 @@
 """What a rollout reports: ``RolloutSummary`` (one worker's, or the run's once
-``_merge`` has added up its workers') and the wait percentiles in it.
+``merge_summaries`` has added up its workers') and the wait percentiles in it.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipeline.rollout.run import RolloutConfig
+    from pipeline.rollout.config import RolloutConfig
 
 
 @dataclass
@@ -58,7 +58,7 @@ class RolloutSummary:
         return d
 
 
-def _percentiles(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+def percentiles(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     """stage -> {p50, p95, n} (nearest-rank) of the wait samples."""
     out = {}
     for stage, xs in samples.items():
@@ -73,7 +73,7 @@ def _percentiles(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]
     return out
 
 
-def _merge(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: float) -> RolloutSummary:
+def merge_summaries(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: float) -> RolloutSummary:
     s = RolloutSummary(cfg.run_id, cfg.env, cfg.engine, workers=cfg.workers, schedule=cfg.schedule)
     n_reward = 0
     reward_sum = 0.0
@@ -108,7 +108,7 @@ def _merge(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: float) -> R
     slowest = max((p["rollout_seconds"] for p in parts), default=0.0)
     s.tokens_per_s = s.generated_tokens / slowest if slowest else 0.0
     s.engine_busy_share = s.engine_busy_s / s.rollout_seconds if s.rollout_seconds else 0.0   # per engine
-    s.waits_ms = _percentiles(s.samples)
+    s.waits_ms = percentiles(s.samples)
     s.bound_by = bound_by(s.engine_busy_s, s.pool_wait_s)
     return s
 
