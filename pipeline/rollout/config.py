@@ -54,7 +54,15 @@ class RolloutConfig:
     group_redundancy: float = field(default=0.0, metadata={"ge": 0, "help":
         "over-provisioning r: launch ceil(groups x (1 + r)) groups and finish once `groups` of them are complete "
         "(every member ended, none cancelled, one policy version); the stragglers still running are cancelled "
-        "(EXPIRED / cancelled, null reward: never a policy failure). 0 = off, the run is exactly as without it"})
+        "(EXPIRED / cancelled, null reward: never a policy failure) or, with straggler_policy=carry, carried into "
+        "the next round. 0 = off, the run is exactly as without it"})
+    straggler_policy: Literal["cancel", "carry"] = field(default="cancel", metadata={"help":
+        "with group_redundancy, the stragglers once a round has its groups: cancel (EXPIRED / cancelled, null "
+        "reward, never a policy failure) or carry (continuous mode only: they keep running into the next round "
+        "as partial rollouts, a newer policy does not wait for them and samples their later tokens, "
+        "token_policy_versions says which version sampled which token, admission judges them by its usual "
+        "lag and comparability rules; the last round's stragglers are cancelled). Default cancel: a single "
+        "round has no next round, and a trajectory keeps one policy version"})
     retry_group_budget: int = field(default=0, metadata={"ge": 0, "help":
         "resample up to this many INFRA_FAILED / UNKNOWN members per group (new trajectory ids <group>-r<n>, same "
         "group, only while the group's policy version is still the one served); 0 = no retries"})
@@ -135,9 +143,12 @@ def check_config(cfg: RolloutConfig) -> None:
         raise ConfigError("need 1 <= max_tokens_per_turn <= max_total_tokens")
     if not cfg.group_redundancy >= 0:
         raise ConfigError(f"group_redundancy must be >= 0 (got {cfg.group_redundancy}): the share of extra groups")
-    if cfg.follow and cfg.group_redundancy > 0:
-        raise ConfigError("follow and group_redundancy do not combine: continuous mode already runs the next round "
-                          "during a round's tail (cancelling stragglers would cut the next round's episodes)")
+    if cfg.follow and cfg.group_redundancy > 0 and cfg.straggler_policy != "carry":
+        raise ConfigError("follow with group_redundancy needs straggler_policy=carry: continuous mode runs the next "
+                          "round during a round's tail (cancelling stragglers would cut the next round's episodes)")
+    if cfg.straggler_policy == "carry" and not (cfg.follow and cfg.group_redundancy > 0):
+        raise ConfigError("straggler_policy=carry needs follow and group_redundancy > 0: stragglers are carried "
+                          "into the next round of a continuous run (without them there is none, or no straggler)")
     if cfg.follow and not (cfg.rounds or cfg.stop_file) and cfg.workers > 1:
         raise ConfigError("follow with workers > 1 needs rounds or stop_file (SIGTERM stops a single worker only)")
     if cfg.lease_s <= 0:

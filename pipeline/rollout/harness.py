@@ -50,6 +50,11 @@ versions, in its trajectory row; status EXPIRED makes admission exclude it
 token has no row to land (a trajectory needs a response): its TERMINAL event
 alone records it.
 
+A carried straggler (``straggler_policy=carry``: the worker's round closed
+without it) is not ended: it goes on, and when the worker takes a newer policy
+meanwhile its later turns are sampled by it (``token_versions`` records the
+version of every token; ``policy_version`` stays the one that started it).
+
 The settings a harness runs under (``Limits``, ``Schedule``, ``Latency``,
 ``Faults``) are in pipeline/rollout/settings.py; the loop that advances the
 episodes, their tool and verifier calls and the engine is the scheduler

@@ -46,6 +46,7 @@ class RolloutSummary:
     pool_wait_s: dict[str, float] = field(default_factory=dict)  # tool / verify -> s a call waited for a slot
     bound_by: str = "engine"                    # engine | tool_pool | verify_pool: pool wait > engine busy
     cancelled: int = 0                          # stragglers cancelled (group_redundancy): EXPIRED / cancelled
+    carried: int = 0                            # stragglers carried into a later round (straggler_policy=carry)
     groups_complete: int | None = None          # complete groups (group_redundancy > 0 only)
     rounds: int = 1                             # rounds of `groups` planned (continuous mode: more than 1)
     weight_switches: list[dict[str, Any]] = field(default_factory=list)   # {version, mode, seconds}
@@ -81,7 +82,7 @@ def merge_summaries(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: fl
     for p in parts:
         for k in ("trajectories", "landed", "events", "quarantined", "generated_tokens", "tool_executions", "resumed",
                   "rollout_seconds", "tools_abandoned", "retries", "retries_denied", "engine_busy_s", "engine_steps",
-                  "verifiers_abandoned", "weight_switches", "cancelled"):
+                  "verifiers_abandoned", "weight_switches", "cancelled", "carried"):
             setattr(s, k, getattr(s, k) + p[k])
         if p["groups_complete"] is not None:
             s.groups_complete = (s.groups_complete or 0) + p["groups_complete"]

@@ -13,7 +13,12 @@ cancelled, one policy version) the harness cancels the rest
 (``Harness.cancel``) and no retry starts. Continuous mode (``follow``): when a
 round's groups have all started, the next round's are planned (the next group
 indices) and start as room frees, so the engine never waits for a round's
-tail; SIGTERM / SIGINT, ``stop_file`` or ``rounds`` end it.
+tail; SIGTERM / SIGINT, ``stop_file`` or ``rounds`` end it. Both together
+(``straggler_policy=carry``): a round closes at its N complete groups and its
+episodes still running are carried on as partial rollouts (never cancelled
+mid-run, never holding a newer policy back, so their later tokens carry its
+version); once every round of ``rounds`` has closed, what still runs is
+cancelled.
 
 ``PolicyHolder`` serves the policy (and switches to a newer one when
 following); ``run_worker`` (a ``WorkerRun``) feeds the harness the worker's groups
@@ -200,17 +205,37 @@ class WorkerRun:
         self.spoiled: set[str] = set()          # groups with a cancelled member or two policy versions
         self.versions: dict[str, set[int]] = {}
         self.complete = 0
-        if self.need is not None:       # groups complete on record (a restart): every member and retry ended
-            for _, gid, _, members in groups:
-                ids = [eid for eid, _ in members] + [retry_id(gid, n) for n in range(cfg.retry_group_budget)
-                                                     if retry_id(gid, n) in self.state]
-                if all(eid in self.state and self.state[eid] is None for eid in ids):
-                    self.complete += 1
-            self.harness.cancel_rest = self.complete >= self.need
+        # straggler_policy=carry: a round closes once it has `need` complete groups; its episodes still
+        # running then are carried (they go on into the next round and never hold a policy switch back)
+        self.carry = cfg.straggler_policy == "carry"
+        self.complete_in: Counter[int] = Counter()     # round -> its complete groups
+        self.closed: set[int] = set()                   # rounds that have their groups
+        self.live: dict[str, str] = {}                  # carry: episodes in flight, not carried -> group
+        self.carried: set[str] = set()                  # carry: episodes carried past their round's close
+        self.switch_from: str | None = None             # carry: a switch the scheduler makes between requests
         self.started: list[Episode] = []        # every episode this invocation runs (retries look up their group's)
         self.last_poll = 0.0
         self.draining = False
+        self.count_complete_on_record(groups)
         self.last_progress = time.monotonic()
+
+    def count_complete_on_record(self, groups) -> None:
+        """Over-provisioning: the groups complete on record (a restart): every member and retry ended."""
+        if self.need is None:
+            return
+        for _, gid, _, members in groups:
+            ids = [eid for eid, _ in members] + [retry_id(gid, n) for n in range(self.cfg.retry_group_budget)
+                                                 if retry_id(gid, n) in self.state]
+            if all(eid in self.state and self.state[eid] is None for eid in ids):
+                self.complete += 1
+                if self.carry:
+                    self.round_complete(self.round_of(gid))
+        if not self.carry:
+            self.harness.cancel_rest = self.complete >= self.need
+
+    def round_of(self, gid: str) -> int:
+        """The round (0, 1, ...) a group of this run belongs to (continuous mode plans one per round)."""
+        return (self.index[gid][0] - self.cfg.group_offset) // launched_groups(self.cfg)
 
     # -- shipping ----------------------------------------------------------------------------
     def ship(self) -> None:
@@ -273,6 +298,8 @@ class WorkerRun:
         self.state.update(reconcile(self.lake, cfg, self.tasks_of(more), self.spool.records()))
         self.index.update({gid: (k, task) for k, gid, task, _ in more})
         self.todo.extend(more)
+        if self.carry:
+            self.count_complete_on_record(more)
         return True
 
     # -- what the harness asks -------------------------------------------------------------------
@@ -281,7 +308,8 @@ class WorkerRun:
         out: list = []
         while self.todo or self.next_round():
             items = self.group_items(self.todo[0])
-            if harness.cancel_rest:     # enough groups: only episodes a restart left half-done, to end them
+            if harness.cancel_rest or self.round_of(self.todo[0][1]) in self.closed:
+                # enough groups: only episodes a restart left half-done, to end (or carry) them
                 items = [w for w in items if not isinstance(w, tuple)]
             if not items:
                 self.todo.popleft()
@@ -301,6 +329,7 @@ class WorkerRun:
                 else:
                     self.summary.resumed += 1
                 out.append(w)
+                self.track(w)
                 self.versions.setdefault(gid, set()).add(w.policy_version)
             self.opened[gid] = self.opened.get(gid, 0) + len(items)
             free -= len(items)
@@ -314,6 +343,8 @@ class WorkerRun:
         cfg, holder = self.cfg, self.holder
         if holder.engine is None:
             holder()
+        elif cfg.follow_latest and not cfg.follow_every_turn and self.carry:
+            return self._carry_ready(busy)
         elif cfg.follow_latest and not cfg.follow_every_turn:
             if not busy:                            # nothing in flight: switch now if there is a newer policy
                 self.draining = False
@@ -329,14 +360,57 @@ class WorkerRun:
                     return False
         return True
 
+    def _carry_ready(self, busy: bool) -> bool:
+        """``_policy_ready`` under straggler_policy=carry: only the episodes that must keep one
+        version (``live``: of rounds still open) hold a newer policy back; carried ones go on
+        under it. A batch engine switches at once (nothing generates between its steps); a
+        continuous one is switched by the scheduler between requests (``engine_changed``)."""
+        holder = self.holder
+        if self.switch_from is not None:            # the scheduler's switch is still to come
+            if holder.checkpoint_id == self.switch_from:
+                return False
+            self.switch_from = None
+        if self.live:
+            if not self.draining and self._poll_newer():
+                self.draining = True                # let the live episodes finish on their version first
+            return not self.draining
+        if not (self.draining or (self._poll_newer() if busy else holder.newer())):
+            return True
+        self.draining = False
+        if busy and hasattr(holder.engine, "add_request") and self.cfg.schedule != "waves":
+            self.switch_from = holder.checkpoint_id   # carried requests may be running: between requests
+            self.harness.engine_changed = True
+            return False
+        holder()
+        self.harness.engine_changed = True
+        return True
+
+    def _poll_newer(self) -> bool:
+        """A newer policy is published (reads the lake at most once a second)."""
+        if time.monotonic() - self.last_poll < 1.0:
+            return False
+        self.last_poll = time.monotonic()
+        return self.holder.newer()
+
+    def track(self, ep: Episode) -> None:
+        """carry: an episode starting (or resumed) is live, or carried when its round has closed."""
+        if self.carry:
+            if self.round_of(ep.group_id) in self.closed:
+                self.carried.add(ep.episode_id)
+            else:
+                self.live[ep.episode_id] = ep.group_id
+
     def on_finish(self, ep: Episode) -> list:
         self.unshipped.append(ep)
+        self.live.pop(ep.episode_id, None)
         if self.harness.cancel_rest:
             return []                               # the run has its groups: no retries
         extra, self.budget = plan_retries(self.cfg, self.harness, lambda: (None, self.holder.version),
                                           {ep.group_id: self.index[ep.group_id]}, self.state, [ep], self.started,
                                           self.budget, self.summary)
         self.started.extend(extra)
+        for e in extra:
+            self.track(e)
         if self.need is not None:
             self.group_progress(ep, extra)
         return extra
@@ -351,8 +425,27 @@ class WorkerRun:
             self.spoiled.add(gid)
         if self.opened[gid] == 0 and gid not in self.spoiled:
             self.complete += 1
-            if self.need is not None and self.complete >= self.need:
+            if self.carry:
+                self.round_complete(self.round_of(gid))
+            elif self.need is not None and self.complete >= self.need:
                 self.harness.cancel_rest = True
+
+    def round_complete(self, rnd: int) -> None:
+        """carry: one more complete group in round ``rnd``. With ``need`` of them the round
+        closes: its episodes still running are carried on (into the next round). Once every
+        round of the run (``rounds``) has closed, what still runs is cancelled instead: there
+        is no next round to carry it into."""
+        self.complete_in[rnd] += 1
+        if rnd in self.closed or self.need is None or self.complete_in[rnd] < self.need:
+            return
+        self.closed.add(rnd)
+        if self.cfg.rounds and len(self.closed) >= self.cfg.rounds:
+            self.harness.cancel_rest = True
+            return
+        for eid, gid in list(self.live.items()):
+            if self.round_of(gid) in self.closed:
+                del self.live[eid]
+                self.carried.add(eid)
 
     # -- the run -----------------------------------------------------------------------------
     def run(self) -> RolloutSummary:
@@ -391,6 +484,7 @@ class WorkerRun:
         summary.policy_versions = sorted(self.holder.versions)
         summary.tool_executions = harness.tool_executions
         summary.cancelled = harness.cancelled
+        summary.carried = len(self.carried)
         summary.groups_complete = self.complete if self.need is not None else None
         summary.pool_bounds = dict(harness.pool_bounds)
         summary.pool_wait_s = harness.stats.pool_wait_s()
