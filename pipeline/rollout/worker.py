@@ -18,7 +18,8 @@ tail; SIGTERM / SIGINT, ``stop_file`` or ``rounds`` end it. Both together
 episodes still running are carried on as partial rollouts (never cancelled
 mid-run, never holding a newer policy back, so their later tokens carry its
 version); once every round of ``rounds`` has closed, what still runs is
-cancelled.
+cancelled. Which groups are complete, which rounds closed and which episodes
+are carried is the worker's ``GroupLedger`` (pipeline/rollout/rounds.py).
 
 ``PolicyHolder`` serves the policy (and switches to a newer one when
 following); ``run_worker`` (a ``WorkerRun``) feeds the harness the worker's groups
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from pipeline.rollout.engine import Sampling
 from pipeline.rollout.plan import launched_groups, plan, plan_retries, retry_id, worker_share
+from pipeline.rollout.rounds import GroupLedger
 from pipeline.rollout.summary import RolloutSummary, bound_by, percentiles
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
@@ -193,49 +195,23 @@ class WorkerRun:
         groups = plan(cfg, env, worker)
         self.rounds = 1                 # continuous mode (``follow``): rounds planned so far
         self.stopping = False           # continuous mode: stop requested (SIGTERM / SIGINT / stop_file)
-        # over-provisioning: the groups this worker needs complete (its share of `groups`); None = all of them
-        self.need = worker_share(cfg.groups, cfg.workers, worker) if cfg.group_redundancy > 0 else None
         self.state = reconcile(lake, cfg, self.tasks_of(groups), self.spool.records())
         self.budget = (worker_share(cfg.retry_run_budget, cfg.workers, worker)
                        - sum(1 for _, gid, _, _ in groups for n in range(cfg.retry_group_budget)
                              if retry_id(gid, n) in self.state))
         self.index = {gid: (k, task) for k, gid, task, _ in groups}
         self.todo = deque(groups)
-        self.opened: dict[str, int] = {}        # group -> its episodes not yet terminal (this invocation)
-        self.spoiled: set[str] = set()          # groups with a cancelled member or two policy versions
-        self.versions: dict[str, set[int]] = {}
-        self.complete = 0
-        # straggler_policy=carry: a round closes once it has `need` complete groups; its episodes still
-        # running then are carried (they go on into the next round and never hold a policy switch back)
-        self.carry = cfg.straggler_policy == "carry"
-        self.complete_in: Counter[int] = Counter()     # round -> its complete groups
-        self.closed: set[int] = set()                   # rounds that have their groups
-        self.live: dict[str, str] = {}                  # carry: episodes in flight, not carried -> group
-        self.carried: set[str] = set()                  # carry: episodes carried past their round's close
-        self.switch_from: str | None = None             # carry: a switch the scheduler makes between requests
+        self.ledger = GroupLedger(cfg, worker, cancel=self.cancel_rest)
+        self.switch_from: str | None = None     # carry: a switch the scheduler makes between requests
         self.started: list[Episode] = []        # every episode this invocation runs (retries look up their group's)
         self.last_poll = 0.0
         self.draining = False
-        self.count_complete_on_record(groups)
         self.last_progress = time.monotonic()
+        self.ledger.add_groups(groups, self.state)
 
-    def count_complete_on_record(self, groups) -> None:
-        """Over-provisioning: the groups complete on record (a restart): every member and retry ended."""
-        if self.need is None:
-            return
-        for _, gid, _, members in groups:
-            ids = [eid for eid, _ in members] + [retry_id(gid, n) for n in range(self.cfg.retry_group_budget)
-                                                 if retry_id(gid, n) in self.state]
-            if all(eid in self.state and self.state[eid] is None for eid in ids):
-                self.complete += 1
-                if self.carry:
-                    self.round_complete(self.round_of(gid))
-        if not self.carry:
-            self.harness.cancel_rest = self.complete >= self.need
-
-    def round_of(self, gid: str) -> int:
-        """The round (0, 1, ...) a group of this run belongs to (continuous mode plans one per round)."""
-        return (self.index[gid][0] - self.cfg.group_offset) // launched_groups(self.cfg)
+    def cancel_rest(self) -> None:
+        """The run has the groups it needs (``GroupLedger``): the harness ends what still runs."""
+        self.harness.cancel_rest = True
 
     # -- shipping ----------------------------------------------------------------------------
     def ship(self) -> None:
@@ -298,8 +274,7 @@ class WorkerRun:
         self.state.update(reconcile(self.lake, cfg, self.tasks_of(more), self.spool.records()))
         self.index.update({gid: (k, task) for k, gid, task, _ in more})
         self.todo.extend(more)
-        if self.carry:
-            self.count_complete_on_record(more)
+        self.ledger.add_groups(more, self.state)
         return True
 
     # -- what the harness asks -------------------------------------------------------------------
@@ -308,7 +283,7 @@ class WorkerRun:
         out: list = []
         while self.todo or self.next_round():
             items = self.group_items(self.todo[0])
-            if harness.cancel_rest or self.round_of(self.todo[0][1]) in self.closed:
+            if harness.cancel_rest or self.ledger.closed_group(self.todo[0][1]):
                 # enough groups: only episodes a restart left half-done, to end (or carry) them
                 items = [w for w in items if not isinstance(w, tuple)]
             if not items:
@@ -329,9 +304,7 @@ class WorkerRun:
                 else:
                     self.summary.resumed += 1
                 out.append(w)
-                self.track(w)
-                self.versions.setdefault(gid, set()).add(w.policy_version)
-            self.opened[gid] = self.opened.get(gid, 0) + len(items)
+                self.ledger.started(w)
             free -= len(items)
         self.started.extend(out)
         return out if out or self.todo else None
@@ -343,7 +316,7 @@ class WorkerRun:
         cfg, holder = self.cfg, self.holder
         if holder.engine is None:
             holder()
-        elif cfg.follow_latest and not cfg.follow_every_turn and self.carry:
+        elif cfg.follow_latest and not cfg.follow_every_turn and self.ledger.carry:
             return self._carry_ready(busy)
         elif cfg.follow_latest and not cfg.follow_every_turn:
             if not busy:                            # nothing in flight: switch now if there is a newer policy
@@ -370,7 +343,7 @@ class WorkerRun:
             if holder.checkpoint_id == self.switch_from:
                 return False
             self.switch_from = None
-        if self.live:
+        if self.ledger.live:
             if not self.draining and self._poll_newer():
                 self.draining = True                # let the live episodes finish on their version first
             return not self.draining
@@ -392,17 +365,9 @@ class WorkerRun:
         self.last_poll = time.monotonic()
         return self.holder.newer()
 
-    def track(self, ep: Episode) -> None:
-        """carry: an episode starting (or resumed) is live, or carried when its round has closed."""
-        if self.carry:
-            if self.round_of(ep.group_id) in self.closed:
-                self.carried.add(ep.episode_id)
-            else:
-                self.live[ep.episode_id] = ep.group_id
-
     def on_finish(self, ep: Episode) -> list:
         self.unshipped.append(ep)
-        self.live.pop(ep.episode_id, None)
+        self.ledger.ended(ep)
         if self.harness.cancel_rest:
             return []                               # the run has its groups: no retries
         extra, self.budget = plan_retries(self.cfg, self.harness, lambda: (None, self.holder.version),
@@ -410,42 +375,10 @@ class WorkerRun:
                                           self.budget, self.summary)
         self.started.extend(extra)
         for e in extra:
-            self.track(e)
-        if self.need is not None:
-            self.group_progress(ep, extra)
+            self.ledger.started(e)
+        if self.ledger.need is not None:
+            self.ledger.progress(ep)
         return extra
-
-    def group_progress(self, ep: Episode, extra: list) -> None:
-        """Over-provisioning: count a group complete once all its episodes ended (none
-        cancelled, one policy version); with enough, the rest are cancelled."""
-        gid = ep.group_id
-        self.opened[gid] = self.opened.get(gid, 0) - 1 + len(extra)
-        self.versions.setdefault(gid, set()).update(e.policy_version for e in extra)
-        if ep.stop_reason == "cancelled" or len(self.versions.get(gid, ())) > 1:
-            self.spoiled.add(gid)
-        if self.opened[gid] == 0 and gid not in self.spoiled:
-            self.complete += 1
-            if self.carry:
-                self.round_complete(self.round_of(gid))
-            elif self.need is not None and self.complete >= self.need:
-                self.harness.cancel_rest = True
-
-    def round_complete(self, rnd: int) -> None:
-        """carry: one more complete group in round ``rnd``. With ``need`` of them the round
-        closes: its episodes still running are carried on (into the next round). Once every
-        round of the run (``rounds``) has closed, what still runs is cancelled instead: there
-        is no next round to carry it into."""
-        self.complete_in[rnd] += 1
-        if rnd in self.closed or self.need is None or self.complete_in[rnd] < self.need:
-            return
-        self.closed.add(rnd)
-        if self.cfg.rounds and len(self.closed) >= self.cfg.rounds:
-            self.harness.cancel_rest = True
-            return
-        for eid, gid in list(self.live.items()):
-            if self.round_of(gid) in self.closed:
-                del self.live[eid]
-                self.carried.add(eid)
 
     # -- the run -----------------------------------------------------------------------------
     def run(self) -> RolloutSummary:
@@ -484,8 +417,8 @@ class WorkerRun:
         summary.policy_versions = sorted(self.holder.versions)
         summary.tool_executions = harness.tool_executions
         summary.cancelled = harness.cancelled
-        summary.carried = len(self.carried)
-        summary.groups_complete = self.complete if self.need is not None else None
+        summary.carried = len(self.ledger.carried)
+        summary.groups_complete = self.ledger.complete if self.ledger.need is not None else None
         summary.pool_bounds = dict(harness.pool_bounds)
         summary.pool_wait_s = harness.stats.pool_wait_s()
         summary.bound_by = bound_by(harness.stats.busy_s, summary.pool_wait_s)
