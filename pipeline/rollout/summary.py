@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from pipeline.rollout.config import RolloutConfig
+
+
+BoundBy = Literal["engine", "tool_pool", "verify_pool"]
 
 
 @dataclass
@@ -44,7 +47,7 @@ class RolloutSummary:
     waits_ms: dict[str, dict[str, float]] = field(default_factory=dict)   # stage -> {p50, p95, n}
     pool_bounds: dict[str, int] = field(default_factory=dict)   # tool / verify -> threads of the pool (a worker's)
     pool_wait_s: dict[str, float] = field(default_factory=dict)  # tool / verify -> s a call waited for a slot
-    bound_by: str = "engine"                    # engine | tool_pool | verify_pool: pool wait > engine busy
+    bound_by: BoundBy = "engine"                # engine | tool_pool | verify_pool: pool wait > engine busy
     cancelled: int = 0                          # stragglers cancelled (group_redundancy): EXPIRED / cancelled
     carried: int = 0                            # stragglers carried into a later round (straggler_policy=carry)
     groups_complete: int | None = None          # complete groups (group_redundancy > 0 only)
@@ -114,8 +117,10 @@ def merge_summaries(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: fl
     return s
 
 
-def bound_by(engine_busy_s: float, pool_wait_s: dict[str, float]) -> str:
+def bound_by(engine_busy_s: float, pool_wait_s: dict[str, float]) -> BoundBy:
     """``engine``, or the pool (``tool_pool`` / ``verify_pool``) whose calls waited for a
     free slot longer than the engine was busy: that pool, not the engine, bounded the run."""
     kind, waited = max(pool_wait_s.items(), key=lambda kv: kv[1], default=("", 0.0))
-    return f"{kind}_pool" if waited > engine_busy_s else "engine"
+    if waited <= engine_busy_s:
+        return "engine"
+    return "tool_pool" if kind == "tool" else "verify_pool"
