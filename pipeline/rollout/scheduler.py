@@ -20,6 +20,10 @@ episode's latency. Only the loop's thread writes the spool and calls the
 engine. ``Schedule.order = "waves"`` keeps the old lockstep order (the
 baseline of benchmarks/bench_rollout.py).
 
+The calls themselves (staged until the spool is synced, queued, running in
+their threads, collected, taken out past a deadline) are the scheduler's
+``CallPool``; the loop decides what the engine does next.
+
 The tool and verifier pools are sized for I/O by default (``settings.pool_size``:
 the episodes in flight, at most ``POOL_CAP``, and never past the environment's
 declared ``max_tool_concurrency`` / ``max_verifier_concurrency``).
@@ -45,7 +49,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Protocol
+from typing import Any, Callable, Iterator, Literal, Protocol
 
 from pipeline.rollout.engine import Engine, Request, Sampling
 from pipeline.rollout.envs import ToolTimeout
@@ -156,97 +160,29 @@ class _Call:
     finished: bool = False          # answered (its slot is free; the loop has yet to record it)
 
 
-class Scheduler:
-    """Advances episodes independently. One loop, in the calling thread (the only
-    writer of the spool and the only caller of the engine):
+class CallPool:
+    """The tool and verifier calls of one scheduler: staged until the spool is synced
+    (``publish``), then queued, then running in daemon threads, at most ``bounds[kind]``
+    of a kind at once, each under its deadline. Outcomes go to a completion queue the
+    scheduler's loop reads (``finished``); calls past their deadline or their episode's
+    wall clock are taken out (``overdue``), their threads abandoned."""
 
-    1. record the calls that finished (a completion queue fed by the call threads)
-       and end those past their deadline or their episode's wall clock, at the
-       deadline (the thread is abandoned; a late answer is ignored);
-    2. start queued tool / verifier calls within ``tool_concurrency`` /
-       ``verifier_concurrency`` (the spool is synced first: every
-       ACTION_COMMITTED is durable before its tool runs);
-    3. take new episodes from ``feed`` while the in-flight bound allows;
-    4. run one engine step on the episodes that are ready: a bounded micro-batch
-       (``Schedule.max_batch``) once it is full, or ``max_wait_ms`` after its
-       oldest member became ready, or when nothing in flight could join it; an
-       engine with continuous batching (``add_request``/``step``) instead takes
-       every ready episode as a new request and advances one step;
-    5. otherwise wait for the next completion or deadline.
-
-    ``Schedule.order = "waves"`` keeps the old lockstep order as a baseline: the
-    engine steps only when no call is in flight (every ready episode in one
-    batch) and new episodes start only when none is active. The crash-test
-    faults (kill/hold after the Nth execution) run tools one at a time and the
-    engine waits for the tool queue, so the crash point is exact."""
-
-    def __init__(self, h: Stepper, episodes: list[Episode], feed, on_finish, tick) -> None:
+    def __init__(self, h: Stepper, bounds: dict[str, int], *, chain: bool) -> None:
         self.h = h
-        self.eps: list[Episode] = []
-        self.ready: list[tuple[int, Episode, float]] = []      # (order, episode, ready since)
+        self.bounds = bounds
+        # call threads start the next queued call themselves, except where the loop must order
+        # things: the crash-test faults (an exact crash point) and shipping before tools run
+        self.chain = chain
         self.queues: dict[str, deque[_Call]] = {"tool": deque(), "verify": deque()}
         self.running: dict[int, _Call] = {}
         self.staged: list[_Call] = []                          # queued, waiting for the spool sync
         self.lock = threading.Lock()                           # queues + running, shared with the call threads
         self.done: queue.SimpleQueue = queue.SimpleQueue()     # (token, outcome, finished at)
-        self.feed, self.on_finish, self.tick = feed, on_finish, tick
-        self.exhausted = feed is None
-        crash = bool(h.faults.kill_after_executed or h.faults.hold_after_executed)
-        self.barrier = h.schedule.order == "waves"
-        self.tool_barrier = crash
-        # call threads start the next queued call themselves, except where the loop must order
-        # things: the crash-test faults (an exact crash point) and shipping before tools run
-        self.chain = not crash and h.before_tools is None
-        self.inflight_bound = max(1, int(h.schedule.max_inflight)) if h.schedule.max_inflight else 0
-        self.bounds = {"tool": 1 if crash else pool_size(h.limits.tool_concurrency, self.inflight_bound,
-                                                         getattr(h.env, "max_tool_concurrency", None)),
-                       "verify": pool_size(h.limits.verifier_concurrency, self.inflight_bound,
-                                           getattr(h.env, "max_verifier_concurrency", None))}
-        h.pool_bounds = dict(self.bounds)
-        self.active = 0
         self.ship_first = False         # a committed action needs before_tools before its tool runs
-        self._order = itertools.count()
         self._token = itertools.count(1)
-        self._batch = 0
-        self.engine: Any = None
-        self.version = 0
-        self._steps = 0
-        self.continuous = False
-        self.generating: dict[str, tuple[Episode, float, float]] = {}   # request id -> (episode, queued, started)
-        self._add(episodes)
 
-    # -- bookkeeping -----------------------------------------------------------------------
-    def _add(self, episodes: list[Episode]) -> None:
-        """Take episodes in (new, or rebuilt after a restart) and queue each for what it needs next."""
-        h = self.h
-        now = time.monotonic()
-        for ep in episodes:
-            self.eps.append(ep)
-            if ep.done:
-                continue
-            self.active += 1
-            h.restore(ep)                           # a stateful episode rebuilt after a crash
-            if ep.done:
-                continue
-            p = ep.pending
-            if p is not None and "output" in p:     # executed before a crash: the observation joins next turn
-                self.ready.append((next(self._order), ep, now))
-            elif p is not None:
-                if not p.get("waiting"):
-                    h.tool_waiting(ep)
-                if p.get("unconfirmed") and not h.env.idempotent:
-                    h.terminal(ep, "INFRA_FAILED", "ENV_ERROR", "stop_sequence", None, None,
-                                {"error": "tool outcome unknown after a restart; the tool is not idempotent"})
-                else:
-                    self._queue("tool", ep, now)
-            elif ep.state == "VERIFYING":
-                self._queue("verify", ep, now)
-            else:
-                self.ready.append((next(self._order), ep, now))
-        self._finished()
-
-    def _queue(self, kind: CallKind, ep: Episode, now: float) -> None:
-        """Stage a call; it becomes runnable once the spool is synced (``_publish``)."""
+    def stage(self, kind: CallKind, ep: Episode, now: float) -> None:
+        """Stage a call; it becomes runnable once the spool is synced (``publish``)."""
         h = self.h
         if kind == "tool":
             fault = h.tool_fault(ep)
@@ -258,7 +194,7 @@ class Scheduler:
         pause = 0.0 if fault is not None else h.latency.draw(kind, key)
         self.staged.append(_Call(kind, ep, fault, now, pause_s=pause))
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
         """Make the staged calls runnable: the spool first (every ACTION_COMMITTED and
         TOOL_WAITING is durable before its tool can run), then the queues."""
         if not self.staged:
@@ -271,24 +207,25 @@ class Scheduler:
                 self.queues[c.kind].append(c)
         self.staged.clear()
 
-    def _finished(self) -> None:
-        """Hand the episodes that just ended to ``on_finish`` (retries come back as new episodes)."""
-        while (ep := self.h.next_ended()) is not None:
-            self.active -= 1
-            if self.on_finish is not None:
-                more = self.on_finish(ep)
-                if more:
-                    self._add(more)
-
-    def _calls(self) -> list[_Call]:
+    def calls(self) -> list[_Call]:
+        """The calls running."""
         with self.lock:
             return list(self.running.values())
 
-    def _inflight(self) -> bool:
+    def queued(self) -> list[_Call]:
+        """The calls queued for a slot."""
+        with self.lock:
+            return [c for q in self.queues.values() for c in q]
+
+    def busy(self) -> bool:
+        """A call is staged, queued or running."""
         with self.lock:
             return bool(self.running or self.queues["tool"] or self.queues["verify"] or self.staged)
 
-    # -- calls -----------------------------------------------------------------------------
+    def tools_busy(self) -> bool:
+        """A tool call is staged, queued or running."""
+        return bool(self.queues["tool"] or self.staged or any(c.kind == "tool" for c in self.calls()))
+
     def _next(self, kind: CallKind) -> _Call | None:
         """Under ``lock``: the next queued call of ``kind`` if a slot is free, registered as running."""
         q = self.queues[kind]
@@ -304,9 +241,10 @@ class Scheduler:
         self.running[c.token] = c
         return c
 
-    def _dispatch(self) -> None:
+    def dispatch(self) -> None:
+        """Publish the staged calls and start the queued ones that have a free slot."""
         h = self.h
-        self._publish()
+        self.publish()
         for kind in ("tool", "verify"):
             while True:
                 if kind == "tool" and self.ship_first and self.queues["tool"]:
@@ -340,9 +278,9 @@ class Scheduler:
                 c.finished = True
                 c = self._next(c.kind)
 
-    def _collect(self, timeout: float | None) -> None:
-        """Record finished calls (waiting up to ``timeout`` for the first), then end overdue ones."""
-        h = self.h
+    def finished(self, timeout: float | None) -> Iterator[tuple[_Call, Any, float]]:
+        """The calls that answered, with their outcome and when (waiting up to ``timeout`` for
+        the first); a late answer of a call abandoned at its deadline is dropped."""
         try:
             item = self.done.get(timeout=timeout) if timeout is None or timeout > 0 else self.done.get_nowait()
         except queue.Empty:
@@ -351,14 +289,16 @@ class Scheduler:
             token, out, at = item
             with self.lock:
                 c = self.running.pop(token, None)
-            if c is not None and not c.ep.done:     # None: abandoned at its deadline, a late answer
-                self._resolved(c, out, at)
+            if c is not None:               # None: abandoned at its deadline, a late answer
+                yield c, out, at
             try:
                 item = self.done.get_nowait()
             except queue.Empty:
                 item = None
-        now = time.monotonic()
-        wall_s = h.limits.wall_clock_s
+
+    def overdue(self, now: float, wall_s: float) -> tuple[list[_Call], list[_Call]]:
+        """Take out (queued calls whose episode's wall clock ran out, running calls past their
+        deadline or their episode's wall clock): the latter's threads are abandoned."""
         expired: list[_Call] = []
         overdue: list[_Call] = []
         with self.lock:
@@ -370,11 +310,132 @@ class Scheduler:
                 if not c.finished and now >= min(c.deadline, c.ep.started + wall_s):
                     del self.running[token]             # abandoned: its thread is a daemon, its answer ignored
                     overdue.append(c)
+        return expired, overdue
+
+    def drain(self) -> list[_Call]:
+        """Take out every call not answered yet: queued and staged ones are dropped, running
+        ones abandoned (their answers ignored, as past a deadline)."""
+        now = time.monotonic()
+        with self.lock:
+            calls = [c for q in self.queues.values() for c in q]
+            for q in self.queues.values():
+                q.clear()
+            for token, c in list(self.running.items()):
+                if not c.finished:
+                    del self.running[token]
+                    calls.append(c)
+        calls += self.staged
+        self.staged.clear()
+        for c in calls:
+            if c.published and not c.started:
+                self.h.stats.slot_waits[c.kind].append((c.published, now))
+        return calls
+
+
+class Scheduler:
+    """Advances episodes independently. One loop, in the calling thread (the only
+    writer of the spool and the only caller of the engine):
+
+    1. record the calls that finished (a completion queue fed by the call threads)
+       and end those past their deadline or their episode's wall clock, at the
+       deadline (the thread is abandoned; a late answer is ignored);
+    2. start queued tool / verifier calls within ``tool_concurrency`` /
+       ``verifier_concurrency`` (the spool is synced first: every
+       ACTION_COMMITTED is durable before its tool runs);
+    3. take new episodes from ``feed`` while the in-flight bound allows;
+    4. run one engine step on the episodes that are ready: a bounded micro-batch
+       (``Schedule.max_batch``) once it is full, or ``max_wait_ms`` after its
+       oldest member became ready, or when nothing in flight could join it; an
+       engine with continuous batching (``add_request``/``step``) instead takes
+       every ready episode as a new request and advances one step;
+    5. otherwise wait for the next completion or deadline.
+
+    ``Schedule.order = "waves"`` keeps the old lockstep order as a baseline: the
+    engine steps only when no call is in flight (every ready episode in one
+    batch) and new episodes start only when none is active. The crash-test
+    faults (kill/hold after the Nth execution) run tools one at a time and the
+    engine waits for the tool queue, so the crash point is exact."""
+
+    def __init__(self, h: Stepper, episodes: list[Episode], feed, on_finish, tick) -> None:
+        self.h = h
+        self.eps: list[Episode] = []
+        self.ready: list[tuple[int, Episode, float]] = []      # (order, episode, ready since)
+        self.feed, self.on_finish, self.tick = feed, on_finish, tick
+        self.exhausted = feed is None
+        crash = bool(h.faults.kill_after_executed or h.faults.hold_after_executed)
+        self.barrier = h.schedule.order == "waves"
+        self.tool_barrier = crash
+        self.inflight_bound = max(1, int(h.schedule.max_inflight)) if h.schedule.max_inflight else 0
+        bounds = {"tool": 1 if crash else pool_size(h.limits.tool_concurrency, self.inflight_bound,
+                                                    getattr(h.env, "max_tool_concurrency", None)),
+                  "verify": pool_size(h.limits.verifier_concurrency, self.inflight_bound,
+                                      getattr(h.env, "max_verifier_concurrency", None))}
+        h.pool_bounds = dict(bounds)
+        self.pool = CallPool(h, bounds, chain=not crash and h.before_tools is None)
+        self.active = 0
+        self._order = itertools.count()
+        self._batch = 0
+        self.engine: Any = None
+        self.version = 0
+        self._steps = 0
+        self.continuous = False
+        self.generating: dict[str, tuple[Episode, float, float]] = {}   # request id -> (episode, queued, started)
+        self._add(episodes)
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def _add(self, episodes: list[Episode]) -> None:
+        """Take episodes in (new, or rebuilt after a restart) and queue each for what it needs next."""
+        h = self.h
+        now = time.monotonic()
+        for ep in episodes:
+            self.eps.append(ep)
+            if ep.done:
+                continue
+            self.active += 1
+            h.restore(ep)                           # a stateful episode rebuilt after a crash
+            if ep.done:
+                continue
+            p = ep.pending
+            if p is not None and "output" in p:     # executed before a crash: the observation joins next turn
+                self.ready.append((next(self._order), ep, now))
+            elif p is not None:
+                if not p.get("waiting"):
+                    h.tool_waiting(ep)
+                if p.get("unconfirmed") and not h.env.idempotent:
+                    h.terminal(ep, "INFRA_FAILED", "ENV_ERROR", "stop_sequence", None, None,
+                                {"error": "tool outcome unknown after a restart; the tool is not idempotent"})
+                else:
+                    self.pool.stage("tool", ep, now)
+            elif ep.state == "VERIFYING":
+                self.pool.stage("verify", ep, now)
+            else:
+                self.ready.append((next(self._order), ep, now))
+        self._finished()
+
+    def _finished(self) -> None:
+        """Hand the episodes that just ended to ``on_finish`` (retries come back as new episodes)."""
+        while (ep := self.h.next_ended()) is not None:
+            self.active -= 1
+            if self.on_finish is not None:
+                more = self.on_finish(ep)
+                if more:
+                    self._add(more)
+
+    # -- calls -----------------------------------------------------------------------------
+    def _collect(self, timeout: float | None) -> None:
+        """Record finished calls (waiting up to ``timeout`` for the first), then end overdue ones."""
+        h = self.h
+        for c, out, at in self.pool.finished(timeout):
+            if not c.ep.done:
+                self._resolved(c, out, at)
+        now = time.monotonic()
+        wall_s = h.limits.wall_clock_s
+        expired, overdue = self.pool.overdue(now, wall_s)
         for c in expired:
             h.stats.slot_waits[c.kind].append((c.published, now))
             h.terminal(c.ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None,
-                        {"error": f"the wall clock ran out while the {c.kind} call was queued "
-                                  f"(wall_clock_s={wall_s:g})", "waited_ms": round((now - c.queued) * 1000, 3)})
+                       {"error": f"the wall clock ran out while the {c.kind} call was queued "
+                                 f"(wall_clock_s={wall_s:g})", "waited_ms": round((now - c.queued) * 1000, 3)})
         for c in overdue:
             if c.kind == "tool":
                 h.tools_abandoned += 1
@@ -383,14 +444,14 @@ class Scheduler:
             meta = {"waited_ms": round((now - c.queued) * 1000, 3)}
             if c.ep.started + wall_s <= c.deadline:     # the episode's wall clock ran out during the call
                 h.terminal(c.ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None,
-                            {"error": f"{c.kind} call outlived the episode's wall clock "
-                                      f"(wall_clock_s={wall_s:g})"} | meta)
+                           {"error": f"{c.kind} call outlived the episode's wall clock "
+                                     f"(wall_clock_s={wall_s:g})"} | meta)
             elif c.kind == "tool":
-                h.record_tool_result(c.ep, ToolTimeout(f"tool call exceeded its deadline of {c.deadline - c.started:g}s "
-                                                 f"(harness tool_timeout_s)"), meta)
+                h.record_tool_result(c.ep, ToolTimeout(f"tool call exceeded its deadline of "
+                                                       f"{c.deadline - c.started:g}s (harness tool_timeout_s)"), meta)
             else:
                 h.record_verdict(c.ep, VerifierTimeout(f"verifier exceeded its deadline of "
-                                                  f"{c.deadline - c.started:g}s (verify_timeout_s)"), meta)
+                                                       f"{c.deadline - c.started:g}s (verify_timeout_s)"), meta)
         self._finished()
 
     def _resolved(self, c: _Call, out: Any, at: float) -> None:
@@ -416,10 +477,10 @@ class Scheduler:
             return False
         if self.continuous:
             return True
-        inflight = self._inflight()
+        inflight = self.pool.busy()
         if self.barrier:
             return not inflight
-        if self.tool_barrier and (self.queues["tool"] or self.staged or any(c.kind == "tool" for c in self._calls())):
+        if self.tool_barrier and self.pool.tools_busy():
             return False
         if not inflight or len(self.ready) >= self.h.schedule.max_batch:
             return True
@@ -498,9 +559,9 @@ class Scheduler:
         for ep, nxt in calls:
             if nxt == "tool":
                 h.tool_waiting(ep)
-                self._queue("tool", ep, now)
+                self.pool.stage("tool", ep, now)
             elif nxt == "verify":
-                self._queue("verify", ep, now)
+                self.pool.stage("verify", ep, now)
         h.spool.sync()          # every ACTION_COMMITTED is durable before any tool runs
         self._finished()
 
@@ -512,20 +573,7 @@ class Scheduler:
         next turn of the loop. The worker's feed then starts nothing new (it only hands
         over the episodes a restart left half-done, which end cancelled here too)."""
         h = self.h
-        now = time.monotonic()
-        with self.lock:
-            calls = [c for q in self.queues.values() for c in q]
-            for q in self.queues.values():
-                q.clear()
-            for token, c in list(self.running.items()):
-                if not c.finished:
-                    del self.running[token]
-                    calls.append(c)
-        calls += self.staged
-        self.staged.clear()
-        for c in calls:
-            if c.published and not c.started:
-                h.stats.slot_waits[c.kind].append((c.published, now))
+        calls = self.pool.drain()
         eps = [ep for _, ep, _ in self.ready] + [c.ep for c in calls]
         self.ready.clear()
         for ep in eps:
@@ -554,7 +602,7 @@ class Scheduler:
             self._collect(0)
             if h.cancel_rest and self.active:
                 self._cancel()
-            self._dispatch()
+            self.pool.dispatch()
             self._more()
             if self.tick is not None:
                 self.tick()
@@ -572,14 +620,13 @@ class Scheduler:
             wait = 0.5
             if self.ready and not self.barrier and not self.tool_barrier:
                 wait = min(wait, max(0.0, min(t for _, _, t in self.ready) + h.schedule.max_wait_ms / 1000 - now))
-            calls = self._calls()
-            with self.lock:
-                queued = [c for q in self.queues.values() for c in q]
+            calls = self.pool.calls()
+            queued = self.pool.queued()
             for c in calls:
                 wait = min(wait, max(0.0, min(c.deadline, c.ep.started + h.limits.wall_clock_s) - now))
             for c in queued:
                 wait = min(wait, max(0.0, c.ep.started + h.limits.wall_clock_s - now))
-            if not calls and not queued and not self.ready and not self.staged and self.active and self.exhausted:
+            if not calls and not queued and not self.ready and not self.pool.staged and self.active and self.exhausted:
                 raise RuntimeError(f"harness: {self.active} episodes are active but none can advance")
             self._collect(wait if calls else min(wait, 0.05))
         h.spool.sync()
