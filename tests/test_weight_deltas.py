@@ -201,14 +201,14 @@ def test_hf_engine_applies_the_deltas_in_place_and_falls_back_to_a_full_load_whe
 def test_a_following_rollout_worker_switches_by_delta(lake):
     """The worker's policy holder applies a newly published version's delta to the engine it serves."""
     from pipeline.rollout.run import RolloutConfig
-    from pipeline.rollout.worker import _PolicyHolder
+    from pipeline.rollout.worker import PolicyHolder
     from pipeline.testing.train_fixtures import publish_tiny_policy
 
     publish_tiny_policy(lake, checkpoint_id="tiny-v0")
     w0 = wd.load_hf_weights(wd_hf(lake, "tiny-v0"))
     w1 = _nudge(w0, 0.01, 1)
     rec1 = _publish(lake, "c1", "tiny-v0", w1, w0, None, anchor_every=8)
-    holder = _PolicyHolder(lake, RolloutConfig(follow_latest=True))
+    holder = PolicyHolder(lake, RolloutConfig(follow_latest=True))
     engine, v = holder()
     assert v == 1 and holder.checkpoint_id == "c1"
     w2 = _nudge(w1, 0.01, 2)

@@ -61,7 +61,8 @@ def evaluate(policy, env_name: str = "arithmetic-tool", *, n: int = 200, seed: i
             spool = Spool(tmp, "eval", fsync=False)
             h = Harness(env, lambda: (eng, max(version, 0)), spool, run_id="eval", worker_id="eval",
                         sampling=Sampling(temperature, 1.0, max_tokens_per_turn),
-                        limits=Limits(max_turns, max_tokens_per_turn, max_total_tokens, 1e9),
+                        limits=Limits(max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn,
+                                      max_total_tokens=max_total_tokens, wall_clock_s=1e9),
                         codec=codec.load(hf_dir, env=env, render=render))
             eps = []
             for i in range(n):

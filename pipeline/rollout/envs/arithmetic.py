@@ -44,7 +44,7 @@ _LAST_INT = re.compile(r"-?\d+")
 CHAT_SYSTEM = ('You are a helpful assistant with a calculator tool. To use it, reply with a JSON object: '
                '{"name": "calculator", "arguments": {"expression": "..."}}. '
                'After the tool result, reply with the final answer as a number.')
-_INT = re.compile(r"^-?\d{1,9}$")
+INT_ANSWER = re.compile(r"^-?\d{1,9}$")
 TOOL_COST = 0.05
 
 
@@ -101,7 +101,7 @@ class ArithmeticTool:
 
     def verify(self, task: Task, answer: str | None, num_tool_calls: int) -> Verification:
         cost = -TOOL_COST * num_tool_calls
-        if answer is None or not _INT.match(answer):
+        if answer is None or not INT_ANSWER.match(answer):
             return Verification("FAIL", 0.0, {"task_success": 0.0, "format": 0.0, "tool_cost": cost},
                                 format_ok=False)
         ok = int(answer) == task.answer
