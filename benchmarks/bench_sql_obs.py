@@ -88,21 +88,21 @@ def old_scoring():
     of a failed answer, as harness/2 recorded it. Yields a counter of the episodes re-labelled."""
     from pipeline.rollout.harness import Harness
 
-    orig = Harness._terminal
+    orig = Harness.terminal
     seen = {"n": 0}
 
-    def _terminal(self, ep, status, verdict, stop_reason, reward, components, payload):
+    def terminal(self, ep, status, verdict, stop_reason, reward, components, payload):
         if stop_reason == "obs_budget":
             seen["n"] += 1
             v = self.env.verify(ep.task, None, ep.tool_calls)
             return orig(self, ep, "REJECTED", "FAIL", "max_length", 0.0, v.components, payload)
         return orig(self, ep, status, verdict, stop_reason, reward, components, payload)
 
-    Harness._terminal = _terminal          # type: ignore[method-assign]
+    Harness.terminal = terminal          # type: ignore[method-assign]
     try:
         yield seen
     finally:
-        Harness._terminal = orig           # type: ignore[method-assign]
+        Harness.terminal = orig           # type: ignore[method-assign]
 
 
 SAMPLED_SQL = """
