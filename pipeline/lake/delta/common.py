@@ -8,12 +8,11 @@ from __future__ import annotations
 import getpass
 import os
 import socket
-import time
-from pathlib import Path
 from typing import Any
 
 from pipeline import __version__
 from pipeline.errors import IntegrityError
+from pipeline.hooks import mark_and_wait
 
 # Old versions stay loadable until `pipeline lake maintain` says otherwise:
 # delta-rs would otherwise clean expired logs (30 days) on checkpoint.
@@ -53,12 +52,8 @@ def pause_point(point: str) -> None:
     want, _, marker = raw.partition("=")
     if want != point:
         return
-    tmp = Path(f"{marker}.tmp{os.getpid()}")
-    tmp.write_text(str(os.getpid()))
-    os.replace(tmp, marker)  # whole or absent: a test reading the marker never sees it half written
-    go = Path(f"{marker}.go")
-    while not go.exists():  # inside the critical section until the test kills (or releases) us
-        time.sleep(0.01)
+    # inside the critical section until the test kills (or releases) us; the marker appears whole or not at all
+    mark_and_wait(marker, f"{marker}.go", text=str(os.getpid()), timeout_s=None, poll_s=0.01, atomic=True)
 
 
 class FilesMissing(IntegrityError):
