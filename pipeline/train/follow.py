@@ -197,7 +197,7 @@ class _Follower:
         from pipeline.train.steps import build_engine
 
         init_distributed()
-        head = resolve_policy(self.lake, self.from_checkpoint, verify=False)
+        head = resolve_policy(self.lake, self.from_checkpoint, verify=False, weights=False)
         plan = self._broadcast(recovery_plan(self.lake, head.checkpoint_id) if self.rank == 0 else None)
         start = resolve_policy(self.lake, plan.start)                        # hash-verified
         cfg = self.cfg
@@ -248,6 +248,8 @@ class _Follower:
                 ck.export_hf(self.lm, self.head.hf_dir, out / "hf", state_dict, dtype=self.cfg.publish_dtype)
                 got = weight_hashes({f"hf/{k}": v for k, v in hash_dir(out / "hf").items()})
                 want = weight_hashes(published.file_sha256)
+                if any(k.startswith("delta/") for k in want):    # delta-only: the digest of the rebuilt weights
+                    got, want = {"weights": _digest(out / "hf")}, {"weights": _digest(published.hf_dir)}
                 if got != want:
                     raise IntegrityError(f"replaying snapshot {sid} did not reproduce checkpoint {row['checkpoint_id']} "
                                          f"(weights {got} != published {want})",
@@ -454,12 +456,20 @@ class _Follower:
         return box[0]
 
 
+def _digest(hf: Path) -> str:
+    from pipeline.policy_store.delta import load_hf_weights, weights_digest
+
+    return weights_digest(load_hf_weights(hf))
+
+
 def _published_ref(lake: Lake, result: Any) -> PolicyRef:
     """The version just published, as the next version's parent (its files were
-    hashed by the publish a moment ago: no second read of the weights)."""
+    hashed by the publish a moment ago: no second read of the weights). A delta-only
+    version's weights are the copy its writer left in this machine's cache."""
     from pipeline.policy_store import PolicyRef
 
-    return PolicyRef(result.checkpoint_id, int(result.policy_version), Path(result.path), dict(result.weight_sha256))
+    return PolicyRef(result.checkpoint_id, int(result.policy_version), Path(result.path), dict(result.weight_sha256),
+                     hf_path=Path(result.rebuilt_hf) if result.rebuilt_hf else None)
 
 
 # -- N processes --------------------------------------------------------------------------------
