@@ -14,15 +14,16 @@ carried (in memory instead of through the parent's files). So ``--follow``
 over S1..Sk and the chain ``--batch-snapshot S1`` ... ``--batch-snapshot Sk``
 publish byte-identical weights under the same checkpoint ids.
 
-Publishing is cheap: each version writes its weights (``hf/``) and publishes
-its checkpoints row; the full DeepSpeed state goes with every
+Publishing is cheap: each version writes its weights (``hf/`` at an anchor, else
+its sparse delta) and publishes its checkpoints row; the full DeepSpeed state goes with every
 ``full_checkpoint_every``-th version and with the last one at shutdown.
 
 Recovery is replay (``recovery_plan``): a restarted trainer walks its line back
 from the newest version to the last one with a full state (or to a version
 whose optimizer started fresh), loads it, re-trains the snapshots consumed
 since in lineage order, and checks that every replayed version's weight files
-hash to what is published before it trains anything new. The rules (order,
+(or, for a delta-only version, its weights' digest) hash to what is published
+before it trains anything new. The rules (order,
 staleness, what makes replay bitwise) are in docs/resident-trainer.md.
 """
 
