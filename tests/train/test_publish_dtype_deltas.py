@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -86,6 +87,7 @@ def test_bf16_follow_equals_the_chain_and_every_version_rebuilds_from_its_deltas
     assert _line(lake2) == _line(lake)                              # and the same rebuilt weights
 
 
+@pytest.mark.slow
 def test_bf16_restart_replays_delta_only_versions_on_a_machine_without_their_weights(tlake, tmp_path, monkeypatch):
     """A restart that must replay delta-only versions (their DeepSpeed state lost) on a machine with
     no rebuilt copy: each replayed version's weights are checked against its recorded digest
