@@ -54,6 +54,9 @@ class DemoConfig:
     eval_seed: int = field(default=0, metadata={"ge": 0, "help": "seed of the held-out split (fixed across versions)"})
     lr: float = field(default=3e-4, metadata={"gt": 0, "help": "learning rate of each training run (1e-3 oscillated, 3e-3 collapsed the policy in tuning)"})
     epochs: int = field(default=2, metadata={"ge": 1, "help": "passes over each snapshot"})
+    publish_dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={
+        "help": "dtype of the published weights the rollout engine loads (train's `publish_dtype`; "
+                "docs/resident-trainer.md section 3 says how the default was chosen)"})
     max_policy_lag: int = field(default=1, metadata={"ge": 0, "help": "admission freshness gate"})
     infra_fault_p: float = field(default=0.02, metadata={"ge": 0, "le": 1, "help": "injected tool-timeout probability (shows "
                                                                    "infra failures kept out of baselines)"})
@@ -138,6 +141,7 @@ def train_cfg(cfg: DemoConfig, iteration: int):
     from pipeline.train.config import TrainConfig
 
     return load_config(TrainConfig, None, {"lr": cfg.lr, "epochs": cfg.epochs, "seed": cfg.seed + iteration,
+                                           "publish_dtype": cfg.publish_dtype,
                                            **({"trackers": cfg.trackers} if cfg.trackers else {})})
 
 
@@ -472,6 +476,7 @@ def resident_train_sets(cfg: DemoConfig) -> dict[str, Any]:
     """The resident trainer's config: one seed for every version (a config is the
     trainer's, not the version's), polling twice a second."""
     return {"lr": cfg.lr, "epochs": cfg.epochs, "seed": cfg.seed, "follow_poll_s": 0.5,
+            "publish_dtype": cfg.publish_dtype,
             **({"trackers": cfg.trackers} if cfg.trackers else {})}
 
 

@@ -14,15 +14,16 @@ carried (in memory instead of through the parent's files). So ``--follow``
 over S1..Sk and the chain ``--batch-snapshot S1`` ... ``--batch-snapshot Sk``
 publish byte-identical weights under the same checkpoint ids.
 
-Publishing is cheap: each version writes its weights (``hf/``) and publishes
-its checkpoints row; the full DeepSpeed state goes with every
+Publishing is cheap: each version writes its weights (``hf/`` at an anchor, else
+its sparse delta) and publishes its checkpoints row; the full DeepSpeed state goes with every
 ``full_checkpoint_every``-th version and with the last one at shutdown.
 
 Recovery is replay (``recovery_plan``): a restarted trainer walks its line back
 from the newest version to the last one with a full state (or to a version
 whose optimizer started fresh), loads it, re-trains the snapshots consumed
 since in lineage order, and checks that every replayed version's weight files
-hash to what is published before it trains anything new. The rules (order,
+(or, for a delta-only version, its weights' digest) hash to what is published
+before it trains anything new. The rules (order,
 staleness, what makes replay bitwise) are in docs/resident-trainer.md.
 """
 
@@ -192,7 +193,7 @@ class _Follower:
         from pipeline.train.steps import build_engine
 
         init_distributed()
-        head = resolve_policy(self.lake, self.from_checkpoint, verify=False)
+        head = resolve_policy(self.lake, self.from_checkpoint, verify=False, weights=False)
         plan = self._broadcast(recovery_plan(self.lake, head.checkpoint_id) if self.rank == 0 else None)
         start = resolve_policy(self.lake, plan.start)                        # hash-verified
         cfg = self.cfg
@@ -243,6 +244,8 @@ class _Follower:
                 ck.export_hf(self.lm, self.head.hf_dir, out / "hf", state_dict, dtype=self.cfg.publish_dtype)
                 got = weight_hashes({f"hf/{k}": v for k, v in hash_dir(out / "hf").items()})
                 want = weight_hashes(published.file_sha256)
+                if any(k.startswith("delta/") for k in want):    # delta-only: the digest of the rebuilt weights
+                    got, want = {"weights": _digest(out / "hf")}, {"weights": _digest(published.hf_dir)}
                 if got != want:
                     raise IntegrityError(f"replaying snapshot {sid} did not reproduce checkpoint {row['checkpoint_id']} "
                                          f"(weights {got} != published {want})",
@@ -433,12 +436,20 @@ class _Follower:
         return box[0]
 
 
+def _digest(hf: Path) -> str:
+    from pipeline.policy_store.delta import load_hf_weights, weights_digest
+
+    return weights_digest(load_hf_weights(hf))
+
+
 def _published_ref(result: Any) -> PolicyRef:
     """The version just published, as the next version's parent (its files were
-    hashed by the publish a moment ago: no second read of the weights)."""
+    hashed by the publish a moment ago: no second read of the weights). A delta-only
+    version's weights are the copy its writer left in this machine's cache."""
     from pipeline.policy_store import PolicyRef
 
-    return PolicyRef(result.checkpoint_id, int(result.policy_version), Path(result.path), dict(result.weight_sha256))
+    return PolicyRef(result.checkpoint_id, int(result.policy_version), Path(result.path), dict(result.weight_sha256),
+                     hf_path=Path(result.rebuilt_hf) if result.rebuilt_hf else None)
 
 
 # -- N processes --------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ racing run deletes its directory and returns the winner's version
 full checkpoints) writes the weights (``hf/``), cursor and config only: no
 DeepSpeed state. Every version records its weights as an anchor or a sparse
 delta against its parent (``delta_base``; pipeline.policy_store.delta) in its row's
-``train_config_json["weights"]``.
+``train_config_json["weights"]``; a delta version's directory keeps only the delta
+(its full weights go to this machine's cache: ``TrainResult.hf_dir``).
 """
 
 from __future__ import annotations
@@ -90,9 +91,9 @@ def delta_base(lake: Lake, parent: PolicyRef, anchor_every: int) -> dict[str, An
     from pipeline.policy_store.delta import weights_record
 
     if parent.policy_version < 0:
-        return {"parent_id": None, "parent_record": None, "anchor_every": anchor_every}
+        return {"parent_id": None, "parent_record": None, "anchor_every": anchor_every, "lake_uri": lake.uri}
     return {"parent_id": parent.checkpoint_id, "parent_record": weights_record(policy_train_config(lake, parent)),
-            "anchor_every": anchor_every}
+            "anchor_every": anchor_every, "lake_uri": lake.uri}
 
 
 def cursor_state(checkpoint_id: str, snapshot_id: str, global_step: int, samples_seen: int, epoch: int,
@@ -111,6 +112,7 @@ def publish(lake: Lake, *, checkpoint_id: str, parent: PolicyRef, snapshot_id: s
     """Metrics rows (exactly once), then the checkpoints row naming ``rel`` (the run's
     directory ``final``): that commit publishes the version."""
     from pipeline.policy_store import local_dir, publish_checkpoint, row_rel
+    from pipeline.policy_store.delta import rebuilt_hf
     from pipeline.train.checkpoint import weight_hashes
 
     live = live or live_metrics(lake, cfg, checkpoint_id, with_trackers=False)
@@ -128,12 +130,15 @@ def publish(lake: Lake, *, checkpoint_id: str, parent: PolicyRef, snapshot_id: s
     version = published["policy_version"]
     lost = bool(published["already_published"])
     path = local_dir(lake, row_rel(published)) if lost else final
+    weights = weight_hashes(dict(published["file_sha256"]))
+    rec = (extra_config or {}).get("weights") or {}
+    rebuilt = str(rebuilt_hf(lake.uri, checkpoint_id, rec)) if any(k.startswith("delta/") for k in weights) else None
     return TrainResult(checkpoint_id=checkpoint_id, policy_version=version, parent_checkpoint_id=parent.checkpoint_id,
                        snapshot_id=snapshot_id, global_step=global_step, samples_seen=samples_seen, metrics=summary,
-                       weight_sha256=weight_hashes(dict(published["file_sha256"])), path=str(path),
+                       weight_sha256=weights, path=str(path),
                        world_size=world_size, resumed_from_step=resumed_from, already_published=lost,
                        seconds=time.perf_counter() - t_start, lineage_run_id=lineage_run_id,
-                       published_by=published["published_by"])
+                       published_by=published["published_by"], rebuilt_hf=rebuilt)
 
 
 def live_metrics(lake: Lake, cfg: TrainConfig, checkpoint_id: str, *, with_trackers: bool = True,
