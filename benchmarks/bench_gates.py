@@ -129,10 +129,9 @@ def timeout_p(cfg: GatesConfig, env: str) -> float:
     """The per-call injected tool-timeout probability an arm on ``env`` trains with."""
     if cfg.tool_timeout_p is not None:
         return cfg.tool_timeout_p
-    from pipeline.rollout.envs.base import _REGISTRY, get_env
+    from pipeline.rollout.envs.base import env_class
 
-    get_env(env)                            # registers the built-ins; unknown names fail here
-    return float(getattr(_REGISTRY[env], "train_tool_timeout_p", 0.2))
+    return float(getattr(env_class(env), "train_tool_timeout_p", 0.2))   # unknown names fail here
 
 
 def resolve_arms(cfg: GatesConfig) -> list[Arm]:
@@ -156,13 +155,13 @@ def resolve_arms(cfg: GatesConfig) -> list[Arm]:
 def _register_infra0_env(names: tuple[str, ...] = ()) -> None:
     """``<env>-infra0``: the env with the naive scoring: a tool timeout is a reward-0 policy failure
     (for arithmetic-chain, arithmetic-tool and every env in ``names``)."""
-    from pipeline.rollout.envs.base import _REGISTRY, get_env
+    from pipeline.rollout.envs.base import env_class, list_envs, register_env
 
     for name in ("arithmetic-chain", "arithmetic-tool", *names):
-        get_env(name)                        # registers the built-ins; unknown names fail here
-        base = _REGISTRY[name]
-        _REGISTRY[f"{name}-infra0"] = type(f"{base.__name__}InfraAsZero", (base,), {
-            "name": f"{name}-infra0", "infra_failure_reward": 0.0})
+        base = env_class(name)               # unknown names fail here
+        if f"{name}-infra0" not in list_envs():
+            register_env(type(f"{base.__name__}InfraAsZero", (base,), {
+                "name": f"{name}-infra0", "infra_failure_reward": 0.0}))
 
 
 def _policy_tokens(lake) -> dict[str, int]:
@@ -191,7 +190,7 @@ def run_arm(lake, arm: Arm, seed: int, cfg: GatesConfig, v0: dict[str, Any]) -> 
     """K iterations of rollout -> admit -> train -> evaluate on a lake holding version 0."""
     from pipeline.admission.config import AdmissionConfig
     from pipeline.admission.run import admit
-    from pipeline.demo import _group_reasons
+    from pipeline.demo import group_reasons
     from pipeline.policy_store import resolve_policy
     from pipeline.rollout.run import run_rollout
     from pipeline.train.config import TrainConfig
@@ -220,7 +219,7 @@ def run_arm(lake, arm: Arm, seed: int, cfg: GatesConfig, v0: dict[str, Any]) -> 
         rollout_s = time.perf_counter() - t0
         rewards = [(p.reward_mean, p.trajectories) for p in parts if p.reward_mean is not None]
         a = admit(lake, adm, command="bench_gates")
-        stale, infra = _group_reasons(a.receipts)
+        stale, infra = group_reasons(a.receipts)
         row: dict[str, Any] = {
             "iteration": k, "sampled": sum(p.trajectories for p in parts), "rollout_s": round(rollout_s, 2),
             "sampled_reward": (sum(r * n for r, n in rewards) / sum(n for _, n in rewards)) if rewards else None,

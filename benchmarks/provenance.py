@@ -51,8 +51,6 @@ RESULT_FIELDS = frozenset({"name", "ratio", "target", "measured", "baseline", "h
 
 _BEFORE = "unverified (written before provenance; re-run pending)"
 _BY_HAND = "unverified (assembled or rewritten by hand after its run, issue 39; re-run pending)"
-_IMPOSSIBLE = ("unverified (written before provenance; its 1.4 'with latency / zero latency' row is physically "
-               "impossible, a padding artifact, issue 39: not a result; re-run pending)")
 _OWN = "unverified (written by bench_gates.py itself, not run.py; re-run pending)"
 # name -> (sha256 of the file's bytes, why it is unverified). Remove a name when its re-run lands.
 LEGACY: dict[str, tuple[str, str]] = {
@@ -69,8 +67,6 @@ LEGACY: dict[str, tuple[str, str]] = {
     "history.json": ("85e76ea6f9fc94ca4e240928f4423a19ec16e11bb543f3a33c89207a40763359", _BEFORE),
     "ingest.json": ("8c8c45314a3e74b88dca9f360b5fe79cbc23f477170d6c3f248ef8d9db0ab4cb", _BEFORE),
     "queries.json": ("f855eb4fda3b3323de8ec1fa5f0f82d263a0d120b91bd1e1a56f5b1f017b53de", _BEFORE),
-    "real_model.json": ("6f60b1dfe4c633591839c11e7df4adc46204ab228c45a372658cb96f7a5f8a7f", _BY_HAND),
-    "rollout.json": ("aede0b2b434e33af472f348d96ecb029bb70ccc0086aa62cfcbf84b7a5de263b", _IMPOSSIBLE),
     "step_order.json": ("8cc4956e18588a4df9ced01d63a1409e271291b404036f870f60bf5e16a6a63c", _BEFORE),
     "train.json": ("fbc5a55fe43905adb85479c0aa4166a168ebc5cc2ba8a51c9863e0781e791b35", _BEFORE),
     "writers.json": ("2de493405c28b48da0853fe0f9b4d5a5a10e3848cc1e60470e8801be067e1783", _BEFORE),

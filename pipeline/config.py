@@ -64,14 +64,13 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _coerce(name, value, arg)
-            except ConfigError as exc:
-                errors.append(str(exc))
+            except ConfigError:
+                continue   # the next member of the union may fit
         raise ConfigError(f"{name}: {value!r} fits none of {annotation}")
     if origin is typing.Literal:
         if value not in args:

@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DemoConfig:
     config_section: ClassVar[str] = "demo"   # its section in an experiment file (pipeline.config.SECTIONS)
 
@@ -54,6 +54,9 @@ class DemoConfig:
     eval_seed: int = field(default=0, metadata={"ge": 0, "help": "seed of the held-out split (fixed across versions)"})
     lr: float = field(default=3e-4, metadata={"gt": 0, "help": "learning rate of each training run (1e-3 oscillated, 3e-3 collapsed the policy in tuning)"})
     epochs: int = field(default=2, metadata={"ge": 1, "help": "passes over each snapshot"})
+    publish_dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={
+        "help": "dtype of the published weights the rollout engine loads (train's `publish_dtype`; "
+                "docs/resident-trainer.md section 3 says how the default was chosen)"})
     max_policy_lag: int = field(default=1, metadata={"ge": 0, "help": "admission freshness gate"})
     infra_fault_p: float = field(default=0.02, metadata={"ge": 0, "le": 1, "help": "injected tool-timeout probability (shows "
                                                                    "infra failures kept out of baselines)"})
@@ -82,7 +85,7 @@ class DemoConfig:
         parse_trackers(self.trackers)   # refused before any work, not at the first training run
 
 
-@dataclass
+@dataclass(kw_only=True)
 class IterationLine:
     iteration: int
     policy_version: int
@@ -122,7 +125,7 @@ def warm_start_overrides(env: str) -> dict[str, Any]:
     return {"envs": (env, "arithmetic-tool"), "env_weights": (0.8, 0.2)}
 
 
-def _group_reasons(receipts) -> tuple[int, int]:
+def group_reasons(receipts) -> tuple[int, int]:
     """(groups with a stale member, groups with an infra-failed member) in receipts."""
     stale = infra = 0
     for excluded in receipts.column("excluded_members").to_pylist():
@@ -132,11 +135,13 @@ def _group_reasons(receipts) -> tuple[int, int]:
     return stale, infra
 
 
-def _train_cfg(cfg: DemoConfig, iteration: int):
+def train_cfg(cfg: DemoConfig, iteration: int):
+    """The one-snapshot trainer's config of the demo's ``iteration`` (its own seed)."""
     from pipeline.config import load_config
     from pipeline.train.config import TrainConfig
 
     return load_config(TrainConfig, None, {"lr": cfg.lr, "epochs": cfg.epochs, "seed": cfg.seed + iteration,
+                                           "publish_dtype": cfg.publish_dtype,
                                            **({"trackers": cfg.trackers} if cfg.trackers else {})})
 
 
@@ -150,7 +155,7 @@ def _admission_cfg(cfg: DemoConfig):
 def _train(lake: Lake, snapshot_id: str, cfg: DemoConfig, iteration: int):
     from pipeline.train.run import train_snapshot
 
-    return train_snapshot(lake, snapshot_id, _train_cfg(cfg, iteration), progress=False)
+    return train_snapshot(lake, snapshot_id, train_cfg(cfg, iteration), progress=False)
 
 
 def _evaluate(lake: Lake, cfg: DemoConfig) -> tuple[int, float]:
@@ -166,7 +171,7 @@ def _evaluate(lake: Lake, cfg: DemoConfig) -> tuple[int, float]:
 
 
 def _line(k, lake: Lake, cfg, a, traj, reward, t0, version, heldout, train_result, rounds=()) -> IterationLine:
-    stale, infra = _group_reasons(a.receipts) if a is not None else (0, 0)
+    stale, infra = group_reasons(a.receipts) if a is not None else (0, 0)
     lag = None
     if a is not None and a.members is not None and a.members.num_rows:
         lags = a.members.column("policy_lag").to_pylist()
@@ -206,7 +211,9 @@ def _run_demo(lake: Lake, cfg: DemoConfig, out, t_start: float) -> dict[str, Any
     out(f"policy version {ref.policy_version} (warm start) in {time.perf_counter() - t0:.1f}s: "
         f"held-out success {heldout0:.3f}")
     out(HEADER)
-    lines = [IterationLine(0, version, 0, 0, 0, 0, 0, None, heldout0, None, time.perf_counter() - t0)]
+    lines = [IterationLine(iteration=0, policy_version=version, trajectories=0, admitted=0, zero_variance=0, stale=0,
+                           infra_failed=0, reward_mean=None, heldout_success=heldout0, policy_lag=None,
+                           seconds=time.perf_counter() - t0)]
     out(lines[0].text())
     if cfg.mode == "sync":
         if cfg.ingest_url:
@@ -299,7 +306,7 @@ def _run_sync(lake: Lake, cfg: DemoConfig, lines: list[IterationLine], out) -> d
     return {"trainer_idle_fraction": idle / max(idle + busy, 1e-9), "lag_distribution": dict(sorted(lags.items()))}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Sampled:
     """What one sync iteration sampled and admitted (``sample_to_target``)."""
 
@@ -344,7 +351,8 @@ def sample_to_target(lake: Lake, cfg: DemoConfig, k: int, groups: int, offset: i
         probes.append(probe.target)
         n = plan_next_rollout(probe.target, default=cfg.groups, max_groups=cfg.max_groups)
     a = admit(lake, acfg, target_groups=cfg.target_groups, command="pipeline demo")
-    return Sampled(a, total, reward_sum / n_traj if n_traj else None, offset, rounds, probes)
+    return Sampled(admission=a, trajectories=total, reward_mean=reward_sum / n_traj if n_traj else None, offset=offset,
+                   rounds=rounds, probes=probes)
 
 
 def _run_async(lake: Lake, cfg: DemoConfig, lines: list[IterationLine], out) -> dict[str, Any]:
@@ -370,7 +378,7 @@ def _run_async(lake: Lake, cfg: DemoConfig, lines: list[IterationLine], out) -> 
     tlog = open(home / f"trainer-{os.getpid()}.log", "w")
     trainer = subprocess.Popen(child_argv([sys.executable, "-m", "pipeline", "train", "--follow", "--lake", lake.uri,
                                            "--json", "--no-progress", "--stop-after", str(cfg.iterations)]
-                                          + [a for k, v in _resident_train_sets(cfg).items()
+                                          + [a for k, v in resident_train_sets(cfg).items()
                                              for a in ("--set", f"{k}={v}")]),
                                stdout=subprocess.PIPE, stderr=tlog, text=True)
     signalled: int | None = None
@@ -464,10 +472,11 @@ def _stop_async(stop: Path, trainer: subprocess.Popen, worker: subprocess.Popen,
         stop.unlink(missing_ok=True)
 
 
-def _resident_train_sets(cfg: DemoConfig) -> dict[str, Any]:
+def resident_train_sets(cfg: DemoConfig) -> dict[str, Any]:
     """The resident trainer's config: one seed for every version (a config is the
     trainer's, not the version's), polling twice a second."""
     return {"lr": cfg.lr, "epochs": cfg.epochs, "seed": cfg.seed, "follow_poll_s": 0.5,
+            "publish_dtype": cfg.publish_dtype,
             **({"trackers": cfg.trackers} if cfg.trackers else {})}
 
 

@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.lease import Lease
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class JobSpec:
     name: str
     schedule: str

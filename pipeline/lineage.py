@@ -26,6 +26,7 @@ execution parameters; the parent run when a scheduled job started the command
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import sys
@@ -33,11 +34,12 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Sequence
 
 
 from pipeline import __version__
 from pipeline.lake.ref import as_lake
+from pipeline.lake.uri import split_uri
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
@@ -63,9 +65,15 @@ def lineage_file(lake: Lake) -> Path:
         return Path(override)
     if lake.is_local:
         return Path(lake.uri) / DEFAULT_FILE
-    from pipeline.policy_store import local_checkpoint_dir
+    return _lake_cache_dir(lake) / DEFAULT_FILE
 
-    return local_checkpoint_dir(lake, "_lineage").parent / DEFAULT_FILE   # per-lake cache dir
+
+def _lake_cache_dir(lake: Lake) -> Path:
+    """This machine's cache folder of an object-store lake: ``$PIPELINE_CACHE`` (default ~/.cache/pipeline)
+    ``/checkpoints/<first 12 hex of sha256(lake URI)>``, the folder pipeline.policy_store.local_dir fetches the
+    lake's checkpoints into (the lineage file of that lake sits beside them)."""
+    cache = Path(os.environ.get("PIPELINE_CACHE", Path.home() / ".cache" / "pipeline"))
+    return cache / "checkpoints" / hashlib.sha256(lake.uri.encode()).hexdigest()[:12]
 
 
 def _user_configured() -> bool:
@@ -105,7 +113,7 @@ class Dataset:
 def location(uri: str) -> tuple[str, str]:
     """(namespace, name) of a path or object-store URI per the naming spec."""
     if "://" in uri and not uri.startswith("file://"):
-        scheme, rest = uri.split("://", 1)
+        scheme, rest = split_uri(uri)
         bucket, _, key = rest.partition("/")
         return f"{scheme}://{bucket}", key.strip("/")
     if uri.startswith("file://"):
@@ -241,8 +249,8 @@ class ScheduledRun:
     or FAIL from its result; the command's own runs name this one as parent."""
 
     def __init__(self, lake: Lake, job: str, args: list[str]) -> None:
-        self.run = JobRun(lake, f"pipeline.jobs.{job}", new_run_id(), "SCHEDULED_JOB", None,
-                          {"job": job, "args": list(args)})
+        self.run = JobRun(lake=lake, job_name=f"pipeline.jobs.{job}", run_id=new_run_id(), job_type="SCHEDULED_JOB",
+                          engine=None, config={"job": job, "args": list(args)})
         self.run._emit("START")
 
     def env(self) -> dict[str, str]:
@@ -346,7 +354,10 @@ def parent_env(job_name: str, run_id: str) -> dict[str, str]:
     return {PARENT_ENV: json.dumps({"namespace": NAMESPACE_JOB, "name": job_name, "runId": run_id})}
 
 
-def emit_run_event(lake: Lake, *, event_type: str, run_id: str, job_name: str,
+EventType = Literal["START", "COMPLETE", "FAIL"]   # the OpenLineage run states this package emits
+
+
+def emit_run_event(lake: Lake, *, event_type: EventType, run_id: str, job_name: str,
                    inputs: list, outputs: list, run_facets: dict[str, Any] | None = None,
                    error: str | None = None, job_type: str | None = None, engine: str | None = None,
                    config: Any = None) -> dict[str, Any]:
@@ -389,7 +400,7 @@ def emit_run_event(lake: Lake, *, event_type: str, run_id: str, job_name: str,
     return json.loads(Serde.to_json(event))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class JobRun:
     """What a running job has read and written so far (reported at COMPLETE/FAIL)."""
     lake: Any
@@ -408,7 +419,7 @@ class JobRun:
     def output(self, *ds: Dataset | None) -> None:
         self.outputs.extend(d for d in ds if d is not None)
 
-    def _emit(self, event_type: str, error: str | None = None) -> None:
+    def _emit(self, event_type: EventType, error: str | None = None) -> None:
         try:
             emit_run_event(self.lake, event_type=event_type, run_id=self.run_id, job_name=self.job_name,
                            inputs=_dedupe(self.inputs), outputs=_dedupe(self.outputs), error=error,
@@ -429,7 +440,8 @@ def _dedupe(ds: list[Dataset]) -> list[Dataset]:
 def job_run(lake: Lake, job_name: str, *, job_type: str, engine: str | None = None, config: Any = None,
             inputs: list[Dataset] | None = None, run_id: str | None = None) -> Iterator[JobRun]:
     """START now; COMPLETE when the block returns, FAIL (with the error) when it raises."""
-    run = JobRun(lake, job_name, run_id or new_run_id(), job_type, engine, config, list(inputs or []))
+    run = JobRun(lake=lake, job_name=job_name, run_id=run_id or new_run_id(), job_type=job_type, engine=engine,
+                 config=config, inputs=list(inputs or []))
     run._emit("START")
     try:
         yield run

@@ -60,7 +60,7 @@ def parse_type(text: str) -> pa.DataType:
     raise ValueError(f"unknown schema type {text!r}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ColumnSpec:
     name: str
     type_text: str
@@ -97,7 +97,7 @@ class Invariant:
     params: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TableSpec:
     name: str
     description: str

@@ -45,6 +45,9 @@ def test_make_and_apply_delta_are_bitwise_exact_and_sparse(frac, index_form):
     assert "e.added::full" in delta and not any(k.startswith("d.int") for k in delta)
     assert f"a.weight{index_form}" in delta           # indices when sparse, a bit mask when that is smaller
     data = wd.encode(delta, names)
+    n = int.from_bytes(data[:8], "little")         # content-addressed: the same delta is the same bytes in any
+    head = data[8:8 + n].rstrip(b" ")              # process (safetensors orders metadata keys by a random hash)
+    assert head == json.dumps(json.loads(head), sort_keys=True, separators=(",", ":")).encode()
     got = wd.apply_delta(base, *wd.decode(data, what="t"))
     assert wd.weights_digest(got) == wd.weights_digest(new) and set(got) == set(new)
     assert len(data) < wd.nbytes(new) / 3                 # <= 5% changed: indices + bits of those only
@@ -70,17 +73,21 @@ def _publish(lake, cid: str, parent: str | None, weights, parent_weights, parent
     save_file(weights, str(root / "hf" / "model.safetensors"), metadata={"format": "pt"})
     rec = wd.write_version_weights(root, weights, parent_id=parent, parent_weights=parent_weights,
                                    parent_record=parent_record, anchor_every=anchor_every)
+    wd.keep_exported(lake.uri, cid, root, rec)           # delta-only: the full weights leave a delta version
+    (root / "ds" / "final").mkdir(parents=True)
+    (root / "ds" / "final" / "state.pt").write_bytes(cid.encode() * 64)   # what retention may remove
     publish_checkpoint(lake, checkpoint_id=cid, policy_version=None, parent_checkpoint_id=parent, snapshot_ids=[],
                        train_config={"weights": rec}, train_config_hash="t", seed=0, rel=rel)
     return rec
 
 
 @pytest.fixture
-def chain(lake):
+def chain(lake, tmp_path, monkeypatch):
     """tiny-v0 (init: an anchor without a record) then 6 trained-like versions, anchor_every=3:
     v1 delta, v2 delta, v3 anchor, v4 delta, v5 delta, v6 anchor."""
     from pipeline.testing.train_fixtures import publish_tiny_policy
 
+    monkeypatch.setenv("PIPELINE_CACHE", str(tmp_path / "cache"))
     publish_tiny_policy(lake, checkpoint_id="tiny-v0")
     w = wd.load_hf_weights(wd_hf(lake, "tiny-v0"))
     ws, recs, parent, prec = [w], [], "tiny-v0", None
@@ -138,10 +145,19 @@ def test_tampered_or_missing_delta_is_a_one_line_integrity_error(chain):
 def test_retention_keeps_every_version_rebuildable(chain):
     from pipeline.maintain import maintain
 
+    import shutil
+
+    from pipeline.policy_store import resolve_policy
+
     lake, ws, recs = chain
-    maintain(lake, keep_checkpoints=1)
+    report = maintain(lake, keep_checkpoints=1)
+    assert report["checkpoints"]["files_removed"] == 5       # the DeepSpeed state of c1..c5, never a delta or anchor
+    shutil.rmtree(wd.weights_cache(lake.uri))                # and no rebuilt copy to lean on
+    wd._VERIFIED.clear()
     for i in range(1, 7):
         assert wd.weights_digest(wd.reconstruct(lake, f"c{i}")[0]) == recs[i - 1]["sha256"]
+        ref = resolve_policy(lake, f"c{i}")                   # every kept file still verifies
+        assert wd.weights_digest(wd.load_hf_weights(ref.hf_dir)) == recs[i - 1]["sha256"]
 
 
 def test_policy_export_writes_loadable_hf_weights_equal_to_the_recorded_digest(chain, tmp_path):
@@ -198,17 +214,58 @@ def test_hf_engine_applies_the_deltas_in_place_and_falls_back_to_a_full_load_whe
         wd.delta_path(lake, "c3", "c5")
 
 
-def test_a_following_rollout_worker_switches_by_delta(lake):
+def test_delta_only_layout_readers_rebuild_from_the_lake_and_refuse_a_damaged_chain(chain):
+    """A delta version's directory and row hold its delta, not its weights; resolve_policy (what
+    engines, eval and the trainer load) rebuilds them into this machine's cache, checked against
+    the recorded digest; a damaged cached copy is rebuilt, a missing delta is a one-line IntegrityError."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.policy_store import published_dir, resolve_policy
+
+    lake, ws, recs = chain
+    rows = {r["checkpoint_id"]: r for r in lake.read("checkpoints").to_pylist()}
+    for i, rec in enumerate(recs, start=1):
+        files = dict(rows[f"c{i}"]["file_sha256"])
+        has_full = "hf/model.safetensors" in files and (published_dir(lake, f"c{i}") / "hf/model.safetensors").exists()
+        assert has_full == (rec["kind"] == "anchor") and (rec["file"] in files) and "hf/config.json" in files
+    shutil.rmtree(wd.weights_cache(lake.uri))             # another machine: nothing rebuilt yet
+    wd._VERIFIED.clear()
+    for i in range(1, 7):
+        hf = resolve_policy(lake, f"c{i}").hf_dir
+        assert wd.weights_digest(wd.load_hf_weights(hf)) == recs[i - 1]["sha256"]
+        assert (hf / "config.json").is_file() and (hf / "tokenizer.json").is_file()
+    hf5 = resolve_policy(lake, "c5").hf_dir
+    w = load_file(str(hf5 / "model.safetensors"))
+    w["lm_head.weight"][0, 0] += 1.0                       # a damaged local copy (another process wrote it)
+    save_file(w, str(hf5 / "model.safetensors"))
+    wd._VERIFIED.clear()
+    assert wd.weights_digest(wd.load_hf_weights(resolve_policy(lake, "c5").hf_dir)) == recs[4]["sha256"]
+    (hf5 / "config.json").write_text("{}")                # its config too: the copy is the row's files or rebuilt
+    wd._VERIFIED.clear()
+    assert json.loads((resolve_policy(lake, "c5").hf_dir / "config.json").read_text()) != {}
+    shutil.rmtree(wd.weights_cache(lake.uri))
+    wd._VERIFIED.clear()
+    (published_dir(lake, "c4") / recs[3]["file"]).unlink()
+    with pytest.raises(IntegrityError) as exc:
+        resolve_policy(lake, "c5")                         # c5's own files are intact: its chain is not
+    assert "is missing" in _one_line(exc) and "policy version 4" in exc.value.message
+    assert not wd.weights_cache(lake.uri).exists() or not any(wd.weights_cache(lake.uri).glob("c5-*"))
+
+
+def test_a_following_rollout_worker_switches_by_delta(lake, tmp_path, monkeypatch):
     """The worker's policy holder applies a newly published version's delta to the engine it serves."""
     from pipeline.rollout.run import RolloutConfig
-    from pipeline.rollout.worker import _PolicyHolder
+    from pipeline.rollout.worker import PolicyHolder
     from pipeline.testing.train_fixtures import publish_tiny_policy
 
+    monkeypatch.setenv("PIPELINE_CACHE", str(tmp_path / "cache"))
     publish_tiny_policy(lake, checkpoint_id="tiny-v0")
     w0 = wd.load_hf_weights(wd_hf(lake, "tiny-v0"))
     w1 = _nudge(w0, 0.01, 1)
     rec1 = _publish(lake, "c1", "tiny-v0", w1, w0, None, anchor_every=8)
-    holder = _PolicyHolder(lake, RolloutConfig(follow_latest=True))
+    holder = PolicyHolder(lake, RolloutConfig(follow_latest=True))
     engine, v = holder()
     assert v == 1 and holder.checkpoint_id == "c1"
     w2 = _nudge(w1, 0.01, 2)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -23,11 +23,24 @@ OPS: dict[str, Callable[[Any, Any], Any]] = {  # elementwise over numpy arrays t
     ">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt, "==": operator.eq}
 
 
+# A check's outcome for one group (receipts.checks): PASS, SKIP (the check does not apply), or FAIL followed by
+# what failed (``fail:<detail>``).
+PASS = "pass"
+SKIP = "skip"
+FAIL = "fail:"
+
+# A group's decision (receipts.decision): admitted, or the decision of the first blocking check that failed
+# (CHECKS), or reverification's verdict_disagreement (reverify.py).
+Decision = Literal["admit", "incomplete", "insufficient_valid", "zero_variance", "gated", "batch_config_mismatch",
+                   "capped", "verdict_disagreement"]
+ADMIT: Decision = "admit"
+
+
 @dataclass(frozen=True)
 class CheckSpec:
     name: str
     blocking: Callable[[AdmissionConfig], bool]
-    decision: str | None     # the decision when it blocks
+    decision: Decision | None     # the decision when it blocks
     description: str
 
 
@@ -75,7 +88,7 @@ def reason_details(group_index: np.ndarray, reasons: np.ndarray, n_groups: int) 
     Vectorised in Arrow (one hash aggregation, one sort, one list join): at
     100k candidates the per-member Python loop it replaces was a third of
     finalize."""
-    out = {name: np.full(n_groups, "pass", dtype=object) for name in MEMBER_REASONS}
+    out = {name: np.full(n_groups, PASS, dtype=object) for name in MEMBER_REASONS}
     if len(reasons) == 0:
         return out
     t = pa.table({"g": pa.array(np.asarray(group_index, np.int64)), "r": pa.array(reasons, pa.string())})
@@ -92,7 +105,7 @@ def reason_details(group_index: np.ndarray, reasons: np.ndarray, n_groups: int) 
     t = t.append_column("item", pc.binary_join_element_wise(t.column("r"), pc.cast(t.column("count_all"), pa.string()),
                                                             "="))
     joined = t.group_by(["check", "g"], use_threads=False).aggregate([("item", "list")])
-    texts = pc.binary_join_element_wise("fail:", pc.binary_join(joined.column("item_list"), ","), "")
+    texts = pc.binary_join_element_wise(FAIL, pc.binary_join(joined.column("item_list"), ","), "")
     checks = joined.column("check").to_numpy(zero_copy_only=False)
     gs = joined.column("g").to_numpy()
     texts_np = np.asarray(texts.to_numpy(zero_copy_only=False), dtype=object)
@@ -115,7 +128,7 @@ def gate_outcomes(cfg: AdmissionConfig, values: list[np.ndarray], n_groups: int)
     """``update_if`` outcome per group from each gate's aggregate (NaN = no value)."""
     gates = cfg.gates
     if not gates:
-        return np.full(n_groups, "skip", dtype=object)
+        return np.full(n_groups, SKIP, dtype=object)
     ok = np.ones(n_groups, bool)
     oks = []
     for g, v in zip(gates, values):
@@ -124,11 +137,11 @@ def gate_outcomes(cfg: AdmissionConfig, values: list[np.ndarray], n_groups: int)
             passed = ~np.isnan(v) & OPS[g.op](v, g.value)
         oks.append(passed)
         ok &= passed
-    out = np.full(n_groups, "pass", dtype=object)
+    out = np.full(n_groups, PASS, dtype=object)
     for i in np.flatnonzero(~ok):
         bad = [f"{g.agg}({g.component})={'null' if np.isnan(v[i]) else format(float(v[i]), 'g')} not {g.op} {g.value:g}"
                for g, v, passed in zip(gates, values, oks) if not passed[i]]
-        out[i] = "fail:" + "; ".join(bad)
+        out[i] = FAIL + "; ".join(bad)
     return out
 
 
@@ -139,28 +152,28 @@ def group_outcomes(cfg: AdmissionConfig, *, group_baseline: bool, excluded_group
     """Outcome of every check per group (bucket_cap: ``skip``; decided across groups later)."""
     n = len(arrived)
     out = reason_details(excluded_group, excluded_reason, n)
-    complete = np.full(n, "pass", dtype=object)
+    complete = np.full(n, PASS, dtype=object)
     for i in np.flatnonzero(arrived < group_size):
-        complete[i] = f"fail:{arrived[i]}/{group_size[i]} arrived"
+        complete[i] = f"{FAIL}{arrived[i]}/{group_size[i]} arrived"
     out["complete"] = complete
-    mv = np.full(n, "pass", dtype=object)
+    mv = np.full(n, PASS, dtype=object)
     for i in np.flatnonzero(~min_valid_ok):
-        mv[i] = f"fail:{n_valid[i]} < {cfg.min_valid_members}"
+        mv[i] = f"{FAIL}{n_valid[i]} < {cfg.min_valid_members}"
     out["min_valid_members"] = mv
     if group_baseline:
-        out["reward_spread"] = np.where(spread_ok, "pass", "fail:no reward spread among valid members").astype(object)
+        out["reward_spread"] = np.where(spread_ok, PASS, FAIL + "no reward spread among valid members").astype(object)
     else:
-        out["reward_spread"] = np.full(n, "skip", dtype=object)
+        out["reward_spread"] = np.full(n, SKIP, dtype=object)
     out["update_if"] = gate_outcomes(cfg, gate_values, n)
-    out["batch_config"] = np.full(n, "skip", dtype=object)
-    out["bucket_cap"] = np.full(n, "skip", dtype=object)
+    out["batch_config"] = np.full(n, SKIP, dtype=object)
+    out["bucket_cap"] = np.full(n, SKIP, dtype=object)
     return out
 
 
 def decide(cfg: AdmissionConfig, outcomes: dict[str, np.ndarray]) -> np.ndarray:
     """Per group: the first failing blocking check's decision, else ``admit``."""
     n = len(next(iter(outcomes.values())))
-    decision = np.full(n, "admit", dtype=object)
+    decision = np.full(n, ADMIT, dtype=object)
     for spec in reversed(CHECKS):  # earlier checks overwrite later ones
         if spec.decision and spec.blocking(cfg) and spec.name in outcomes:
             failed = failed_mask(outcomes[spec.name])
@@ -175,14 +188,14 @@ def failed_mask(outcome: np.ndarray) -> np.ndarray:
     return np.asarray(pc.starts_with(pa.array(outcome, pa.string()), "fail").to_numpy(zero_copy_only=False), bool)
 
 
-def first_blocking(failed: Collection[str], cfg: AdmissionConfig | None = None) -> str:
+def first_blocking(failed: Collection[str], cfg: AdmissionConfig | None = None) -> Decision:
     """One group's ``decide``: the decision of the first failing blocking check
     among the check names in ``failed``, in declared order, else ``admit``.
     ``cfg`` None: every check that has a decision blocks (the simulator's gate)."""
     for spec in CHECKS:
         if spec.decision and spec.name in failed and (cfg is None or spec.blocking(cfg)):
             return spec.decision
-    return "admit"
+    return ADMIT
 
 
 def batch_config_outcomes(cfg: AdmissionConfig, configs: dict[str, Any], admit: np.ndarray) -> np.ndarray:
@@ -194,7 +207,7 @@ def batch_config_outcomes(cfg: AdmissionConfig, configs: dict[str, Any], admit: 
     <snapshot value>``, others ``pass``; groups not admitted otherwise ``skip``.
     Every field opted in: ``skip`` for all."""
     n = len(admit)
-    out = np.full(n, "skip", dtype=object)
+    out = np.full(n, SKIP, dtype=object)
     fields = [f for f in rules.BATCH_FIELDS if f not in cfg.mix_batch_fields]
     idx = np.flatnonzero(admit)
     if not fields or len(idx) == 0:
@@ -213,13 +226,13 @@ def batch_config_outcomes(cfg: AdmissionConfig, configs: dict[str, Any], admit: 
         col = t.column(f)
         eq = pc.is_null(col) if v is None else pc.fill_null(pc.equal(col, pa.scalar(v, col.type)), False)
         same &= np.asarray(eq.to_numpy(zero_copy_only=False), bool)
-    out[idx[same]] = "pass"
+    out[idx[same]] = PASS
     bad = np.flatnonzero(~same)
     if len(bad):
         rows = t.take(pa.array(bad)).to_pylist()
         for k, row in zip(bad, rows):
             key = tuple(row[f] for f in fields)
             j = next(m for m in range(len(fields)) if key[m] != ref[m])
-            out[idx[k]] = f"fail:{fields[j]} {key[j]} != {ref[j]}"
+            out[idx[k]] = f"{FAIL}{fields[j]} {key[j]} != {ref[j]}"
     return out
     return out

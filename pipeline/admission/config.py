@@ -39,7 +39,7 @@ def parse_gate(text: str) -> Gate:
     return Gate(m.group(1), m.group(2), m.group(3), float(m.group(4)), text.strip())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AdmissionConfig:
     config_section: ClassVar[str] = "admission"   # its section in an experiment file (pipeline.config.SECTIONS)
 

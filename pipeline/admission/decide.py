@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.admission.advantages import ESTIMATORS, compute_advantages, running_baseline
-from pipeline.admission.checks import CHECK_NAMES, batch_config_outcomes, decide, group_outcomes
+from pipeline.admission.checks import ADMIT, CHECK_NAMES, FAIL, PASS, batch_config_outcomes, decide, group_outcomes
 from pipeline.admission.config import AdmissionConfig
 from pipeline.admission.rules import BATCH_FIELDS, REF_FIELDS
 
@@ -194,7 +194,7 @@ def _decide_groups(cfg: AdmissionConfig, groups: pa.Table, m: _MemberArrays, lab
     decision = decide(cfg, outcomes)
     # one configuration per snapshot, among the groups every per-group check admits
     outcomes["batch_config"] = batch_config_outcomes(
-        cfg, {f: groups.column(f"ref_{f}") for f in BATCH_FIELDS}, decision == "admit")
+        cfg, {f: groups.column(f"ref_{f}") for f in BATCH_FIELDS}, decision == ADMIT)
     decision = decide(cfg, outcomes)
     if cfg.bucket_caps:
         outcomes["bucket_cap"] = _bucket_cap_outcomes(cfg, decision, labels)
@@ -204,14 +204,14 @@ def _decide_groups(cfg: AdmissionConfig, groups: pa.Table, m: _MemberArrays, lab
 
 def _bucket_cap_outcomes(cfg: AdmissionConfig, decision: np.ndarray, labels: dict[str, np.ndarray]) -> np.ndarray:
     """``bucket_cap`` per group: admitted groups count against their labels' caps in group_id order, per run."""
-    out = np.full(len(decision), "pass", dtype=object)
+    out = np.full(len(decision), PASS, dtype=object)
     used: dict[str, int] = {}
     caps = [(k, k.split(":", 1)[0], k.split(":", 1)[1], v) for k, v in sorted(cfg.bucket_caps.items())]
-    for i in np.flatnonzero(decision == "admit"):
+    for i in np.flatnonzero(decision == ADMIT):
         hit = [(k, cap) for k, fld, lab, cap in caps if labels[fld][i] == lab]
         over = [(k, cap) for k, cap in hit if used.get(k, 0) >= cap]
         if over:
-            out[i] = "fail:" + ",".join(f"{k} cap {cap}" for k, cap in over)
+            out[i] = FAIL + ",".join(f"{k} cap {cap}" for k, cap in over)
         else:
             for k, _ in hit:
                 used[k] = used.get(k, 0) + 1
@@ -259,7 +259,7 @@ def _admitted(cfg: AdmissionConfig, m: _MemberArrays, labels: dict[str, np.ndarr
     """(admitted members with their advantages, the running baseline to carry):
     the valid members of admitted groups."""
     members, gidx = m.table, m.gidx
-    adm = m.valid & (decision[gidx] == "admit") if members.num_rows else np.zeros(0, bool)         # [M]
+    adm = m.valid & (decision[gidx] == ADMIT) if members.num_rows else np.zeros(0, bool)         # [M]
     rewards = m.reward[adm]
     codes = np.unique(gidx[adm], return_inverse=True)[1].astype(np.int64) if adm.any() else np.zeros(0, np.int64)
     baseline = running_baseline(previous_baseline, rewards, cfg.baseline_momentum) \

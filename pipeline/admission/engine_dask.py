@@ -36,6 +36,7 @@ from pipeline.admission import rules
 from pipeline.admission.decide import conform, group_schema, member_schema
 from pipeline.admission.rules import MISMATCH_REASONS, REF_FIELDS
 from pipeline.errors import ConfigError, PipelineError
+from pipeline.lake.uri import split_uri
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
@@ -68,7 +69,7 @@ def _read_file(item: tuple, cfg: AdmissionConfig, decided: pa.Array,
     cols = cand.source_columns(cfg)
     if "://" in uri and not uri.startswith("file://"):
         fs = _worker_filesystem(uri, storage_options)
-        pf = pq.ParquetFile(fs.open_input_file(uri.split("://", 1)[1]))
+        pf = pq.ParquetFile(fs.open_input_file(split_uri(uri)[1]))
     else:
         pf = pq.ParquetFile(uri.removeprefix("file://"))
     present = [c for c in cols if c in pf.schema_arrow.names]
@@ -105,10 +106,9 @@ def _hold(d: str) -> None:
     import time
     from pathlib import Path
 
-    Path(d, f"task-{os.getpid()}-{time.time_ns()}").touch()
-    deadline = time.time() + 120
-    while not Path(d, "go").exists() and time.time() < deadline:
-        time.sleep(0.01)
+    from pipeline.hooks import mark_and_wait
+
+    mark_and_wait(Path(d, f"task-{os.getpid()}-{time.time_ns()}"), Path(d, "go"), timeout_s=120, poll_s=0.01)
 
 
 _FILESYSTEMS: dict[tuple, Any] = {}
@@ -120,7 +120,7 @@ def _worker_filesystem(uri: str, storage_options: dict | None):
     from the worker's environment unless the driver had no options either."""
     from pipeline.lake.delta import Lake
 
-    scheme, rest = uri.split("://", 1)
+    scheme, rest = split_uri(uri)
     root = f"{scheme}://{rest.split('/', 1)[0]}"
     key = (root, tuple(sorted((storage_options or {}).items())))
     if key not in _FILESYSTEMS:

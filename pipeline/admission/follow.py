@@ -131,9 +131,9 @@ def _latency(lake: Lake, since: int | None, result: AdmissionResult, done_at: fl
     if tv is None:
         return {}
     if since is None:  # the first pass: commits after the previous admission's recorded read
-        from pipeline.admission.run import _previous_state
+        from pipeline.admission.run import previous_state
 
-        prev = _previous_state(lake, int(result.source_versions.get("receipts", -1)))
+        prev = previous_state(lake, int(result.source_versions.get("receipts", -1)))
         since = prev[0] if prev is not None else max(-1, tv - FIRST_PASS_LOOKBACK)
     landed = last_landing(lake, since, tv, result.receipts.column("group_id").combine_chunks())
     if not landed:

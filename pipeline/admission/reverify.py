@@ -34,15 +34,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.admission.checks import FAIL, Decision
 from pipeline.admission.config import AdmissionConfig
 from pipeline.errors import ConfigError, PipelineError
 
 Reverifier = Callable[[pa.Table], Sequence[str]]
-DECISION = "verdict_disagreement"
+DECISION: Decision = "verdict_disagreement"
 VERDICTS = ("PASS", "FAIL", "UNKNOWN")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ReverifyStats:
     groups: int = 0            # admitted groups re-verified (any member)
     shadow_groups: int = 0     # of which in the shadow sample
@@ -135,7 +136,7 @@ def reverify(sources: list[tuple[Any, Any]], admitted: pa.Table, cfg: AdmissionC
     stats.shadow_groups = len(stats.shadow)
     stats.disagreements = sum(len(v) for v in fails.values())
     stats.held = sorted(fails)
-    held = {g: "fail:" + ",".join(v) for g, v in sorted(fails.items())}
+    held = {g: FAIL + ",".join(v) for g, v in sorted(fails.items())}
     return held, {g: n for g, n in checked.items() if g not in held}, stats
 
 

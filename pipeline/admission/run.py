@@ -47,9 +47,11 @@ import pyarrow.compute as pc
 
 from pipeline.admission import candidates as cand
 from pipeline.admission.advantages import TURN_ESTIMATORS
+from pipeline.admission.checks import ADMIT
 from pipeline.admission.config import AdmissionConfig, admission_config_hash
 from pipeline.admission.decide import conform, finalize, group_schema, member_schema
 from pipeline.errors import IntegrityError, PipelineError
+from pipeline.hooks import mark_and_wait
 from pipeline.lake.ref import as_lake
 from pipeline.schema import table_spec
 from pipeline.snapshots.format import compute_snapshot_id, snapshot_dir
@@ -66,8 +68,10 @@ PAUSE_ENV = "PIPELINE_ADMIT_PAUSE"        # test hook: after deciding, sleep SEC
                                           # barrier:DIR (write DIR/ready-<pid>, wait for DIR/go): races
 
 
-@dataclass
+@dataclass(kw_only=True)
 class AdmissionResult:
+    """What one admission run decided (and committed, unless ``dry_run``)."""
+
     admission_run_id: str
     snapshot_id: str | None                 # None when nothing was admitted
     current_policy_version: int | None
@@ -122,10 +126,7 @@ def _pause_point(attempt: int) -> None:
         return
     if raw.startswith("barrier:"):   # decided; the commit is next: say so, then wait for the test's go
         d = Path(raw[len("barrier:"):])
-        (d / f"ready-{os.getpid()}").write_text("")
-        deadline = time.time() + 240
-        while not (d / "go").exists() and time.time() < deadline:
-            time.sleep(0.005)
+        mark_and_wait(d / f"ready-{os.getpid()}", d / "go", timeout_s=240, poll_s=0.005)
         return
     time.sleep(max(0.0, float(raw[1:]) - time.time()) if raw.startswith("@") else float(raw))
 
@@ -186,7 +187,7 @@ STATE_PENDING = "pipeline.pending_after"         # ... and its pending bound (IS
 STATE_TARGET = "pipeline.target"                 # ... and its --target-groups report (JSON), when asked
 
 
-def _previous_state(lake: Lake, rv: int) -> tuple[int, datetime] | None:
+def previous_state(lake: Lake, rv: int) -> tuple[int, datetime] | None:
     """(trajectories version, pending bound) recorded by the admission commit at
     receipts version ``rv``; None when unknown (then everything is read)."""
     if rv < 0:
@@ -294,7 +295,9 @@ def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_ver
     receipts_schema = table_spec("receipts").arrow_schema()
     current = resolve_current_policy_version(lake, cfg, current_policy_version)
     if current is None or not lake.exists("trajectories"):
-        return AdmissionResult(run_id, None, current, None, engine, dry_run, receipts_schema.empty_table())
+        return AdmissionResult(admission_run_id=run_id, snapshot_id=None, current_policy_version=current,
+                               config_hash=None, engine=engine, dry_run=dry_run,
+                               receipts=receipts_schema.empty_table())
     cfg = dataclasses.replace(cfg, current_policy_version=current, vocab_size=resolve_vocab_size(lake, cfg, current))
     chash = admission_config_hash(cfg)
     now = now or datetime.now(timezone.utc)
@@ -309,7 +312,7 @@ def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_ver
         assert tv is not None  # the table exists: checked above
         decided = (lake.read("receipts", columns=["group_id"], version=rv).column("group_id").combine_chunks()
                    if rv >= 0 else pa.array([], pa.string()))
-        previous = _previous_state(lake, rv)
+        previous = previous_state(lake, rv)
         sources = _trajectory_sources(lake, tv, previous)   # both engines read only what changed
         plan = read_plan(lake, tv, previous) if engine == "dask" else None
         members, groups, qsummary, n_cands = _decisions_from_engine(
@@ -326,18 +329,20 @@ def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_ver
                                              current_policy_version=current, previous_baseline=prev_baseline)
         timings["decide_s"] = time.perf_counter() - t0
         admitted = dec.admitted
-        n_admit_groups = dec.counts.get("admit", 0)
+        n_admit_groups = dec.counts.get(ADMIT, 0)
         snapshot_id = snapshot_id_of(admitted, chash, cfg.advantage) if admitted.num_rows else None
         source_versions = {"trajectories": int(tv), "receipts": int(rv)}
-        target = _target_report(target_groups, n_admit_groups, dec.receipts.num_rows)
+        target = target_report(target_groups, n_admit_groups, dec.receipts.num_rows)
         receipts = stamp_receipts(dec.receipts, run_id, snapshot_id, receipts_schema)
         rows = receipts.num_rows
-        result = AdmissionResult(run_id, snapshot_id, current, chash, engine, dry_run, receipts, dict(dec.counts),
-                                 n_admit_groups, admitted.num_rows, 0, source_versions,
-                                 {"candidates": qsummary, "candidate_rows": n_cands, "deferred_groups": deferred,
-                                  **({"reverify": reverified.as_dict()} if reverified is not None else {})},
-                                 target, attempt, timings,
-                                 admitted)
+        quality = {"candidates": qsummary, "candidate_rows": n_cands, "deferred_groups": deferred,
+                   **({"reverify": reverified.as_dict()} if reverified is not None else {})}
+        result = AdmissionResult(admission_run_id=run_id, snapshot_id=snapshot_id, current_policy_version=current,
+                                 config_hash=chash, engine=engine, dry_run=dry_run, receipts=receipts,
+                                 counts=dict(dec.counts), admitted_groups=n_admit_groups,
+                                 admitted_members=admitted.num_rows, num_tokens=0, source_versions=source_versions,
+                                 quality=quality, target=target, attempts=attempt, timings=timings,
+                                 members=admitted)
         if dry_run or not rows:
             return result
         _pause_point(attempt)
@@ -346,9 +351,10 @@ def _admit(lake: Lake, cfg: AdmissionConfig | None = None, *, current_policy_ver
             continue  # another run decided groups since we read: start over
         if snapshot_id is not None:
             t1 = time.perf_counter()
-            result.num_tokens, result.quality["snapshot"] = _publish_snapshot(
-                lake, cfg, chash, admitted, snapshot_id, run_id, tv, source_versions, current,
-                n_admit_groups, dec.baseline, command, qsummary, sources)
+            result.num_tokens, result.quality["snapshot"] = _publish_snapshot(lake, cfg, NewSnapshot(
+                snapshot_id=snapshot_id, admission_run_id=run_id, config_hash=chash, members=admitted,
+                current_policy_version=current, num_groups=n_admit_groups, running_baseline=dec.baseline,
+                source_versions=source_versions, candidate_quality=qsummary), command=command, sources=sources)
             timings["materialize_s"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         pending = now - timedelta(microseconds=round(cfg.group_timeout_s * 1e6))
@@ -423,7 +429,7 @@ def stamp_receipts(core: pa.Table, run_id: str, snapshot_id: str | None, schema:
                    decided_at: datetime | None = None) -> pa.Table:
     """Receipt rows from finalize's core columns plus this run's id, snapshot and time (default: now)."""
     n = core.num_rows
-    admitted = pc.equal(core.column("decision"), "admit")
+    admitted = pc.equal(core.column("decision"), ADMIT)
     cols = {c: core.column(c) for c in core.column_names}
     cols["admission_run_id"] = pa.array([run_id] * n, pa.string())
     cols["snapshot_id"] = pc.if_else(admitted, pa.scalar(snapshot_id, pa.string()), pa.scalar(None, pa.string())) \
@@ -432,10 +438,30 @@ def stamp_receipts(core: pa.Table, run_id: str, snapshot_id: str | None, schema:
     return pa.table({f.name: cols[f.name] for f in schema}).cast(schema)
 
 
-def _publish_snapshot(lake: Lake, cfg, chash, admitted, snapshot_id, run_id, tv, source_versions, current,
-                      n_groups, baseline, command, candidate_quality, sources=None) -> tuple[int, dict[str, Any]]:
+@dataclass(frozen=True, kw_only=True)
+class NewSnapshot:
+    """The snapshot an admission run publishes: its admitted members and where they come from."""
+
+    snapshot_id: str
+    admission_run_id: str
+    config_hash: str
+    members: pa.Table                   # the admitted members (snapshot_members rows, without snapshot_id)
+    current_policy_version: int
+    num_groups: int                     # admitted groups
+    running_baseline: float | None      # reinforce_batch_norm's baseline carried forward (manifest)
+    source_versions: dict[str, int]     # {"trajectories": version read, "receipts": version read}
+    candidate_quality: dict[str, Any]   # the candidates' quality summary (snapshots.quality_json)
+
+
+def _publish_snapshot(lake: Lake, cfg: AdmissionConfig, new: NewSnapshot, *, command: str,
+                      sources: list[tuple[Any, Any]] | None = None) -> tuple[int, dict[str, Any]]:
+    """Write the snapshot's files, then its ``snapshots`` row, then its ``snapshot_members`` rows (each commit
+    idempotent under app id ``snapshot:<id>``); returns (tokens, the snapshot's quality summary)."""
     from pipeline.admission.materialize import materialize
     from pipeline.config import config_dict
+
+    admitted, snapshot_id, chash, source_versions = new.members, new.snapshot_id, new.config_hash, new.source_versions
+    current, n_groups = new.current_policy_version, new.num_groups
 
     quality: dict[str, Any] = {"skipped": True}
     if cfg.quality:
@@ -449,7 +475,7 @@ def _publish_snapshot(lake: Lake, cfg, chash, admitted, snapshot_id, run_id, tv,
                                  hint="this is a bug in admission; report it with the receipts")
     extra = {"config_hash": chash, "advantage_estimator": cfg.advantage, "config": config_dict(cfg),
              "current_policy_version": current, "source_versions": source_versions, "num_groups": n_groups,
-             "running_baseline": baseline}
+             "running_baseline": new.running_baseline}
     if cfg.advantage in TURN_ESTIMATORS:
         extra["turn_credit"] = True   # the payload has turn_advantages (pipeline.snapshots.TURN_COLUMNS)
     snap, tokens = materialize(lake, source_versions["trajectories"], admitted, snapshot_id=snapshot_id,
@@ -458,12 +484,12 @@ def _publish_snapshot(lake: Lake, cfg, chash, admitted, snapshot_id, run_id, tv,
     tokens = int(snap.manifest.get("num_tokens", tokens))
     _crash_point("snapshot_files")
     row = {
-        "snapshot_id": snapshot_id, "admission_run_id": run_id, "config_hash": chash,
+        "snapshot_id": snapshot_id, "admission_run_id": new.admission_run_id, "config_hash": chash,
         "config_json": json.dumps(config_dict(cfg), sort_keys=True, default=str),
         "advantage_estimator": cfg.advantage, "current_policy_version": current, "num_groups": n_groups,
         "num_members": admitted.num_rows, "num_tokens": tokens, "path": snapshot_dir(snapshot_id),
         "manifest_sha256": snap.manifest_sha256, "source_versions": list(source_versions.items()),
-        "quality_json": json.dumps({"candidates": candidate_quality, "snapshot": quality}, sort_keys=True,
+        "quality_json": json.dumps({"candidates": new.candidate_quality, "snapshot": quality}, sort_keys=True,
                                    default=str),
         "created_at": datetime.now(timezone.utc),
     }
@@ -499,7 +525,7 @@ def _check_decided_once(lake: Lake, group_ids: pa.ChunkedArray) -> None:
                              hint="two admission runs raced past the receipts guard; report this")
 
 
-def _target_report(target: int | None, admitted: int, decided: int) -> dict[str, Any] | None:
+def target_report(target: int | None, admitted: int, decided: int) -> dict[str, Any] | None:
     """DAPO-style dynamic sampling: how many more groups a scheduler should sample."""
     if target is None:
         return None

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 def register(sub: argparse._SubParsersAction) -> None:
     from pipeline.admission.config import AdmissionConfig
-    from pipeline.cli import add_config_options, common
+    from pipeline.clikit import add_config_options, common
     from pipeline.config import keys_epilog
 
     keys = keys_epilog(AdmissionConfig)
@@ -61,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _admit(args: argparse.Namespace) -> int | None:
     from pipeline.admission.config import AdmissionConfig
     from pipeline.admission.run import admit
-    from pipeline.cli import emit, open_lake
+    from pipeline.clikit import emit, open_lake
     from pipeline.config import load_config, parse_set
 
     cfg = load_config(AdmissionConfig, args.config, parse_set(args.set))
@@ -96,7 +96,7 @@ def _follow(args: argparse.Namespace, cfg, engine, scheduler, scope) -> int | No
     import sys
 
     from pipeline.admission.follow import StopFlag, follow
-    from pipeline.cli import open_lake, out
+    from pipeline.clikit import open_lake, out
     from pipeline.errors import ConfigError
 
     if args.dry_run:
@@ -159,7 +159,7 @@ def _admit_text(d: dict[str, Any]) -> str:
     else:
         lines.append(f"decided {d['decided_groups']} group(s): {_counts(d['counts'])}")
     if d.get("target"):
-        lines.append(_target_text(d["target"]))
+        lines.append(target_text(d["target"]))
     for rev, n in sorted(((d.get("quality") or {}).get("deferred_groups") or {}).items()):
         lines.append(f"{n} group(s) of tokenizer {rev} left undecided: they wait for a policy of that tokenizer "
                      f"(pipeline policy import), and the next admission scans them again")
@@ -172,7 +172,7 @@ def _admit_text(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _target_text(t: dict[str, Any]) -> str:
+def target_text(t: dict[str, Any]) -> str:
     """The --target-groups line; no decided group (rate None) or none admitted (rate 0) says so in words."""
     rate = t["observed_admit_rate"]
     head = f"target {t['target_groups']} groups: {t['missing_groups']} missing"

@@ -6,7 +6,7 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pipeline.cli import add_config_options, common
+    from pipeline.clikit import add_config_options, common
 
     p = common(sub.add_parser(
         "demo", help="the closed loop: rollout -> admit -> train -> publish on arithmetic-tool, showing reward rise",
@@ -38,7 +38,7 @@ def _keys() -> str:
 def _demo(args: argparse.Namespace):
     import json
 
-    from pipeline.cli import out
+    from pipeline.clikit import out
     from pipeline.config import load_config, parse_set, refuse_other_sections
     from pipeline.demo import DemoConfig, default_lake_uri, run_demo
     from pipeline.lake.delta import Lake
@@ -67,6 +67,6 @@ def _demo(args: argparse.Namespace):
 
 
 def _out(*parts, **kw) -> None:
-    from pipeline.cli import out
+    from pipeline.clikit import out
 
     out(" ".join(str(p) for p in parts))

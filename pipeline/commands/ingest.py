@@ -7,7 +7,7 @@ from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pipeline.cli import common
+    from pipeline.clikit import common
 
     p = common(sub.add_parser(
         "ingest", help="land externally produced trajectories (Parquet, Arrow IPC, JSONL)",
@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _ingest(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pipeline.cli import emit, note, open_lake, with_lake
+    from pipeline.clikit import emit, note, open_lake, with_lake
     from pipeline.errors import InputFileError
     from pipeline.ingest import ingest_files
 
@@ -51,7 +51,7 @@ def _ingest(args: argparse.Namespace) -> int:
 def ingest_exit_code(r: dict[str, Any]) -> int:
     """1 when rows were read and none landed or was already there (every row
     quarantined): the command achieved nothing. 0 otherwise (re-ingesting is a no-op)."""
-    from pipeline.cli import EXIT_NOTHING_DONE, EXIT_OK
+    from pipeline.clikit import EXIT_NOTHING_DONE, EXIT_OK
 
     if r["rows_read"] > 0 and r["landed"] == 0 and r["duplicates"] == 0 and r["quarantined"] > 0:
         return EXIT_NOTHING_DONE

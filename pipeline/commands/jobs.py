@@ -7,7 +7,7 @@ import json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pipeline.cli import common
+    from pipeline.clikit import common
 
     jobs = sub.add_parser("jobs", help="scheduled jobs from jobs/ (run one once, or schedule all)")
     jsub = jobs.add_subparsers(dest="jobs_command", metavar="ACTION")
@@ -42,7 +42,7 @@ def _render_k8s(args):
     either is written."""
     from pathlib import Path
 
-    from pipeline.cli import emit
+    from pipeline.clikit import emit
     from pipeline.errors import ConfigError
     from pipeline.jobs import load_jobs, render_cronjobs, render_services
 
@@ -63,7 +63,7 @@ def _render_k8s(args):
 
 
 def _list(args):
-    from pipeline.cli import emit
+    from pipeline.clikit import emit
     from pipeline.jobs import load_jobs
 
     jobs = load_jobs(args.jobs_dir)
@@ -72,7 +72,7 @@ def _list(args):
 
 
 def _run(args):
-    from pipeline.cli import emit, open_lake
+    from pipeline.clikit import emit, open_lake
     from pipeline.errors import NotFoundError
     from pipeline.jobs import load_jobs, run_job
 
@@ -88,7 +88,7 @@ def _run(args):
 
 
 def _schedule(args):
-    from pipeline.cli import note, open_lake, out
+    from pipeline.clikit import note, open_lake, out
     from pipeline.errors import NotFoundError
     from pipeline.jobs import load_jobs, schedule
 

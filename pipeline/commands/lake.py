@@ -7,7 +7,7 @@ from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pipeline.cli import common
+    from pipeline.clikit import common
 
     lake = sub.add_parser("lake", help="lake maintenance and inspection")
     lsub = lake.add_subparsers(dest="lake_command", metavar="ACTION")
@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--keep-checkpoints", type=int, default=None, metavar="N",
                    help="sets the keep_checkpoints key: DeepSpeed states of all but the newest N policy versions "
                         "are removed (hf/ models stay)")
-    from pipeline.cli import add_config_options
+    from pipeline.clikit import add_config_options
 
     add_config_options(m)
     m.set_defaults(handler=_maintain)
@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _maintain(args: argparse.Namespace) -> None:
-    from pipeline.cli import emit, open_lake
+    from pipeline.clikit import emit, open_lake
     from pipeline.errors import ConfigError
     from pipeline.maintain import maintain
     from pipeline.schema import ALL_TABLES
@@ -79,7 +79,7 @@ def _maintain(args: argparse.Namespace) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int | None:
-    from pipeline.cli import emit, open_lake
+    from pipeline.clikit import emit, open_lake
     from pipeline.errors import ConfigError
     from pipeline.maintain import verify
     from pipeline.schema import ALL_TABLES
@@ -89,7 +89,7 @@ def _verify(args: argparse.Namespace) -> int | None:
         raise ConfigError(f"unknown table(s) {', '.join(unknown)}", hint=f"tables: {', '.join(ALL_TABLES)}")
     out = verify(open_lake(args), args.table, snapshots=not args.no_snapshots)
     emit(out, args, _verify_text)
-    from pipeline.cli import EXIT_NOTHING_DONE
+    from pipeline.clikit import EXIT_NOTHING_DONE
 
     return None if out["ok"] else EXIT_NOTHING_DONE
 
@@ -158,7 +158,7 @@ def _maintain_text(r: dict[str, Any]) -> str:
 
 
 def _migrate(args: argparse.Namespace) -> None:
-    from pipeline.cli import emit, open_lake
+    from pipeline.clikit import emit, open_lake
     from pipeline.lake.migrate import migrate
 
     emit(migrate(open_lake(args, check_layout=False), dry_run=args.dry_run), args, _migrate_text)
@@ -180,7 +180,7 @@ def _info(args: argparse.Namespace) -> None:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from pipeline.cli import emit, open_lake
+    from pipeline.clikit import emit, open_lake
     from pipeline.schema import ALL_TABLES
 
     lake = open_lake(args, check_layout=False)   # inspection works on any layout

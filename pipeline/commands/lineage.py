@@ -6,7 +6,7 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pipeline.cli import common
+    from pipeline.clikit import common
 
     p = common(sub.add_parser("lineage", help="what a checkpoint learned from: snapshots, trajectories, versions",
                               description="Walks checkpoint -> parent chain, snapshots -> member trajectories -> "
@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _lineage(args: argparse.Namespace) -> None:
-    from pipeline.cli import emit, open_lake
+    from pipeline.clikit import emit, open_lake
     from pipeline.lineage import format_walk, walk
 
     emit(walk(open_lake(args), args.checkpoint_id), args, format_walk)

@@ -6,7 +6,7 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pipeline.cli import add_config_options, common, config_keys_epilog
+    from pipeline.clikit import add_config_options, common, config_keys_epilog
 
     pol = sub.add_parser("policy", help="policy versions: init (version 0), import, list, eval, repair, export")
     psub = pol.add_subparsers(dest="policy_command", metavar="ACTION")
@@ -96,7 +96,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _init(args: argparse.Namespace) -> None:
     import sys
 
-    from pipeline.cli import config_overrides, emit, open_lake
+    from pipeline.clikit import config_overrides, emit, open_lake
     from pipeline.console import progress_bar
     from pipeline.config import load_config
     from pipeline.rollout.policy import PolicyInitConfig, init_policy
@@ -125,7 +125,7 @@ def _init(args: argparse.Namespace) -> None:
 def _eval(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from pipeline.cli import emit, open_lake
+    from pipeline.clikit import emit, open_lake
     from pipeline.errors import ConfigError
     from pipeline.rollout.evaluate import evaluate
 
@@ -140,14 +140,14 @@ def _eval(args: argparse.Namespace) -> None:
     if args.record and lake is not None:      # a plain HF directory evaluated without a lake: nothing to record
         r["eval_id"] = record_evaluation(lake, r, command="pipeline policy eval")["eval_id"]
     emit(r, args, lambda r: (
-        f"{_policy_label(r, args.policy)} on {r['env']} (held-out, "
+        f"{policy_label(r, args.policy)} on {r['env']} (held-out, "
         f"{'greedy' if r['samples'] == 1 else str(r['samples']) + ' samples'}, n={r['n']}): "
         f"success {r['success_rate']:.3f}, format {r['format_rate']:.3f}, tool use {r['tool_use_rate']:.3f}"
         + "".join(f", pass@{k} {v:.3f}" for k, v in r["pass_at_k"].items() if k > 1)
         + "".join(f"\n  {k}: {v:.3f}" for k, v in r["success_by_difficulty"].items())))
 
 
-def _policy_label(r: dict, policy: str) -> str:
+def policy_label(r: dict, policy: str) -> str:
     """``policy v3`` for a lake version; a local HF directory has no version (-1 in the result): its path."""
     version = r.get("policy_version")
     if version is None or version < 0:
@@ -159,7 +159,7 @@ def _import(args: argparse.Namespace) -> None:
     from contextlib import AbstractContextManager, nullcontext
     from typing import Any
 
-    from pipeline.cli import emit, open_lake
+    from pipeline.clikit import emit, open_lake
     from pipeline.policy_store import check_model_dir, converted_gguf, import_policy
 
     # check (and convert) first, open (create) the lake after: a refused model leaves no empty lake behind
@@ -175,7 +175,7 @@ def _import(args: argparse.Namespace) -> None:
 
 
 def _list(args: argparse.Namespace) -> None:
-    from pipeline.cli import emit, open_lake
+    from pipeline.clikit import emit, open_lake
     from pipeline.policy_store import list_policies
 
     rows = list_policies(open_lake(args))
@@ -186,7 +186,7 @@ def _list(args: argparse.Namespace) -> None:
 
 
 def _repair(args: argparse.Namespace) -> int | None:
-    from pipeline.cli import EXIT_NOTHING_DONE, emit, open_lake
+    from pipeline.clikit import EXIT_NOTHING_DONE, emit, open_lake
     from pipeline.policy_store.care import repair_checkpoints
 
     r = repair_checkpoints(open_lake(args), dry_run=args.dry_run)
@@ -204,7 +204,7 @@ def _repair(args: argparse.Namespace) -> int | None:
 def _export(args: argparse.Namespace) -> int | None:
     from pathlib import Path
 
-    from pipeline.cli import emit, open_lake
+    from pipeline.clikit import emit, open_lake
     from pipeline.policy_store.delta import export_version
 
     r = export_version(open_lake(args), args.version, Path(args.out))

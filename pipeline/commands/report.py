@@ -20,7 +20,7 @@ DESCRIPTION = "The rollout health report: one self-contained HTML file with plot
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pipeline.cli import common
+    from pipeline.clikit import common
 
     p = common(sub.add_parser(
         "report", help="the rollout health report: one self-contained HTML file with plots",
@@ -46,7 +46,7 @@ EXIT_ALERT = 4   # `report --check`: the report was written and at least one ale
 
 
 def _report(args: argparse.Namespace) -> int | None:
-    from pipeline.cli import emit, open_lake
+    from pipeline.clikit import emit, open_lake
     from pipeline.errors import PipelineError
     from pipeline.report.build import ReportOptions, write_report
 
@@ -61,7 +61,7 @@ def _report(args: argparse.Namespace) -> int | None:
         alert_bounds=bounds))
     emit(result, args, text=_text)
     if args.check and result.get("alerts"):
-        from pipeline.cli import note
+        from pipeline.clikit import note
 
         note(f"{len(result['alerts'])} alert(s) fired (report --check exits {EXIT_ALERT})")
         return EXIT_ALERT

@@ -6,7 +6,7 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pipeline.cli import add_config_options, common, config_keys_epilog
+    from pipeline.clikit import add_config_options, common, config_keys_epilog
 
     p = common(sub.add_parser(
         "rollout", help="run rollout workers for an environment and land trajectories + events",
@@ -38,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--group-redundancy", type=float, default=None, metavar="R",
                    help="launch ceil(N x (1 + R)) groups, finish once N are complete, cancel the stragglers "
                         "(EXPIRED / cancelled, never a policy failure); default 0 = off")
+    p.add_argument("--straggler-policy", choices=["cancel", "carry"], default=None,
+                   help="with --group-redundancy: cancel the stragglers (default) or, with --follow, carry them "
+                        "into the next round as partial rollouts (a newer policy samples their later tokens)")
     add_config_options(p)
     p.set_defaults(handler=_rollout)
 
@@ -45,14 +48,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _rollout(args: argparse.Namespace) -> None:
     import os
 
-    from pipeline.cli import config_overrides, emit, open_lake
+    from pipeline.clikit import config_overrides, emit, open_lake
     from pipeline.config import load_config
     from pipeline.rollout.run import RolloutConfig, run_rollout
 
     over = config_overrides(args, {"env": "env", "engine": "engine", "policy": "policy", "groups": "groups",
                              "group_size": "group_size", "seed": "seed", "workers": "workers", "run_id": "run_id",
                              "follow_latest": "follow_latest", "ingest_url": "ingest_url",
-                             "group_redundancy": "group_redundancy", "follow": "follow", "rounds": "rounds"})
+                             "group_redundancy": "group_redundancy", "follow": "follow", "rounds": "rounds",
+                             "straggler_policy": "straggler_policy"})
     if os.environ.get("PIPELINE_INGEST_URL"):
         over.setdefault("ingest_url", os.environ["PIPELINE_INGEST_URL"])
     if not args.json:
@@ -83,6 +87,7 @@ def _rollout(args: argparse.Namespace) -> None:
            "verifier_concurrency, or the environment's declared limit)" if r["bound_by"] != "engine" else "")
         + (f"\n  continuous: {r['rounds']} rounds" if r["rounds"] > 1 else "")
         + (f"\n  over-provisioned: {r['groups_complete']} groups complete, {r['cancelled']} stragglers cancelled"
+           + (f", {r['carried']} carried into a later round" if r.get("carried") else "")
            if r["groups_complete"] is not None else "")
         + "".join(f"\n  wait {k}: p50 {v['p50']:.0f} ms, p95 {v['p95']:.0f} ms" for k, v in r["waits_ms"].items())
         + (f", {r['verifiers_abandoned']} verifier calls past their deadline" if r["verifiers_abandoned"] else "")

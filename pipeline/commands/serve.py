@@ -7,7 +7,7 @@ import os
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pipeline.cli import common
+    from pipeline.clikit import common
 
     p = common(sub.add_parser(
         "serve", help="commit batches published to the lake's log (NATS JetStream), exactly once",
@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pipeline.cli import note, open_lake
+    from pipeline.clikit import note, open_lake
     from pipeline.errors import ConfigError
     from pipeline.landing.committer import ServeSettings
     from pipeline.landing.serve import check_reachable, print_flush, serve

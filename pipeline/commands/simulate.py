@@ -16,7 +16,7 @@ from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pipeline.cli import add_config_options, common
+    from pipeline.clikit import add_config_options, common
 
     p = common(sub.add_parser(
         "simulate", help="discrete-event rollout scheduling simulator (sync vs async, staleness, dropped tasks)",
@@ -60,7 +60,7 @@ def _task_mix_help() -> str:
 def _runner(args: argparse.Namespace):
     if not args.land:
         return None
-    from pipeline.cli import open_lake
+    from pipeline.clikit import open_lake
     from pipeline.sim.lake_mode import simulate_in_lake
 
     lake = open_lake(args, create=True)
@@ -70,7 +70,7 @@ def _runner(args: argparse.Namespace):
 def _simulate(args: argparse.Namespace) -> dict[str, Any] | None:
     import json
 
-    from pipeline.cli import emit, out
+    from pipeline.clikit import emit, out
     from pipeline.config import parse_set
     from pipeline.sim.config import load_sim_config
     from pipeline.sim.metrics import render_text

@@ -9,7 +9,7 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pipeline.cli import common
+    from pipeline.clikit import common
 
     s = sub.add_parser("snapshots", help="list, show and verify batch snapshots")
     ssub = s.add_subparsers(dest="snapshots_command", metavar="ACTION")
@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _list(args: argparse.Namespace) -> None:
-    from pipeline.cli import emit, open_lake, out
+    from pipeline.clikit import emit, open_lake, out
 
     lake = open_lake(args)
     cols = ["snapshot_id", "created_at", "advantage_estimator", "num_groups", "num_members", "num_tokens",
@@ -46,7 +46,7 @@ def _show(args: argparse.Namespace) -> None:
 
     import pyarrow.compute as pc
 
-    from pipeline.cli import emit, open_lake
+    from pipeline.clikit import emit, open_lake
     from pipeline.snapshots.format import open_snapshot, resolve_snapshot_id
 
     lake = open_lake(args)
@@ -117,7 +117,7 @@ def _flat_quality(quality) -> list[tuple[str, object]]:
 
 
 def _verify(args: argparse.Namespace) -> None:
-    from pipeline.cli import emit, open_lake
+    from pipeline.clikit import emit, open_lake
     from pipeline.snapshots.format import resolve_snapshot_id, verify_snapshot
 
     lake = open_lake(args)

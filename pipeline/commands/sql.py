@@ -12,7 +12,7 @@ from typing import Callable
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pipeline.cli import common
+    from pipeline.clikit import common
 
     p = common(sub.add_parser(
         "sql", help="SQL over the lake's tables (DuckDB views named after the tables)",
@@ -103,9 +103,9 @@ def parse_params(items: list[str]) -> dict[str, object]:
 def _sql(args: argparse.Namespace) -> None:
     import re
 
-    from pipeline.cli import emit, open_lake, out, result_stream
+    from pipeline.clikit import emit, open_lake, out, result_stream
     from pipeline.errors import ConfigError, PipelineError
-    from pipeline.query.duck import _strip_comments, declared_params, parse_as_of, query
+    from pipeline.query.duck import strip_comments, declared_params, parse_as_of, query
     from pipeline.resources import resource_dir
     from pipeline.schema import ALL_TABLES
 
@@ -138,7 +138,7 @@ def _sql(args: argparse.Namespace) -> None:
             except ValueError:
                 raise ConfigError(f"--param {name}={value!r}: the query expects "
                                   f"{'an integer' if kind is int else 'a number'}") from None
-    used = set(re.findall(r"\$([A-Za-z_][A-Za-z0-9_]*)", _strip_comments(sql)))
+    used = set(re.findall(r"\$([A-Za-z_][A-Za-z0-9_]*)", strip_comments(sql)))
     unknown = sorted(set(params) - used)
     if unknown:
         raise ConfigError(f"--param {', '.join(unknown)}: the query has no such parameter",

@@ -7,7 +7,7 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pipeline.cli import add_config_options, common
+    from pipeline.clikit import add_config_options, common
     from pipeline.config import keys_epilog
     from pipeline.train.config import TrainConfig
 
@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _train(args: argparse.Namespace) -> int | None:
-    from pipeline.cli import emit, note, open_lake
+    from pipeline.clikit import emit, note, open_lake
     from pipeline.config import load_config, parse_set
     from pipeline.errors import ConfigError
     from pipeline.train.config import TrainConfig
@@ -64,7 +64,7 @@ def _train(args: argparse.Namespace) -> int | None:
                       stop_after=args.stop_after, idle_timeout_s=args.idle_timeout,
                       progress=False if args.no_progress else None,
                       on_version=None if args.json else lambda d: note(
-                          _text(d) + f"\n  {d['bytes_written'] / 1e6:.1f} MB written"
+                          result_text(d) + f"\n  {d['bytes_written'] / 1e6:.1f} MB written"
                           + (" (with the full DeepSpeed state)" if d["full_state"] else " (weights only)")))
         emit(fres.to_dict(), args, _follow_text)
         return EXIT_WORKER_EXIT if fres.worker_exit_codes and any(fres.worker_exit_codes) else None
@@ -77,7 +77,7 @@ def _train(args: argparse.Namespace) -> int | None:
     res = train_snapshot(lake, resolve_snapshot_id(lake, args.batch_snapshot), cfg, from_checkpoint=src,
                          resume=args.resume,
                          nproc=args.nproc, force=args.force, progress=False if args.no_progress else None)
-    emit(res.to_dict(), args, _text)
+    emit(res.to_dict(), args, result_text)
     if res.worker_exit_codes and any(res.worker_exit_codes):
         # the checkpoint was published and verified, but a process did not exit cleanly: say so, and let a
         # job runner see it (a rerun is a no-op: "already published")
@@ -90,7 +90,8 @@ def _train(args: argparse.Namespace) -> int | None:
 EXIT_WORKER_EXIT = 3   # published, but a training process did not exit cleanly (docs/reference/cli.md "Output and exit codes")
 
 
-def _text(r: dict) -> str:
+def result_text(r: dict) -> str:
+    """The text output of a one-snapshot training run."""
     if r["already_published"]:
         head = (f"already published: checkpoint {r['checkpoint_id']} (policy version {r['policy_version']}) by "
                 f"{r.get('published_by') or 'an earlier run'}")

@@ -42,6 +42,7 @@ value for all rows or a sequence of B values (e.g. ``task_id``,
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -106,6 +107,38 @@ def _segments(mask: np.ndarray, value: int) -> int:
 def from_dataproto(batch, *, run_id: str, policy_version: int, tokenizer_rev: str, prompt_template_rev: str,
                    env_version: str, verifier_version: str, **defaults: Any) -> pa.Table:
     """Rows of the ingest contract (schemas/trajectories.yaml) from a verl DataProto."""
+    b = _checked(batch)
+    now = datetime.now(timezone.utc)
+    cols = _columns(b, run_id=run_id, policy_version=policy_version)
+    fixed = {
+        "task_version": "unversioned", "run_id": run_id, "policy_version": policy_version,
+        "tokenizer_rev": tokenizer_rev, "prompt_template_rev": prompt_template_rev,
+        "harness_version": _harness_version(), "env_version": env_version, "verifier_version": verifier_version,
+        "temperature": 1.0, "top_p": 1.0, "sampling_seed": None, "status": "ACCEPTED", "difficulty": None,
+        "tool_schema_version": None, "env_state_hash": None,
+        "turn_rewards": None, "verifier_confidence": None, "verifier_evidence": None,
+        "created_at": now, "finished_at": now, "queue_wait_ms": 0,
+    }
+    return _table(cols, fixed, defaults, len(b.uids))
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Batch:
+    """A DataProto's tensors as numpy, checked: B samples of P prompt and R response positions."""
+
+    prompts: np.ndarray           # [B, P], left-padded
+    responses: np.ndarray         # [B, R], right-padded
+    rmask: np.ndarray             # response_mask [B, R], 0/1
+    amask: np.ndarray             # attention_mask [B, P + R], 0/1
+    logprobs: np.ndarray          # [B, R] float32
+    scores: np.ndarray | None     # [B, R] float64, or None (no reward)
+    nt: dict[str, Any]            # non_tensor_batch
+    uids: list[str]               # the GRPO group of each sample
+    extra_keys: list[str]         # reward components named by meta_info['reward_extra_keys']
+
+
+def _checked(batch) -> _Batch:
+    """The tensors from_dataproto reads, or a VerlBatchError naming the first thing missing or malformed."""
     td, nt = batch.batch, dict(batch.non_tensor_batch or {})
     keys = set(td.keys())
     for need in ("prompts", "responses", "response_mask", "attention_mask"):
@@ -146,12 +179,21 @@ def from_dataproto(batch, *, run_id: str, policy_version: int, tokenizer_rev: st
             raise VerlBatchError(f"sample {i}: uid is {u!r}; every sample needs the uid of its prompt (its group)",
                                  hint="verl's trainer sets non_tensor_batch['uid'] before repeating prompts n times")
         uids.append(str(u))
+    extra_keys = [k for k in (getattr(batch, "meta_info", None) or {}).get("reward_extra_keys", []) if k in nt]
+    return _Batch(prompts=prompts, responses=responses, rmask=rmask, amask=amask, logprobs=logprobs, scores=scores,
+                  nt=nt, uids=uids, extra_keys=extra_keys)
+
+
+def _columns(b: _Batch, *, run_id: str, policy_version: int) -> dict[str, list]:
+    """The per-sample columns, one value per sample."""
+    prompts, responses, rmask, amask = b.prompts, b.responses, b.rmask, b.amask
+    logprobs, scores, nt, uids, extra_keys = b.logprobs, b.scores, b.nt, b.uids, b.extra_keys
+    B, P = prompts.shape
+    R = responses.shape[1]
     counts: dict[str, int] = {}
     for u in uids:
         counts[u] = counts.get(u, 0) + 1
     seen: dict[str, int] = {}
-    extra_keys = [k for k in (getattr(batch, "meta_info", None) or {}).get("reward_extra_keys", []) if k in nt]
-    now = datetime.now(timezone.utc)
     cols: dict[str, list] = {c: [] for c in (
         "trajectory_id", "group_id", "group_size", "task_id", "prompt_ids", "response_ids", "response_logprobs",
         "loss_mask", "token_policy_versions", "reward", "reward_components", "num_turns", "num_tool_calls",
@@ -189,15 +231,11 @@ def from_dataproto(batch, *, run_id: str, policy_version: int, tokenizer_rev: st
         cols["num_tool_calls"].append(_segments(mask, 0))
         cols["stop_reason"].append("max_length" if r_len == R else "eos")
         cols["verdict"].append("UNKNOWN" if reward is None else "PASS" if reward > 0 else "FAIL")
-    fixed = {
-        "task_version": "unversioned", "run_id": run_id, "policy_version": policy_version,
-        "tokenizer_rev": tokenizer_rev, "prompt_template_rev": prompt_template_rev,
-        "harness_version": _harness_version(), "env_version": env_version, "verifier_version": verifier_version,
-        "temperature": 1.0, "top_p": 1.0, "sampling_seed": None, "status": "ACCEPTED", "difficulty": None,
-        "tool_schema_version": None, "env_state_hash": None,
-        "turn_rewards": None, "verifier_confidence": None, "verifier_evidence": None,
-        "created_at": now, "finished_at": now, "queue_wait_ms": 0,
-    }
+    return cols
+
+
+def _table(cols: dict[str, list], fixed: dict[str, Any], defaults: dict[str, Any], B: int) -> pa.Table:
+    """The contract's ingest columns: ``defaults`` (a value or one per sample) over ``cols`` over ``fixed``."""
     spec = table_spec("trajectories")
     unknown = set(defaults) - {c.name for c in spec.ingest_columns}
     if unknown:

@@ -1,6 +1,6 @@
 """Row failures and the array primitives every row check shares (pure numpy/Arrow).
 
-``_Failures`` collects every problem of every row of one input (``Reject`` per
+``Failures`` collects every problem of every row of one input (``Reject`` per
 bad row, problems of the whole input once); the helpers turn Arrow arrays and
 list columns into numpy masks. validate.py (types, columns) and invariants.py
 (the cross-column rules of schemas/*.yaml) both report through them.
@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Reject:
     row: int
     code: str                        # the first problem's code
@@ -25,7 +25,7 @@ class Reject:
     problems: tuple[tuple[str, str], ...] = ()  # every (code, message) of the row
 
 
-class _Failures:
+class Failures:
     """Every problem of every row. ``column`` names the cell a problem makes
     unusable: later checks of that cell (and invariants that read it) skip the
     row rather than report a consequence of the same problem."""
@@ -73,20 +73,21 @@ class _Failures:
             msg = probs[0][1] + "".join(f"; also: {m}" for _, m in probs[1:])
             if len(probs) > 1:
                 msg = f"{len(probs)} problems: {msg}"
-            out.append(Reject(i, probs[0][0], msg, problems=tuple(probs)))
+            out.append(Reject(row=i, code=probs[0][0], message=msg, problems=tuple(probs)))
         return out
 
 
-def _np(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
+def as_numpy(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """The values of ``arr`` as numpy (a copy where Arrow cannot share them)."""
     return arr.to_numpy(zero_copy_only=False)
 
 
-def _mask(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
+def bool_mask(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """Boolean Arrow array -> numpy bool with nulls as False."""
-    return np.asarray(_np(pc.fill_null(arr, False)), dtype=bool)
+    return np.asarray(as_numpy(pc.fill_null(arr, False)), dtype=bool)
 
 
-def _rows_with(values_mask: np.ndarray, parents: np.ndarray, n: int) -> np.ndarray:
+def rows_with(values_mask: np.ndarray, parents: np.ndarray, n: int) -> np.ndarray:
     """Per-row any() of an element-level mask of a flattened list column."""
     out = np.zeros(n, dtype=bool)
     if values_mask.size:
@@ -94,13 +95,13 @@ def _rows_with(values_mask: np.ndarray, parents: np.ndarray, n: int) -> np.ndarr
     return out
 
 
-def _parents(arr: pa.Array) -> np.ndarray:
+def list_parents(arr: pa.Array) -> np.ndarray:
     """Row index of every element of the flattened list column."""
-    lengths = _np(pc.list_value_length(arr).fill_null(0)).astype(np.int64)
+    lengths = as_numpy(pc.list_value_length(arr).fill_null(0)).astype(np.int64)
     return np.repeat(np.arange(len(arr), dtype=np.int64), lengths)
 
 
-def _flat(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+def flat_list(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """(values, offsets[n+1]) of a list column as numpy, zero-copy where possible;
     offsets index into values. Null rows have equal consecutive offsets."""
     if isinstance(arr, pa.ChunkedArray):
@@ -110,7 +111,7 @@ def _flat(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return vals, offs
 
 
-def _per_row_any(flags: np.ndarray, offs: np.ndarray) -> np.ndarray:
+def per_row_any(flags: np.ndarray, offs: np.ndarray) -> np.ndarray:
     """Per-row any() of an element-level boolean array (one pass, no big temporaries)."""
     starts, lengths = offs[:-1], offs[1:] - offs[:-1]
     out = np.zeros(len(starts), bool)

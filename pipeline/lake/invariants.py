@@ -10,18 +10,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.lake.failures import _Failures, _flat, _mask, _np, _per_row_any
+from pipeline.lake.failures import Failures, as_numpy, bool_mask, flat_list, per_row_any
 from pipeline.schema import Invariant
 
 
-def _inv_same_length(t: pa.Table, inv: Invariant, fails: _Failures) -> None:
+def _inv_same_length(t: pa.Table, inv: Invariant, fails: Failures) -> None:
     cols = inv.params["columns"]
     first = cols[0]
-    base = _np(pc.list_value_length(t.column(first)).fill_null(-1))
+    base = as_numpy(pc.list_value_length(t.column(first)).fill_null(-1))
     for other in cols[1:]:
         lens = pc.list_value_length(t.column(other))
-        present = _mask(pc.is_valid(lens))
-        lens = _np(lens.fill_null(-1))
+        present = bool_mask(pc.is_valid(lens))
+        lens = as_numpy(lens.fill_null(-1))
         bad = present & (base >= 0) & (lens != base)
 
         def message(i: int, o: str = other, L: np.ndarray = lens) -> str:
@@ -30,48 +30,48 @@ def _inv_same_length(t: pa.Table, inv: Invariant, fails: _Failures) -> None:
         fails.add(bad, "length_mismatch", message, depends=(first, other))
 
 
-def _inv_not_before(t: pa.Table, inv: Invariant, fails: _Failures) -> None:
+def _inv_not_before(t: pa.Table, inv: Invariant, fails: Failures) -> None:
     a, b = inv.params["column"], inv.params["other"]
-    bad = _mask(pc.less(t.column(a), t.column(b)))
+    bad = bool_mask(pc.less(t.column(a), t.column(b)))
     fails.add(bad, "time_order", lambda i: f"{a} ({t.column(a)[i].as_py()}) is before {b} "
               f"({t.column(b)[i].as_py()})", depends=(a, b))
 
 
-def _inv_any_equal(t: pa.Table, inv: Invariant, fails: _Failures) -> None:
+def _inv_any_equal(t: pa.Table, inv: Invariant, fails: Failures) -> None:
     col = t.column(inv.params["column"]).combine_chunks()
-    values, offs = _flat(col)
-    hits = _per_row_any(values == inv.params["value"], offs)
+    values, offs = flat_list(col)
+    hits = per_row_any(values == inv.params["value"], offs)
     lengths = offs[1:] - offs[:-1]
     fails.add(~hits & (lengths > 0), "no_policy_tokens",
               f"{inv.params['column']} has no {inv.params['value']}: the trajectory has no policy-sampled "
               f"token to learn from", depends=(inv.params["column"],))
 
 
-def _pair(t: pa.Table, a: str, b: str, fails: _Failures,
+def _pair(t: pa.Table, a: str, b: str, fails: Failures,
           check: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
     """Run element-wise ``check(va, vb) -> bad flags`` over rows where list
     columns a and b are both present and equally long; flag rows with any bad."""
-    va, oa = _flat(t.column(a))
-    vb, ob = _flat(t.column(b))
+    va, oa = flat_list(t.column(a))
+    vb, ob = flat_list(t.column(b))
     la, lb = oa[1:] - oa[:-1], ob[1:] - ob[:-1]
-    present = _mask(pc.is_valid(t.column(a))) & _mask(pc.is_valid(t.column(b)))
+    present = bool_mask(pc.is_valid(t.column(a))) & bool_mask(pc.is_valid(t.column(b)))
     rows = present & (la == lb) & ~fails.broken_rows(a, b)
     if not rows.any():
         return rows
     if rows.all() and len(oa) == len(ob) and np.array_equal(oa - oa[0], ob - ob[0]):
-        bad = _per_row_any(check(va[oa[0]:oa[-1]], vb[ob[0]:ob[-1]]), oa - oa[0])  # same layout: no gather
+        bad = per_row_any(check(va[oa[0]:oa[-1]], vb[ob[0]:ob[-1]]), oa - oa[0])  # same layout: no gather
     else:  # different layouts (nulls, slices): gather the rows' elements
         idx = np.flatnonzero(rows)
         ga = np.concatenate([np.arange(oa[i], oa[i + 1]) for i in idx]) if len(idx) else np.zeros(0, np.int64)
         gb = np.concatenate([np.arange(ob[i], ob[i + 1]) for i in idx]) if len(idx) else np.zeros(0, np.int64)
         sub_offs = np.concatenate(([0], np.cumsum(la[idx])))
-        bad_sub = _per_row_any(check(va[ga], vb[gb]), sub_offs)
+        bad_sub = per_row_any(check(va[ga], vb[gb]), sub_offs)
         bad = np.zeros(t.num_rows, bool)
         bad[idx] = bad_sub
     return bad & rows
 
 
-def _inv_zero_where(t: pa.Table, inv: Invariant, fails: _Failures) -> None:
+def _inv_zero_where(t: pa.Table, inv: Invariant, fails: Failures) -> None:
     col, mask = inv.params["column"], inv.params["mask"]
     bad = _pair(t, col, mask, fails, lambda v, m: (m == 0) & (v != 0))
     fails.add(bad, "nonzero_masked_logprob",
@@ -79,7 +79,7 @@ def _inv_zero_where(t: pa.Table, inv: Invariant, fails: _Failures) -> None:
               f"write 0 there", depends=(col, mask))
 
 
-def _inv_value_where(t: pa.Table, inv: Invariant, fails: _Failures) -> None:
+def _inv_value_where(t: pa.Table, inv: Invariant, fails: Failures) -> None:
     col, mask, value = inv.params["column"], inv.params["mask"], inv.params["value"]
     bad = _pair(t, col, mask, fails, lambda v, m: ((m == 0) & (v != value)) | ((m == 1) & (v < 0)))
     fails.add(bad, "bad_token_versions",
@@ -87,12 +87,12 @@ def _inv_value_where(t: pa.Table, inv: Invariant, fails: _Failures) -> None:
               f"sampled tokens", depends=(col, mask))
 
 
-def _inv_present_where(t: pa.Table, inv: Invariant, fails: _Failures) -> None:
+def _inv_present_where(t: pa.Table, inv: Invariant, fails: Failures) -> None:
     """``column`` holds a value on every row whose ``where`` column is one of ``values``
     (a judged verdict has a reward: NaN, which pandas writes as a missing value, is not one)."""
     col, where, values = inv.params["column"], inv.params["where"], list(inv.params["values"])
-    judged = _mask(pc.is_in(t.column(where), value_set=pa.array(values, t.column(where).type)))
-    bad = judged & _mask(pc.is_null(t.column(col), nan_is_null=True))
+    judged = bool_mask(pc.is_in(t.column(where), value_set=pa.array(values, t.column(where).type)))
+    bad = judged & bool_mask(pc.is_null(t.column(col), nan_is_null=True))
     fails.add(bad, code=f"{col}_missing",
               message=lambda i: f"{col} is null or NaN on a row whose {where} is {t.column(where)[i].as_py()}: "
                                 f"a judged trajectory carries its {col}; write it, or set {where} UNKNOWN (with "
@@ -100,7 +100,7 @@ def _inv_present_where(t: pa.Table, inv: Invariant, fails: _Failures) -> None:
               depends=(col, where))
 
 
-INVARIANTS: dict[str, Callable[[pa.Table, Invariant, _Failures], None]] = {
+INVARIANTS: dict[str, Callable[[pa.Table, Invariant, Failures], None]] = {
     "present_where": _inv_present_where,
     "same_length": _inv_same_length,
     "not_before": _inv_not_before,

@@ -201,7 +201,7 @@ def parse_jsonl(data: bytes, path: Path | str, table: str = "trajectories") -> t
             problems.insert(0, (code, unknown_columns_message(extra, table) if code == "unknown_column"
                                 else f"column(s) {extra} are computed by the lake; drop them"))
         if problems:
-            rejects.append(Reject(i, problems[0][0], problems[0][1], columns=tuple(broken),
+            rejects.append(Reject(row=i, code=problems[0][0], message=problems[0][1], columns=tuple(broken),
                                   problems=tuple(problems)))
     arrays = {}
     for c in cols:

@@ -108,7 +108,7 @@ def default_owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Lease:
     """A held lease (generation ``generation`` of ``name``)."""
 
@@ -261,7 +261,8 @@ def try_acquire(lake: Lake | str | os.PathLike[str], name: str, *, owner: str | 
             if legacy is not None:
                 return None, legacy
             nxt = 1
-        lease = Lease(lake, name, owner, ttl, nxt, time.time() + ttl, token, dict(info or {}))
+        lease = Lease(lake=lake, name=name, owner=owner, ttl=ttl, generation=nxt, expires=time.time() + ttl,
+                      token=token, info=dict(info or {}))
         if not objects.put_if_absent(lake, _rel(name, nxt), lease._body(nxt)):
             mine = _read(lake, name, nxt)
             if not mine or mine.get("token") != token:

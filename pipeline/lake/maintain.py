@@ -126,12 +126,12 @@ def remove_snapshot_temps(lake: Lake, *, min_age_s: float, dry_run: bool = False
         entries = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True, recursive=False))
     except (FileNotFoundError, OSError):
         return []
-    from pipeline.lake.delta.compact import FUTURE_SKEW_S, _FirstSeen
+    from pipeline.lake.delta.compact import FUTURE_SKEW_S, FirstSeen
 
     declared = staging.declared(lake)   # after the listing (docs/write-protocol.md, "Cleanup")
     now = time.time()
     cutoff = now - min_age_s
-    seen = _FirstSeen(lake, "_snapshots", now, dry_run=dry_run)
+    seen = FirstSeen(lake, "_snapshots", now, dry_run=dry_run)
     out = []
     for info in entries:
         name = info.path.rsplit("/", 1)[-1]
@@ -167,10 +167,11 @@ def compaction_plan(lake: Lake, name: str) -> tuple[int, int]:
 
     import pyarrow as pa
 
-    from pipeline.lake.delta import Lake, _compaction_plan
+    from pipeline.lake.delta import Lake
+    from pipeline.lake.delta.compact import plan_compaction
 
     target = inspect.signature(Lake.compact).parameters["target_bytes"].default
     adds = pa.table(lake.table(name).get_add_actions(flatten=True))
-    plan = _compaction_plan(adds, target)
+    plan = plan_compaction(adds, target)
     rewrite = sum(len(b) for b in plan)
     return rewrite, adds.num_rows - rewrite + len(plan)

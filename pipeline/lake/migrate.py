@@ -110,7 +110,7 @@ def _file_current(lake: Lake, name: str, path: str, columns: tuple[str, ...]) ->
     import pyarrow.parquet as pq
 
     fs, _ = lake.filesystem()
-    base = lake.table_uri(name) if lake.is_local else lake.table_uri(name).split("://", 1)[1]
+    base = lake.table_path(name)
     md = pq.ParquetFile(fs.open_input_file(f"{base}/{path}")).metadata
     names = md.schema.to_arrow_schema().names
     for c in columns:

@@ -19,32 +19,39 @@ The only module importing boto3 (deltalake does not expose its object store).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import os
 import threading
 import uuid
 from pathlib import Path
+from typing import Protocol
 
 from pipeline.errors import ConfigError, PipelineError
-
-if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
-    from pipeline.lake.delta import Lake
+from pipeline.lake.uri import split_uri
 
 
-def _local_path(lake: Lake, rel: str) -> Path:
+class ObjectRoot(Protocol):
+    """What these primitives need of a lake: its root URI, whether it is a local
+    path, and its object-store options. A :class:`~pipeline.lake.delta.Lake` is
+    one; this module imports nothing of the table store."""
+
+    uri: str
+    is_local: bool
+    storage_options: dict[str, str] | None
+
+
+def _local_path(lake: ObjectRoot, rel: str) -> Path:
     return Path(lake.uri) / rel
 
 
-def _require_supported(lake: Lake) -> None:
+def _require_supported(lake: ObjectRoot) -> None:
     if not lake.is_local and not lake.uri.startswith("s3://"):
-        scheme = lake.uri.split("://", 1)[0]
+        scheme = split_uri(lake.uri)[0]
         raise ConfigError(f"conditional writes (job leases, snapshot publication) are implemented for local and "
                           f"s3:// lakes, not {scheme}://", hint="use an S3-compatible endpoint for the lake")
 
 
-def s3_bucket_key(lake: Lake, rel: str) -> tuple[str, str]:
-    rest = lake.uri.split("://", 1)[1]
+def s3_bucket_key(lake: ObjectRoot, rel: str) -> tuple[str, str]:
+    rest = split_uri(lake.uri)[1]
     bucket, _, prefix = rest.partition("/")
     return bucket, f"{prefix.strip('/')}/{rel}".lstrip("/")
 
@@ -53,7 +60,7 @@ _CLIENTS: dict[tuple, object] = {}
 _CLIENTS_LOCK = threading.Lock()  # boto3's default session is not thread-safe (jobs schedule runs threads)
 
 
-def s3_client(lake: Lake):
+def s3_client(lake: ObjectRoot):
     """A boto3 S3 client built from the lake's storage options (cached per process)."""
     try:
         import boto3
@@ -90,7 +97,7 @@ def _is_missing(exc: Exception) -> bool:
     return code in ("NoSuchKey", "404", "NotFound")
 
 
-def put_if_absent(lake: Lake, rel: str, data: bytes) -> bool:
+def put_if_absent(lake: ObjectRoot, rel: str, data: bytes) -> bool:
     """Create ``rel`` with ``data`` unless it exists. True when this call created it.
 
     A retried request whose first attempt did land is refused by the store
@@ -122,7 +129,7 @@ def put_if_absent(lake: Lake, rel: str, data: bytes) -> bool:
         raise
 
 
-def get(lake: Lake, rel: str) -> bytes | None:
+def get(lake: ObjectRoot, rel: str) -> bytes | None:
     """The object's bytes, or None when it does not exist."""
     _require_supported(lake)
     if lake.is_local:
@@ -139,7 +146,7 @@ def get(lake: Lake, rel: str) -> bytes | None:
         raise
 
 
-def list_names(lake: Lake, rel_dir: str, *, prefix: str = "") -> list[str]:
+def list_names(lake: ObjectRoot, rel_dir: str, *, prefix: str = "") -> list[str]:
     """Names of the objects directly under ``rel_dir`` (no sub-directories), only
     those starting with ``prefix`` when given (on S3 the store filters them)."""
     _require_supported(lake)
@@ -157,7 +164,7 @@ def list_names(lake: Lake, rel_dir: str, *, prefix: str = "") -> list[str]:
     return out
 
 
-def delete(lake: Lake, rel: str) -> None:
+def delete(lake: ObjectRoot, rel: str) -> None:
     """Remove ``rel``; a missing object is fine."""
     _require_supported(lake)
     if lake.is_local:

@@ -23,13 +23,19 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pipeline.lake import objects
 from pipeline.lake.liveness import holder_is_dead, identity
 
-if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
-    from pipeline.lake.delta import Lake
+
+class StagingRoot(objects.ObjectRoot, Protocol):
+    """What the registry needs of a lake: the object primitives' root and the
+    lake's plain file system (``(pyarrow FileSystem, root path)``). A
+    :class:`~pipeline.lake.delta.Lake` is one; this module imports nothing of
+    the table store."""
+
+    def filesystem(self) -> Any: ...
 
 STAGING_DIR = "_staging"
 # A writer holds a record for as long as it writes and commits; no writer stays
@@ -37,7 +43,7 @@ STAGING_DIR = "_staging"
 INTENT_MAX_AGE_S = 24 * 3600
 
 
-def declare(lake: Lake, paths: list[str], *, rid: str | None = None) -> str:
+def declare(lake: StagingRoot, paths: list[str], *, rid: str | None = None) -> str:
     """Create intent record ``rid`` (a fresh id when None) naming ``paths``;
     returns its id (for :func:`release`)."""
     if not lake.is_local and not lake.uri.startswith("s3://"):
@@ -49,7 +55,7 @@ def declare(lake: Lake, paths: list[str], *, rid: str | None = None) -> str:
     return rid
 
 
-def release(lake: Lake, rid: str | None) -> None:
+def release(lake: StagingRoot, rid: str | None) -> None:
     """Remove intent record ``rid`` (its files are committed or given up). Best effort:
     a record left behind only delays cleanup until it expires."""
     if not rid:
@@ -72,7 +78,7 @@ class Declared:
         return rel in self.paths or any(rel.startswith(p) for p in self.prefixes)
 
 
-def _record_age_s(body: dict[str, Any], mtime: float | None, now: float) -> float:
+def record_age_s(body: dict[str, Any], mtime: float | None, now: float) -> float:
     """The younger of the two ages (writer's clock, store's clock): skew in one
     of them alone never makes a record look old."""
     ages = [now - float(body["created"])] if isinstance(body.get("created"), (int, float)) else []
@@ -81,7 +87,7 @@ def _record_age_s(body: dict[str, Any], mtime: float | None, now: float) -> floa
     return min(ages) if ages else 0.0
 
 
-def declared(lake: Lake, *, remove_expired: bool = False) -> Declared:
+def declared(lake: StagingRoot, *, remove_expired: bool = False) -> Declared:
     """Every path declared by a live intent record. Records of provably dead
     writers and expired ones do not count (and are deleted when ``remove_expired``)."""
     import pyarrow.fs as pafs
@@ -105,7 +111,7 @@ def declared(lake: Lake, *, remove_expired: bool = False) -> Declared:
         except (ValueError, KeyError, TypeError):
             body, listed = {}, []   # damaged: it protects nothing, and goes once old
         mtime = info.mtime.timestamp() if info.mtime is not None else None
-        if not body or holder_is_dead(body) or _record_age_s(body, mtime, now) > INTENT_MAX_AGE_S:
+        if not body or holder_is_dead(body) or record_age_s(body, mtime, now) > INTENT_MAX_AGE_S:
             if remove_expired:
                 release(lake, info.base_name[:-len(".json")])
             continue

@@ -31,11 +31,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.lake.contenthash import content_hashes
-from pipeline.lake.failures import Reject, _Failures, _flat, _mask, _np, _parents, _per_row_any, _rows_with
+from pipeline.lake.failures import Failures, Reject, as_numpy, bool_mask, flat_list, list_parents, per_row_any, rows_with
 from pipeline.lake.invariants import INVARIANTS
 from pipeline.schema import ColumnSpec, table_spec
 
-@dataclass
+@dataclass(kw_only=True)
 class Validated:
     valid: pa.Table                 # ingest schema (content_hash filled), valid rows only
     valid_rows: np.ndarray          # their indices in the input
@@ -56,16 +56,16 @@ def _int_out_of_range(arr: pa.Array, target: pa.DataType) -> np.ndarray:
     slo, shi = np.iinfo(src.to_pandas_dtype()).min, np.iinfo(src.to_pandas_dtype()).max
     bad = np.zeros(len(arr), bool)
     if shi > hi:
-        bad |= _mask(pc.greater(arr, pa.scalar(hi, src)))
+        bad |= bool_mask(pc.greater(arr, pa.scalar(hi, src)))
     if slo < lo:
-        bad |= _mask(pc.less(arr, pa.scalar(lo, src)))
+        bad |= bool_mask(pc.less(arr, pa.scalar(lo, src)))
     return bad
 
 
 def _narrowing_inexact(values: pa.Array, target: pa.DataType) -> np.ndarray:
     """Per element: narrowing the float to ``target`` would change it (NaN is
     left to the finite checks)."""
-    v = np.asarray(_np(values.cast(pa.float64()).fill_null(0.0)), dtype=np.float64)
+    v = np.asarray(as_numpy(values.cast(pa.float64()).fill_null(0.0)), dtype=np.float64)
     back = v.astype(target.to_pandas_dtype()).astype(np.float64)
     with np.errstate(invalid="ignore"):
         return (back != v) & ~np.isnan(v)
@@ -75,11 +75,11 @@ def _null_where(arr: pa.Array, bad: np.ndarray) -> pa.Array:
     return pc.if_else(pa.array(bad), pa.nulls(len(arr), arr.type), arr) if bad.any() else arr
 
 
-def _float_to_int(arr: pa.Array, target: pa.DataType, name: str, fails: _Failures) -> pa.Array:
+def _float_to_int(arr: pa.Array, target: pa.DataType, name: str, fails: Failures) -> pa.Array:
     """Integral floats (pandas turns an int column with a missing value into
     float64 with NaN, written as null) -> ints, exactly; anything else rejected."""
     v = arr.cast(pa.float64())
-    vals = np.asarray(_np(v.fill_null(0.0)), dtype=np.float64)
+    vals = np.asarray(as_numpy(v.fill_null(0.0)), dtype=np.float64)
     info = np.iinfo(target.to_pandas_dtype())
     with np.errstate(invalid="ignore"):
         bad = ~np.isfinite(vals) | (np.floor(vals) != vals) | (np.abs(vals) > 2.0**53) \
@@ -88,13 +88,13 @@ def _float_to_int(arr: pa.Array, target: pa.DataType, name: str, fails: _Failure
               f"({target}); write integers (pandas: use the nullable 'Int64' dtype for columns with missing values)",
               column=name)
     vals = np.where(bad, 0, vals)
-    return pa.array(vals.astype(np.int64), mask=~_mask(v.is_valid()) | bad).cast(target)
+    return pa.array(vals.astype(np.int64), mask=~bool_mask(v.is_valid()) | bad).cast(target)
 
 
 _TS_PER_US = {"s": 10**6, "ms": 10**3, "us": 1}
 
 
-def _timestamp(arr: pa.Array, spec: ColumnSpec, fails: _Failures) -> pa.Array | None:
+def _timestamp(arr: pa.Array, spec: ColumnSpec, fails: Failures) -> pa.Array | None:
     src = arr.type
     name = spec.name
     if src.tz is None:
@@ -103,8 +103,8 @@ def _timestamp(arr: pa.Array, spec: ColumnSpec, fails: _Failures) -> pa.Array | 
                   f"(timestamp[us, tz=UTC]; pandas: tz_localize('UTC')) so instants are unambiguous", column=name)
         return None
     as_int = arr.cast(pa.timestamp(src.unit, tz="UTC")).cast(pa.int64())
-    vals = np.asarray(_np(as_int.fill_null(0)), dtype=np.int64)
-    valid = ~_mask(as_int.is_null())
+    vals = np.asarray(as_numpy(as_int.fill_null(0)), dtype=np.int64)
+    valid = ~bool_mask(as_int.is_null())
     if src.unit == "ns":
         lossy = vals % 1000 != 0
         fails.add(lossy, "out_of_range", f"{name} has sub-microsecond precision; round it to µs", column=name)
@@ -119,7 +119,7 @@ def _timestamp(arr: pa.Array, spec: ColumnSpec, fails: _Failures) -> pa.Array | 
     return pa.array(us, mask=~valid | lossy).cast(pa.timestamp("us", tz="UTC"))
 
 
-def _struct_to_map(arr: pa.Array, spec: ColumnSpec, fails: _Failures) -> pa.Array | None:
+def _struct_to_map(arr: pa.Array, spec: ColumnSpec, fails: Failures) -> pa.Array | None:
     """struct<k1: number, k2: number, ...> (how pyarrow writes a column of Python
     dicts) -> map<string,float64>; null fields are absent keys."""
     t = spec.arrow_type
@@ -144,7 +144,7 @@ def _struct_to_map(arr: pa.Array, spec: ColumnSpec, fails: _Failures) -> pa.Arra
     return pa.array(out, t)
 
 
-def _normalize(arr: pa.Array, spec: ColumnSpec, fails: _Failures) -> pa.Array | None:
+def _normalize(arr: pa.Array, spec: ColumnSpec, fails: Failures) -> pa.Array | None:
     """Convert ``arr`` exactly to ``spec``'s type, rejecting rows that cannot be.
     Returns None when the whole column has the wrong type (every row rejected)."""
     target = spec.arrow_type
@@ -179,7 +179,7 @@ def _normalize(arr: pa.Array, spec: ColumnSpec, fails: _Failures) -> pa.Array | 
             return _null_where(arr, bad).cast(target, safe=False)
         if pa.types.is_integer(src) and target.bit_width == 64:
             big = _int_out_of_range(arr, pa.int64())
-            big |= _mask(pc.greater(pc.abs(_null_where(arr, big).cast(pa.int64())), 2**53))
+            big |= bool_mask(pc.greater(pc.abs(_null_where(arr, big).cast(pa.int64())), 2**53))
             fails.add(big, "out_of_range", lambda i: f"{name}={arr[i].as_py()} is not exact as float64",
                       column=name)
             return _null_where(arr, big).cast(target, safe=False)
@@ -199,7 +199,7 @@ def _normalize(arr: pa.Array, spec: ColumnSpec, fails: _Failures) -> pa.Array | 
             if ok:
                 if pa.types.is_floating(vt) and svt.bit_width > vt.bit_width:
                     inexact = _narrowing_inexact(pc.list_flatten(arr), vt)
-                    bad = _rows_with(inexact, _parents(arr), len(arr))
+                    bad = rows_with(inexact, list_parents(arr), len(arr))
                     fails.add(bad, "wrong_type", f"{name} has {svt} elements that are not exactly representable "
                               f"as {vt}; the contract says {spec.type_text}: cast explicitly before ingest if the "
                               f"narrowing is intended", column=name)
@@ -207,7 +207,7 @@ def _normalize(arr: pa.Array, spec: ColumnSpec, fails: _Failures) -> pa.Array | 
                 if pa.types.is_integer(vt) and svt != vt:
                     values = pc.list_flatten(arr)
                     bad_vals = _int_out_of_range(values, vt)
-                    bad = _rows_with(bad_vals, _parents(arr), len(arr))
+                    bad = rows_with(bad_vals, list_parents(arr), len(arr))
                     fails.add(bad, "out_of_range", f"{name} has elements that do not fit {vt}", column=name)
                     arr = _null_where(arr, bad)
                 return arr.cast(target, safe=False)
@@ -228,7 +228,7 @@ def _normalize(arr: pa.Array, spec: ColumnSpec, fails: _Failures) -> pa.Array | 
     return None
 
 
-def _parse_timestamps(arr: pa.Array, spec: ColumnSpec, fails: _Failures) -> pa.Array:
+def _parse_timestamps(arr: pa.Array, spec: ColumnSpec, fails: Failures) -> pa.Array:
     """ISO-8601 strings (JSON) -> timestamp[us, UTC]; naive strings rejected per row."""
     from datetime import datetime, timezone
 
@@ -264,55 +264,55 @@ _NULL_ELEMENT_HINT = {
 }
 
 
-def _check_column(arr: pa.Array, spec: ColumnSpec, fails: _Failures) -> None:
+def _check_column(arr: pa.Array, spec: ColumnSpec, fails: Failures) -> None:
     n = len(arr)
     name = spec.name
     if spec.required:
-        fails.add(_mask(arr.is_null()), "null_required",
+        fails.add(bool_mask(arr.is_null()), "null_required",
                   f"{name} is null but required; every row must carry it", column=name)
     t = spec.arrow_type
     if spec.enum:
-        bad = _mask(pc.invert(pc.is_in(arr, value_set=pa.array(list(spec.enum))))) & ~_mask(arr.is_null())
+        bad = bool_mask(pc.invert(pc.is_in(arr, value_set=pa.array(list(spec.enum))))) & ~bool_mask(arr.is_null())
         choices = ", ".join(spec.enum)
         fails.add(bad, "bad_enum", lambda i: f"{name}={arr[i].as_py()!r} is not one of {choices}",
                   column=name)
     if pa.types.is_floating(t) and spec.finite:
-        bad = _mask(pc.invert(pc.is_finite(arr)))
+        bad = bool_mask(pc.invert(pc.is_finite(arr)))
         fails.add(bad, "not_finite", lambda i: f"{name}={arr[i].as_py()} is not finite; use null for "
                   f"'no valid evaluation'" if name == "reward" else f"{name}={arr[i].as_py()} is not finite",
                   column=name)
     if (pa.types.is_integer(t) or pa.types.is_floating(t)) and (spec.min is not None or spec.max is not None):
         bad = np.zeros(n, bool)
         if spec.min is not None:
-            bad |= _mask(pc.less(arr, spec.min))
+            bad |= bool_mask(pc.less(arr, spec.min))
         if spec.max is not None:
-            bad |= _mask(pc.greater(arr, spec.max))
+            bad |= bool_mask(pc.greater(arr, spec.max))
         rng = f"[{spec.min if spec.min is not None else '-inf'}, {spec.max if spec.max is not None else 'inf'}]"
         fails.add(bad, "out_of_range", lambda i: f"{name}={arr[i].as_py()} is outside {rng}", column=name)
     if pa.types.is_list(t):
-        lengths = _np(pc.list_value_length(arr).fill_null(-1))
+        lengths = as_numpy(pc.list_value_length(arr).fill_null(-1))
         if spec.non_empty:
             fails.add(lengths == 0, "empty_list", f"{name} is empty; it needs at least one token", column=name)
         if arr.values.null_count:  # a null element has no meaning (and no hash): every list column
-            flat_null = _mask(pc.list_flatten(arr).is_null())
-            parents = _parents(arr)
+            flat_null = bool_mask(pc.list_flatten(arr).is_null())
+            parents = list_parents(arr)
             starts = np.concatenate(([0], np.cumsum(np.maximum(lengths, 0))))[:-1]
             first_null = {}
             for e in np.flatnonzero(flat_null)[::-1]:
                 first_null[int(parents[e])] = int(e - starts[parents[e]])
             hint = _NULL_ELEMENT_HINT.get(name, "lists hold no nulls")
-            fails.add(_rows_with(flat_null, parents, n), "null_element",
+            fails.add(rows_with(flat_null, parents, n), "null_element",
                       lambda i: f"{name}[{first_null[i]}] is null; {hint}", column=name)
         if (spec.min is not None or spec.max is not None) and (
                 pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type)):
-            values, offs = _flat(arr)     # a list column's range applies to every element (token ids >= 0)
+            values, offs = flat_list(arr)     # a list column's range applies to every element (token ids >= 0)
             bad_v = np.zeros(len(values), bool)
             if spec.min is not None:
                 bad_v |= values < spec.min
             if spec.max is not None:
                 bad_v |= values > spec.max
             if bad_v.any():
-                rows = _per_row_any(bad_v, offs)
+                rows = per_row_any(bad_v, offs)
                 first_bad = {int(r): int(np.flatnonzero(bad_v[offs[r]:offs[r + 1]])[0]) for r in np.flatnonzero(rows)}
                 lo = spec.min if spec.min is not None else "-inf"
                 hi = spec.max if spec.max is not None else "inf"
@@ -322,23 +322,23 @@ def _check_column(arr: pa.Array, spec: ColumnSpec, fails: _Failures) -> None:
                              "(e.g. -100) must be removed before ingest" if name.endswith("_ids") else ""),
                           column=name)
         if spec.enum_values or (spec.finite and pa.types.is_floating(t.value_type)):
-            values, offs = _flat(arr)
+            values, offs = flat_list(arr)
             if spec.enum_values:
                 bad_v = np.ones(len(values), bool)
                 for allowed in spec.enum_values:  # a few passes beat np.isin's sort on 1e7 elements
                     bad_v &= values != allowed
-                fails.add(_per_row_any(bad_v, offs), "bad_enum",
+                fails.add(per_row_any(bad_v, offs), "bad_enum",
                           f"{name} holds values other than {', '.join(map(str, spec.enum_values))}", column=name)
             if spec.finite and pa.types.is_floating(t.value_type):
-                fails.add(_per_row_any(~np.isfinite(values), offs), "not_finite",
+                fails.add(per_row_any(~np.isfinite(values), offs), "not_finite",
                           f"{name} holds NaN or ±inf elements", column=name)
     if pa.types.is_map(t):
         offs = arr.offsets.to_numpy().astype(np.int64)
         vals = arr.items.slice(int(offs[0]), int(offs[-1] - offs[0]))
         if len(vals):
             parents = np.repeat(np.arange(n), np.diff(offs))
-            bad_v = _mask(pc.invert(pc.is_finite(vals))) | _mask(vals.is_null())
-            fails.add(_rows_with(bad_v, parents, n), "not_finite", f"{name} holds NaN, ±inf or null values",
+            bad_v = bool_mask(pc.invert(pc.is_finite(vals))) | bool_mask(vals.is_null())
+            fails.add(rows_with(bad_v, parents, n), "not_finite", f"{name} holds NaN, ±inf or null values",
                       column=name)
             keys = arr.keys.slice(int(offs[0]), int(offs[-1] - offs[0])).dictionary_encode()
             codes = keys.indices.to_numpy(zero_copy_only=False).astype(np.int64)
@@ -355,7 +355,7 @@ def _check_column(arr: pa.Array, spec: ColumnSpec, fails: _Failures) -> None:
 
 
 # -- entry points -----------------------------------------------------------------------
-def _utf8_problems(raw: pa.Table, idx: int, fails: _Failures, name: str) -> pa.Array:
+def _utf8_problems(raw: pa.Table, idx: int, fails: Failures, name: str) -> pa.Array:
     """String cells (and map keys) that are not valid UTF-8 (Parquet and Arrow IPC
     readers do not check): reject the row, null the cell. Returns the column."""
     col = raw.column(idx).combine_chunks()
@@ -453,7 +453,7 @@ def validate_table(raw: pa.Table, *, table: str = "trajectories",
     reject's ``columns`` name the cells it makes unusable ("*": the row)."""
     spec = table_spec(table)
     n = raw.num_rows
-    fails = _Failures(n)
+    fails = Failures(n)
     for r in pre_rejected or []:
         m = np.zeros(n, bool)
         m[r.row] = True
@@ -503,7 +503,7 @@ def validate_table(raw: pa.Table, *, table: str = "trajectories",
     if table == "trajectories" and valid.num_rows:
         computed = content_hashes(valid, table)
         given = valid.column("content_hash").combine_chunks()
-        mismatch = _mask(pc.and_(pc.is_valid(given), pc.not_equal(given, computed)))
+        mismatch = bool_mask(pc.and_(pc.is_valid(given), pc.not_equal(given, computed)))
         if mismatch.any():
             m = np.zeros(n, bool)
             m[keep[mismatch]] = True

@@ -115,10 +115,10 @@ def key_index_problems(lake: Lake, name: str) -> list[str]:
                 raise ValueError("an older format" if ext != "idx" else f"version {v} is not in the table")
             with fs.open_input_stream(info.path) as f:
                 raw = f.read()
-            entry = keyindex._commit_file(lake, name, v)
+            entry = keyindex.commit_file(lake, name, v)
             keys = keyindex.decode_index(raw, table=name, table_id=str(dt.metadata().id), version=v,
                                          commit=None if entry is None else hashlib.sha256(entry).hexdigest(),
-                                         anchor=keyindex._anchor(entry))
+                                         anchor=keyindex.index_anchor(entry))
             at = lake.table(name, version=v)
             if not np.array_equal(keys, np.sort(keyindex.read_keys(lake, name, lake.live_files(at)))):
                 raise ValueError(f"its keys are not the keys the table's files hold at version {v}")

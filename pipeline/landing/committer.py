@@ -52,7 +52,7 @@ class FencedError(ConflictError):
     must not commit (it stops; nothing it pulled is acked)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ServeSettings:
     stream: str = wire.DEFAULT_STREAM
     tables: tuple[str, ...] = ("trajectories", "events")
@@ -69,7 +69,7 @@ class ServeSettings:
     lease_ttl_s: float = 30.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FlushReport:
     table: str
     messages: int = 0
@@ -87,7 +87,9 @@ class FlushReport:
 
 
 @dataclass
-class _Msg:
+class LogMessage:
+    """One message pulled from the landing log: its stream sequence, id, headers and payload."""
+
     seq: int
     msg_id: str
     headers: dict[str, str]
@@ -123,7 +125,7 @@ class TableCommitter:
         ks = self.lake.keys(self.table, dt)
         self.keys = KeySet(ks.index, np.array(ks.loose, copy=True))
 
-    def land(self, msgs: list[_Msg]) -> tuple[FlushReport, list[_Msg]]:
+    def land(self, msgs: list[LogMessage]) -> tuple[FlushReport, list[LogMessage]]:
         """Commit ``msgs`` (one quarantine commit when needed, then one commit of
         the table carrying the transaction); returns the report and the messages
         to ack (all of them). Raises FencedError when superseded."""
@@ -132,7 +134,7 @@ class TableCommitter:
         msgs = sorted(msgs, key=lambda m: m.seq)
         for _ in range(MAX_RESYNCS):
             fresh = [m for m in msgs if m.seq > self.committed_seq]
-            report = FlushReport(self.table, messages=len(msgs), skipped=len(msgs) - len(fresh))
+            report = FlushReport(table=self.table, messages=len(msgs), skipped=len(msgs) - len(fresh))
             if not fresh:
                 return report, msgs
             try:
@@ -148,7 +150,7 @@ class TableCommitter:
         raise PipelineError(f"{self.table}: lost {MAX_RESYNCS} races in a row to concurrent appends",
                             hint="restart pipeline serve: nothing unacked is lost")
 
-    def _commit(self, fresh: list[_Msg], report: FlushReport) -> None:
+    def _commit(self, fresh: list[LogMessage], report: FlushReport) -> None:
         from pipeline.lake.delta.common import pause_point
 
         staged, rows, q_tables, new_keys = self._stage(fresh, report)
@@ -190,7 +192,7 @@ class TableCommitter:
         report.landed = rows
         report.version, report.txn_version = res.version, last
 
-    def _stage(self, fresh: list[_Msg], report: FlushReport) -> tuple[list[Any], int, list[pa.Table], np.ndarray]:
+    def _stage(self, fresh: list[LogMessage], report: FlushReport) -> tuple[list[Any], int, list[pa.Table], np.ndarray]:
         """(staged files, rows staged, quarantine tables, keys staged) of the fresh messages."""
         from pipeline.landing.door import Incoming, check_flush
 
@@ -204,7 +206,7 @@ class TableCommitter:
         if not lands:   # nothing to land: the commit still records the sequence (no files)
             from pipeline.lake.delta import Staged
 
-            return [Staged([], np.empty(0, np.int64), 0, time.time())], 0, q_tables, np.empty(0, np.int64)
+            return [Staged(actions=[], keys=np.empty(0, np.int64), rows=0, written_at=time.time())], 0, q_tables, np.empty(0, np.int64)
         data = pa.concat_tables(lands, promote_options="permissive")
         st = self.lake.stage(self.table, data)
         return [st], data.num_rows, q_tables, st.keys
@@ -220,9 +222,9 @@ def _seen(lake: Lake, table: str, read_version: int | None, keys: KeySet):
 
 
 # -- the network half ------------------------------------------------------------------------
-def as_msg(m: Any) -> _Msg:
+def as_msg(m: Any) -> LogMessage:
     headers = dict(m.headers or {})
-    return _Msg(m.metadata.sequence.stream, headers.get(wire.HEADER_ID, f"seq:{m.metadata.sequence.stream}"),
+    return LogMessage(m.metadata.sequence.stream, headers.get(wire.HEADER_ID, f"seq:{m.metadata.sequence.stream}"),
                 headers, m.data, m)
 
 
@@ -240,7 +242,7 @@ async def run_table(js: Any, committer: TableCommitter, s: ServeSettings, stop: 
     from pipeline.landing.log import ack, fetch, fresh_consumer
 
     sub = await fresh_consumer(js, s, committer.table)
-    pending: list[_Msg] = []
+    pending: list[LogMessage] = []
     size = 0
     first_at = 0.0                      # when the oldest pending message came
     last_flush = -1e9                   # when the last flush started

@@ -36,7 +36,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 FORMATS = ("parquet", "ipc", "jsonl")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class IngestReport:
     ingest_id: str
     files: int = 0
@@ -74,7 +74,10 @@ class IngestReport:
 
 
 # -- reading ----------------------------------------------------------------------------
-def detect_format(path: Path, head: bytes) -> str:
+FileFormat = Literal["parquet", "ipc", "jsonl"]   # the input file formats the door reads
+
+
+def detect_format(path: Path, head: bytes) -> FileFormat:
     suffix = path.suffix.lower()
     if suffix in (".parquet", ".pq"):
         return "parquet"

@@ -12,6 +12,7 @@ from typing import Any
 
 from pipeline.errors import PipelineError
 from pipeline.landing import wire
+from pipeline.lake.uri import split_uri
 
 log = logging.getLogger("pipeline.landing")
 
@@ -83,7 +84,7 @@ async def nats_connect(url: str, **kw: Any):
 
 def _redact(url: str) -> str:
     if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
+        scheme, rest = split_uri(url)
         return f"{scheme}://***@{rest.split('@', 1)[1]}"
     return url
 

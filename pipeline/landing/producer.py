@@ -33,7 +33,7 @@ from pipeline.landing import wire
 from pipeline.landing.log import BackpressureError, IdReusedError, PublishError, nats_connect  # noqa: F401 - re-exported
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PublishReport:
     table: str
     rows: int
@@ -118,7 +118,8 @@ class AsyncProducer:
                                 hint=exc.hint) from None
             seqs.append(seq)
             dups += dup
-        return PublishReport(table, rows, len(parts), dups, min(seqs), max(seqs), ids)
+        return PublishReport(table=table, rows=rows, messages=len(parts), duplicates=dups, first_seq=min(seqs),
+                             last_seq=max(seqs), msg_ids=ids)
 
     async def close(self) -> None:
         await self._nc.drain()

@@ -58,7 +58,8 @@ class PolicyRef:
     policy_version: int
     path: Path                  # local checkpoint directory
     file_sha256: dict[str, str]
-    hf_path: Path | None = None  # set for a user's plain HF directory (no checkpoint around it)
+    hf_path: Path | None = None  # a user's plain HF directory (no checkpoint around it), or the rebuilt
+    #                              weights of a delta-only version (policy_store.delta.materialize)
     rel: str = ""                # the published directory, relative to the lake (the row's path)
 
     @property
@@ -172,9 +173,12 @@ def next_policy_version(lake: Lake) -> int:
     return 0 if v is None else v + 1
 
 
-def resolve_policy(lake: Lake | str | os.PathLike[str], spec: str | int | None = None, *, verify: bool = True) -> PolicyRef:
+def resolve_policy(lake: Lake | str | os.PathLike[str], spec: str | int | None = None, *, verify: bool = True,
+                   weights: bool = True) -> PolicyRef:
     """A policy by version number, checkpoint id, ``latest`` (None), or a local
-    HF directory path (not verified: a user's own model)."""
+    HF directory path (not verified: a user's own model). A delta-only version's
+    ``hf_dir`` is its rebuilt weights (``delta.materialize``); ``weights=False``: its
+    own ``hf/`` (config and tokenizer only), for a caller that needs no weights."""
     lake = as_lake(lake)
     if isinstance(spec, str) and spec not in ("latest",) and not spec.isdigit():
         p = Path(spec)
@@ -209,7 +213,10 @@ def resolve_policy(lake: Lake | str | os.PathLike[str], spec: str | int | None =
         # rollout workers following the newest policy resolve it every wave
         verify_dir(local, files, what=f"checkpoint {row['checkpoint_id']}")
         _CHECKED[key] = (files, _stats(local, files))
-    return PolicyRef(row["checkpoint_id"], int(row["policy_version"]), local, files, rel=rel)
+    from pipeline.policy_store.delta import delta_only, materialize
+
+    rebuilt = materialize(lake, row, local / HF_SUBDIR, rows) if weights and delta_only(row) else None
+    return PolicyRef(row["checkpoint_id"], int(row["policy_version"]), local, files, hf_path=rebuilt, rel=rel)
 
 
 def fetch_checkpoint(lake: Lake, checkpoint_id: str, files: dict[str, str], *, rel: str | None = None) -> Path:
@@ -294,8 +301,7 @@ def publish_checkpoint(lake: Lake, *, checkpoint_id: str, policy_version: int | 
       ConflictError naming it (this run's directory deleted);
     - the version was taken: re-read and take the next one (with an explicit
       ``policy_version``, a ConflictError)."""
-    from pipeline.errors import ConflictError
-    from pipeline.lake.delta import LockTaken, pause_point
+    from pipeline.lake.delta import pause_point
 
     rel = rel or checkpoint_rel(checkpoint_id)
     local = local_dir(lake, rel)
@@ -309,58 +315,62 @@ def publish_checkpoint(lake: Lake, *, checkpoint_id: str, policy_version: int | 
     pause_point("publish:files-written")       # kill tests: every file in place, no row
     who = {"command": command, "host": socket.gethostname(), "pid": os.getpid(), "run": rel.rsplit("/", 1)[-1]}
     row = {
-        "checkpoint_id": checkpoint_id,
-        "parent_checkpoint_id": parent_checkpoint_id,
-        "snapshot_ids": list(snapshot_ids),
-        "policy_version": -1,
-        "path": rel,
+        "checkpoint_id": checkpoint_id, "parent_checkpoint_id": parent_checkpoint_id,
+        "snapshot_ids": list(snapshot_ids), "policy_version": -1, "path": rel,
         "train_config_hash": train_config_hash,
         "train_config_json": json.dumps(train_config | {"published_by": who}, sort_keys=True, default=str),
-        "code_version": code_version(),
-        "seed": int(seed),
-        "world_size": int(world_size),
-        "global_step": int(global_step),
-        "samples_seen": int(samples_seen),
+        "code_version": code_version(), "seed": int(seed), "world_size": int(world_size),
+        "global_step": int(global_step), "samples_seen": int(samples_seen),
         "metrics_json": json.dumps(metrics or {}, sort_keys=True, default=str),
-        "file_sha256": list(files.items()),
-        "created_at": datetime.now(timezone.utc),
+        "file_sha256": list(files.items()), "created_at": datetime.now(timezone.utc),
     }
+    return _land_row(lake, row, policy_version=policy_version, once_per_snapshot=once_per_snapshot, command=command)
+
+
+def _settled(lake: Lake, rel: str, winner: dict[str, Any]) -> dict[str, Any]:
+    """The outcome when ``winner`` holds the checkpoint id: our own commit (an earlier
+    try of this call), or another run's (ours lost: no row names our files, deleted)."""
+    if row_rel(winner) == rel:
+        return dict(winner) | {"already_published": False, "published_by": None}
+    discard_run_dir(lake, rel)
+    return dict(winner) | {"already_published": True, "published_by": published_by(winner)}
+
+
+def _land_row(lake: Lake, row: dict[str, Any], *, policy_version: int | None, once_per_snapshot: bool,
+              command: str) -> dict[str, Any]:
+    """Append ``row`` under the next free (or the given) policy version: ``publish_checkpoint``'s commit loop."""
+    from pipeline.errors import ConflictError
+    from pipeline.lake.delta import LockTaken, pause_point
     from pipeline.schema import arrow_schema
 
-    def settled(winner: dict[str, Any]) -> dict[str, Any]:
-        if row_rel(winner) == rel:              # our own commit (an earlier try of this call)
-            return dict(winner) | {"already_published": False, "published_by": None}
-        discard_run_dir(lake, rel)              # no row names these files: ours lost
-        return dict(winner) | {"already_published": True, "published_by": published_by(winner)}
-
+    checkpoint_id, rel, snapshot_ids = row["checkpoint_id"], row["path"], row["snapshot_ids"]
     for _ in range(100):
         rows = checkpoint_rows(lake)
         prior = [r for r in rows if r["checkpoint_id"] == checkpoint_id]
         if prior:
-            return settled(prior[0])
-        if once_per_snapshot:
-            taken = [r for r in rows if set(r["snapshot_ids"] or []) & set(snapshot_ids)]
-            if taken:
-                discard_run_dir(lake, rel)
-                t = taken[0]
-                raise ConflictError(f"snapshot {', '.join(snapshot_ids)} was consumed by checkpoint "
-                                    f"{t['checkpoint_id']} (policy version {t['policy_version']}), published by "
-                                    f"{published_by(t)} while this run trained; this run's files were discarded",
-                                    hint="a snapshot trains once; pass --force to train on it again")
+            return _settled(lake, rel, prior[0])
+        taken = [r for r in rows if set(r["snapshot_ids"] or []) & set(snapshot_ids)] if once_per_snapshot else []
+        if taken:
+            discard_run_dir(lake, rel)
+            t = taken[0]
+            raise ConflictError(f"snapshot {', '.join(snapshot_ids)} was consumed by checkpoint "
+                                f"{t['checkpoint_id']} (policy version {t['policy_version']}), published by "
+                                f"{published_by(t)} while this run trained; this run's files were discarded",
+                                hint="a snapshot trains once; pass --force to train on it again")
         latest = max((r["policy_version"] for r in rows), default=None)
         version = int(policy_version) if policy_version is not None else (0 if latest is None else latest + 1)
         row["policy_version"] = version
         table = pa.Table.from_pylist([row], schema=arrow_schema("checkpoints"))
         try:
             # exactly once per checkpoint id, even if the publisher is retried
-            res = lake.append("checkpoints", table, command=command, config_hash=train_config_hash,
+            res = lake.append("checkpoints", table, command=command, config_hash=row["train_config_hash"],
                               app_id=f"publish:{checkpoint_id}", txn_version=0,
                               lock=(POLICY_VERSION_APP, version + 1))
         except LockTaken:
             if policy_version is not None:
                 holders = [r for r in checkpoint_rows(lake) if r["policy_version"] == version]
                 if holders and holders[0]["checkpoint_id"] == checkpoint_id:
-                    return settled(holders[0])
+                    return _settled(lake, rel, holders[0])
                 raise ConflictError(f"policy version {version} is already published (checkpoint "
                                     f"{holders[0]['checkpoint_id'] if holders else '?'})",
                                     hint="publish as the next version, or use the published one") from None
@@ -368,7 +378,7 @@ def publish_checkpoint(lake: Lake, *, checkpoint_id: str, policy_version: int | 
         if not res.landed:  # this checkpoint id was published meanwhile (or by an earlier try of ours)
             prior = [r for r in checkpoint_rows(lake) if r["checkpoint_id"] == checkpoint_id]
             if prior:
-                return settled(prior[0])
+                return _settled(lake, rel, prior[0])
         pause_point("publish:committed")        # kill tests: the row landed
         return row | {"already_published": False, "published_by": None}
     raise ConflictError("could not take a policy version: other publishers kept winning", hint="rerun")

@@ -20,15 +20,22 @@ bytes): any version rebuilt from its anchor and the deltas after it
 one whose bytes are not the ones published. Rows without a record (init, import,
 rows older than this record) are anchors of their own ``hf/`` weights.
 
-The full ``hf/`` weights are still written with every version (rollout workers
-and ``--batch-snapshot`` load them); the deltas are what a delta-only layout
-would keep between anchors (docs/resident-trainer.md, section 3).
+Delta-only layout: a delta version's directory holds its delta and ``hf/``'s
+config and tokenizer files, not its full weights (those are written only at
+anchors). Readers (``resolve_policy``: engines, eval, the trainer's parent)
+get a local HF directory with the weights rebuilt (``materialize``: anchor +
+deltas, or the newest rebuilt ancestor on this machine + the deltas after it,
+every step checked against its digest), kept in a machine-local cache
+(``weights_cache``); the writer seeds that cache with the weights it exported
+(docs/resident-trainer.md, section 3).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -160,15 +167,44 @@ def changes(delta: dict[str, torch.Tensor], numel: dict[str, int]):
         yield name, idx.long(), val, None
 
 
+def apply_in_place(weights: dict[str, torch.Tensor], deltas: list[tuple[dict[str, torch.Tensor], list[str]]]) -> set[str]:
+    """Write ``deltas`` (oldest first) into ``weights`` (contiguous tensors of the published
+    dtype, modified in place: a reader's host copy of the weights it serves); the names of
+    the tensors written. Every change is checked first: a delta that does not fit raises
+    IntegrityError with ``weights`` untouched. A delta storing a tensor whole (``has_full``)
+    is refused the same way: its reader loads the full weights instead."""
+    numel = {k: v.numel() for k, v in weights.items()}
+    todo = [c for delta, _ in deltas for c in changes(delta, numel)]
+    for name, _idx, val, full in todo:
+        if full is not None or val.dtype != _bits(weights[name]).dtype:
+            raise IntegrityError(f"weight delta of {name} does not fit the served {weights[name].dtype} tensor",
+                                 hint="the delta does not belong to this base")
+    for name, idx, val, _full in todo:
+        t = weights[name]
+        t.view(-1).view(_INT_OF_SIZE[t.element_size()])[idx] = val
+    return {c[0] for c in todo}
+
+
+def has_full(deltas: list[tuple[dict[str, torch.Tensor], list[str]]]) -> bool:
+    """Whether a delta stores a tensor whole (a new, reshaped or retyped tensor)."""
+    return any(k.endswith("::full") for delta, _ in deltas for k in delta)
+
+
 def nbytes(weights: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in weights.values())
 
 
 def encode(delta: dict[str, torch.Tensor], names: list[str]) -> bytes:
-    """The delta as safetensors bytes (``names`` in its metadata)."""
+    """The delta as safetensors bytes (``names`` in its metadata), the same bytes for the
+    same delta: safetensors writes the metadata keys in a per-process hash order, so the
+    header is rewritten with sorted keys (a valid safetensors header: JSON, space-padded to 8)."""
     from safetensors.torch import save
 
-    return save(delta, metadata={"format": FORMAT, "names": json.dumps(names)})
+    data = save(delta, metadata={"format": FORMAT, "names": json.dumps(names)})
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.dumps(json.loads(data[8:8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header + data[8 + n:]
 
 
 def decode(data: bytes, *, what: str) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -297,17 +333,32 @@ def chain_of(rows: list[dict[str, Any]], checkpoint_id: str) -> list[dict[str, A
     return out[::-1]
 
 
-def reconstruct(lake: Lake, checkpoint_id: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def reconstruct(lake: Lake, checkpoint_id: str, *, cached: bool = False,
+                rows: list[dict[str, Any]] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(weights, row) of a published version rebuilt from its anchor and the deltas
-    after it, each step checked against the digest its row recorded."""
+    after it, each step checked against the digest its row recorded. ``cached``:
+    start from the newest ancestor on the chain rebuilt on this machine
+    (``materialize``; its digest checked like the anchor's) instead of the anchor."""
     from pipeline.policy_store import checkpoint_rows
 
-    rows = checkpoint_rows(lake)
-    chain = chain_of(rows, checkpoint_id)
+    chain = chain_of(rows if rows is not None else checkpoint_rows(lake), checkpoint_id)
+    start = None
+    if cached:
+        start = next((j for j in range(len(chain) - 2, 0, -1) if _cached_hf(lake, chain[j]) is not None), None)
+        if start is not None:
+            chain = chain[start:]
     weights: dict[str, torch.Tensor] = {}
     for i, row in enumerate(chain):
         rec = weights_record(row) or {}
         what = f"policy version {row['policy_version']} ({row['checkpoint_id']})"
+        if i == 0 and start is not None:
+            try:
+                weights = load_hf_weights(_cache_entry(lake, row) / "hf")
+            except (OSError, NotFoundError):
+                weights = {}
+            if weights_digest(weights) != rec.get("sha256"):        # a damaged local copy: from the anchor
+                return reconstruct(lake, checkpoint_id, rows=rows)
+            continue
         if i == 0:
             weights = _anchor_weights(lake, row)
         else:
@@ -377,3 +428,128 @@ def delta_path(lake: Lake, from_id: str | None, to_id: str) -> list[tuple[dict[s
         what = f"policy version {row['policy_version']} ({row['checkpoint_id']}): {rec.get('file')}"
         out.append(decode(_read_file(lake, row, rec["file"]), what=what))
     return out
+
+
+# -- the delta-only layout: rebuilt weights in a machine-local cache -------------------------------
+
+
+def delta_only(row: dict[str, Any]) -> bool:
+    """Whether a published row holds a delta and no full weights (readers rebuild them)."""
+    rec = weights_record(row)
+    return bool(rec and rec.get("kind") == "delta") and not any(
+        k.startswith("hf/") and k.endswith((".safetensors", ".bin")) for k, _ in row["file_sha256"])
+
+
+def weights_cache(lake_uri: str) -> Path:
+    """This machine's directory of rebuilt weights of the lake ``lake_uri``
+    (``$PIPELINE_CACHE/weights/<lake hash>``; every entry is checked against its row's
+    digest before use, so deleting it, whole or in part, only costs a rebuild)."""
+    cache = Path(os.environ.get("PIPELINE_CACHE", Path.home() / ".cache" / "pipeline"))
+    return cache / "weights" / hashlib.sha256(lake_uri.encode()).hexdigest()[:12]
+
+
+def _entry(lake_uri: str, checkpoint_id: str, digest: str) -> Path:
+    return weights_cache(lake_uri) / f"{checkpoint_id}-{digest[:16]}"
+
+
+def rebuilt_hf(lake_uri: str, checkpoint_id: str, record: dict[str, Any]) -> Path:
+    """Where this machine keeps the rebuilt ``hf/`` of a delta version (``keep_exported``, ``materialize``)."""
+    return _entry(lake_uri, checkpoint_id, str(record.get("sha256"))) / "hf"
+
+
+def _cache_entry(lake: Lake, row: dict[str, Any]) -> Path:
+    return _entry(lake.uri, row["checkpoint_id"], (weights_record(row) or {}).get("sha256") or "none")
+
+
+_VERIFIED: dict[str, tuple[str, tuple[int, int]]] = {}   # cache entry -> (digest, weight file stats) checked here
+
+
+def _stat(p: Path) -> tuple[int, int] | None:
+    try:
+        st = p.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+def _cached_hf(lake: Lake, row: dict[str, Any]) -> Path | None:
+    """The cached rebuilt ``hf/`` of a delta-only row when this process wrote or checked it (files unchanged since)."""
+    if not delta_only(row):
+        return None
+    hf = _cache_entry(lake, row) / "hf"
+    st = _stat(hf / "model.safetensors")
+    got = _VERIFIED.get(str(hf))
+    return hf if st is not None and got == ((weights_record(row) or {}).get("sha256"), st) else None
+
+
+def _install(entry: Path, published_hf: Path, digest: str, weights: dict[str, torch.Tensor] | None = None,
+             weight_files: list[Path] | None = None) -> Path:
+    """Write ``entry/hf``: the published hf/ files but the weights (config, tokenizer), and the
+    weights (``weights`` saved, or ``weight_files`` moved); atomically (a temporary sibling renamed)."""
+    from safetensors.torch import save_file
+
+    tmp = entry.with_name(f".{entry.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "hf").mkdir(parents=True)
+    for p in sorted(published_hf.iterdir()):
+        if p.is_file() and not p.name.endswith((".safetensors", ".bin")) and p.name != "model.safetensors.index.json":
+            shutil.copy2(p, tmp / "hf" / p.name)
+    if weights is not None:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "hf" / "model.safetensors"),
+                  metadata={"format": "pt"})
+    for f in weight_files or []:
+        shutil.move(str(f), str(tmp / "hf" / f.name))
+    hf = entry / "hf"
+    try:
+        tmp.rename(entry)
+    except OSError:       # another process installed it first (its own rebuild, checked): never replaced under a reader
+        shutil.rmtree(tmp, ignore_errors=True)
+        return hf
+    st = _stat(hf / "model.safetensors")
+    if st is not None:
+        _VERIFIED[str(hf)] = (digest, st)
+    return hf
+
+
+def keep_exported(lake_uri: str, checkpoint_id: str, root: Path, record: dict[str, Any]) -> Path | None:
+    """The writer's side of the delta-only layout: a version whose record is a delta keeps
+    only its delta in ``root``; its exported full weights (``root/hf/*.safetensors``) move to
+    this machine's cache as its rebuilt weights (the next version's parent, a local reader).
+    Returns the cached ``hf/`` (None for an anchor: its weights stay)."""
+    if record.get("kind") != "delta":
+        return None
+    hf = root / "hf"
+    files = sorted(p for p in hf.iterdir() if p.name.endswith((".safetensors", ".bin"))
+                   or p.name == "model.safetensors.index.json")
+    return _install(_entry(lake_uri, checkpoint_id, record["sha256"]), hf, record["sha256"], weight_files=files)
+
+
+def _meta_ok(hf: Path, row: dict[str, Any]) -> bool:
+    """Whether a cached copy's config and tokenizer files are the row's ``hf/`` files."""
+    want = {k[3:]: v for k, v in row["file_sha256"] if k.startswith("hf/") and "/" not in k[3:]}
+    return all((hf / n).is_file() and hashlib.sha256((hf / n).read_bytes()).hexdigest() == v for n, v in want.items())
+
+
+def materialize(lake: Lake, row: dict[str, Any], published_hf: Path, rows: list[dict[str, Any]] | None = None) -> Path:
+    """A local HF directory with a delta-only version's full weights: the cached copy
+    when it hashes to the recorded digest, else rebuilt (``reconstruct`` from the
+    newest cached ancestor or the anchor) and cached. ``published_hf``: the version's
+    own (verified) hf/ directory, whose config and tokenizer files the copy gets."""
+    hit = _cached_hf(lake, row)
+    if hit is not None:
+        return hit
+    digest = str((weights_record(row) or {}).get("sha256"))
+    entry = _cache_entry(lake, row)
+    hf = entry / "hf"
+    st = _stat(hf / "model.safetensors")
+    if st is not None:                 # written by another process: trusted only once it hashes to the row
+        try:
+            ok = _meta_ok(hf, row) and weights_digest(load_hf_weights(hf)) == digest
+        except Exception:  # noqa: BLE001 - an unreadable copy is rebuilt
+            ok = False
+        if ok:
+            _VERIFIED[str(hf)] = (digest, st)
+            return hf
+    shutil.rmtree(entry, ignore_errors=True)          # a damaged or partial copy: rebuilt below
+    weights, _ = reconstruct(lake, row["checkpoint_id"], cached=True, rows=rows)
+    return _install(entry, published_hf, digest, weights=weights)

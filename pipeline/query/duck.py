@@ -247,7 +247,7 @@ def query(lake: Lake | str | os.PathLike[str], sql: str, *, params: dict[str, An
           views: Mapping[str, pa.Table] | None = None) -> pa.Table:
     """Run ``sql`` over the lake's views (and the Arrow tables of ``views``); returns an Arrow table."""
     lake = as_lake(lake)
-    stripped = _strip_comments(sql)
+    stripped = strip_comments(sql)
     views = views or {}
     missing_views = sorted(v for v in EXTERNAL_VIEWS if v not in views and _names(stripped, v))
     if missing_views:
@@ -324,7 +324,8 @@ def _names(sql: str, name: str) -> bool:
     return re.search(rf"\b{name}\b", sql, re.I) is not None
 
 
-def _strip_comments(sql: str) -> str:
+def strip_comments(sql: str) -> str:
+    """``sql`` without its ``--`` comments and with every string literal emptied (what is left is code)."""
     sql = re.sub(r"--[^\n]*", "", sql)
     sql = re.sub(r"'(?:[^']|'')*'", "''", sql)
     return sql

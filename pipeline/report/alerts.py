@@ -14,7 +14,7 @@ import pandas as pd
 from pipeline.report.html import Note, Section
 
 if TYPE_CHECKING:
-    from pipeline.report.build import _Queries
+    from pipeline.report.queries import Queries
 
 
 # -- alerts -------------------------------------------------------------------------------------------
@@ -74,7 +74,7 @@ def _worst_step(tr: pd.DataFrame, col: str, B: dict[str, float], *, lower: bool 
     return worst if (worst[col] < B[col] if lower else worst[col] > B[col]) else None
 
 
-def alerts(q: _Queries) -> Section:
+def alerts(q: Queries) -> Section:
     s = Section("alerts", "Alerts",
                 "Checks against fixed thresholds (pipeline.report.alerts.ALERTS); each alert says what is wrong "
                 "and where to look.")
@@ -221,7 +221,7 @@ def _se(p: float, n: float) -> float:
     return p * (1.0 - p) / n if n > 0 else math.inf
 
 
-def _train_heldout_gap(q: _Queries, B: dict[str, float]) -> list[tuple[str, str]]:
+def _train_heldout_gap(q: Queries, B: dict[str, float]) -> list[tuple[str, str]]:
     """Per held-out evaluation setting: the gap train success - held-out success at each version that has
     both, against the first such version's gap; the widest widening beyond both bounds alerts."""
     tr = q.sql(TRAIN_SUCCESS_SQL)
@@ -258,7 +258,7 @@ def _train_heldout_gap(q: _Queries, B: dict[str, float]) -> list[tuple[str, str]
     return out
 
 
-def _component_drift(q: _Queries, B: dict[str, float]) -> list[tuple[str, str]]:
+def _component_drift(q: Queries, B: dict[str, float]) -> list[tuple[str, str]]:
     """Per run and component: its share of sum |components| at the run's first vs newest policy version."""
     df = q.sql(COMPONENT_SHARE_SQL, run_id=q.opts.run_id)
     if not isinstance(df, pd.DataFrame) or df.empty:
@@ -305,7 +305,7 @@ WHERE ($run_id::VARCHAR IS NULL OR run_id = $run_id::VARCHAR)
 """
 
 
-def reverification(q: _Queries) -> dict[str, float] | None:
+def reverification(q: Queries) -> dict[str, float] | None:
     """Admission's re-verification over the receipts (pipeline/admission/reverify.py): decided groups,
     re-verified groups, of which shadow-sampled, of which held; None when nothing was re-verified."""
     df = q.sql(REVERIFY_SQL, run_id=q.opts.run_id)
@@ -317,7 +317,7 @@ def reverification(q: _Queries) -> dict[str, float] | None:
             "disagreement_rate": r.disagreed / r.reverified}
 
 
-def _verdict_disagreement(q: _Queries, B: dict[str, float]) -> list[tuple[str, str]]:
+def _verdict_disagreement(q: Queries, B: dict[str, float]) -> list[tuple[str, str]]:
     rv = reverification(q)
     if rv is None or rv["disagreement_rate"] <= B["verdict_disagreement"]:
         return []
@@ -328,7 +328,7 @@ def _verdict_disagreement(q: _Queries, B: dict[str, float]) -> list[tuple[str, s
              f"tasks; read the receipts' reverify check (Latest receipts).")]
 
 
-def reward_hacking_alarms(q: _Queries, B: dict[str, float]) -> list[tuple[str, str]]:
+def reward_hacking_alarms(q: Queries, B: dict[str, float]) -> list[tuple[str, str]]:
     """The alarms that read several tables: train vs held-out gap, reward-component drift, verdicts
     that re-verification doubted."""
     return _train_heldout_gap(q, B) + _component_drift(q, B) + _verdict_disagreement(q, B)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -23,58 +22,12 @@ import pandas as pd
 from pipeline.lake.ref import as_lake
 from pipeline.report.alerts import alerts
 from pipeline.report.html import Note, Plot, Section, Table, render
+from pipeline.report.queries import Queries, ReportOptions
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
-    import pyarrow as pa
-
     from pipeline.lake.delta import Lake
 
-
-
-@dataclass(frozen=True)
-class ReportOptions:
-    run_id: str | None = None     # only this experiment (None: every run)
-    bucket: str = "auto"          # time bucket of the over-time plots (auto: from the data's time span)
-    pass_k: int = 4               # the k of the second pass@k curve (pass@1 is always drawn)
-    receipts: int = 25            # rows in the latest-receipts table
-    train_x: str = "step"         # x axis of the training plots: step, time (s since the run's first step), samples
-    alert_bounds: tuple[tuple[str, float], ...] = ()   # (name, value) overrides of pipeline.report.alerts.ALERTS
-
-
-class _Queries:
-    """Runs named queries once each; remembers results and failures."""
-
-    def __init__(self, lake: Lake, opts: ReportOptions) -> None:
-        self.lake = lake
-        self.opts = opts
-        self.cache: dict[tuple, pd.DataFrame | Exception] = {}
-
-    def views(self) -> dict[str, pa.Table]:
-        """The non-lake views the diagnostics read (the environments' component tags)."""
-        from pipeline.rollout.envs.base import component_tags_table
-
-        return {"component_tags": component_tags_table()}
-
-    def get(self, name: str, **params) -> pd.DataFrame | Exception:
-        from pipeline.query.duck import query
-        from pipeline.resources import sql_path
-
-        key = (name, tuple(sorted(params.items())))
-        if key not in self.cache:
-            try:
-                sql = sql_path(name).read_text()
-                self.cache[key] = query(self.lake, sql, params=params, views=self.views()).to_pandas()
-            except Exception as exc:  # one broken query must not take the report down
-                self.cache[key] = exc
-        return self.cache[key]
-
-    def sql(self, text: str, **params) -> pd.DataFrame | Exception:
-        from pipeline.query.duck import query
-
-        try:
-            return query(self.lake, text, params=params or None, views=self.views()).to_pandas()
-        except Exception as exc:
-            return exc
+DEFAULT_OPTIONS = ReportOptions()   # frozen: one shared default
 
 
 def _rows(df: pd.DataFrame | Exception, what: str) -> pd.DataFrame | Note:
@@ -138,7 +91,7 @@ def _py(v: Any) -> Any:
 # -- sections -------------------------------------------------------------------------------------
 
 
-def overview(q: _Queries) -> Section:
+def overview(q: Queries) -> Section:
     from pipeline.schema import ALL_TABLES
 
     s = Section("overview", "Lake", "Tables the report read, with their Delta versions and row counts.")
@@ -157,7 +110,7 @@ def overview(q: _Queries) -> Section:
     return s
 
 
-def quality(q: _Queries) -> Section:
+def quality(q: Queries) -> Section:
     o = q.opts
     s = Section("quality", "Quality",
                 "Success rate, hard-constraint pass rate and pass@k per policy version (sql/quality.sql, "
@@ -206,7 +159,7 @@ def quality(q: _Queries) -> Section:
     return s
 
 
-def comparability(q: _Queries) -> Section:
+def comparability(q: Queries) -> Section:
     s = Section("comparability", "Comparability",
                 "Per policy version: groups with one configuration (policy, tokenizer, template, environment, "
                 "verifier, temperature), zero-variance share, and the share of mixed / all-correct / all-wrong "
@@ -231,7 +184,7 @@ def comparability(q: _Queries) -> Section:
     return s
 
 
-def efficiency(q: _Queries) -> Section:
+def efficiency(q: Queries) -> Section:
     o = q.opts
     s = Section("efficiency", "Efficiency",
                 "Tokens, tool calls and turns per trajectory (sql/efficiency.sql); latency of generation, tool "
@@ -284,7 +237,7 @@ def efficiency(q: _Queries) -> Section:
     return s
 
 
-def freshness(q: _Queries) -> Section:
+def freshness(q: Queries) -> Section:
     o = q.opts
     s = Section("freshness", "Freshness",
                 "Queue wait and policy lag per generation policy version (sql/freshness.sql), the lag "
@@ -335,7 +288,7 @@ def freshness(q: _Queries) -> Section:
     return s
 
 
-def receipts(q: _Queries) -> Section:
+def receipts(q: Queries) -> Section:
     s = Section("receipts", "Latest receipts",
                 "The newest admission decisions with member exclusion reasons and failed checks "
                 "(sql/receipts_latest.sql).")
@@ -359,7 +312,7 @@ def receipts(q: _Queries) -> Section:
     return s
 
 
-def lineage(q: _Queries) -> Section:
+def lineage(q: Queries) -> Section:
     s = Section("lineage", "Lineage of the newest checkpoint",
                 "What the newest checkpoint trained on: snapshots, groups, tasks and the versions the data was "
                 "generated with (sql/lineage.sql, sql/lineage_summary.sql); and the checkpoint chain.")
@@ -390,7 +343,7 @@ def lineage(q: _Queries) -> Section:
     return s
 
 
-def training(q: _Queries) -> Section:
+def training(q: Queries) -> Section:
     s = Section("training", "Training metrics",
                 "Per optimizer step, across training runs in the order their checkpoints were published "
                 "(sql/training.sql over the metrics table the trainer writes).")
@@ -453,7 +406,7 @@ def training(q: _Queries) -> Section:
     return s
 
 
-def evaluation(q: _Queries) -> Section:
+def evaluation(q: Queries) -> Section:
     s = Section("evaluation", "Held-out evaluation",
                 "Success on the environment's held-out split per policy version, one curve per evaluation setting "
                 "(sql/eval_curve.sql over the evaluations table written by pipeline policy eval and the demo).")
@@ -483,7 +436,7 @@ def evaluation(q: _Queries) -> Section:
     return s
 
 
-def rollout(q: _Queries) -> Section:
+def rollout(q: Queries) -> Section:
     o = q.opts
     s = Section("rollout", "Rollout health",
                 "Response length and truncation (share stopped at the length limit) per policy version "
@@ -607,7 +560,7 @@ def choose_bucket(lake: Lake) -> str:
     return BUCKETS[i]
 
 
-SECTIONS: tuple[Callable[[_Queries], Section], ...] = (
+SECTIONS: tuple[Callable[[Queries], Section], ...] = (
     alerts, overview, quality, comparability, efficiency, freshness, receipts, lineage, training, rollout,
     evaluation)
 
@@ -630,14 +583,14 @@ def _bars(categories, series, **kw) -> str:
 # -- entry point ------------------------------------------------------------------------------------
 
 
-def build_report(lake: Lake | str | os.PathLike[str], opts: ReportOptions = ReportOptions()) -> tuple[str, dict[str, Any]]:
+def build_report(lake: Lake | str | os.PathLike[str], opts: ReportOptions = DEFAULT_OPTIONS) -> tuple[str, dict[str, Any]]:
     """The HTML page and a summary (sections, plots, notes)."""
     lake = as_lake(lake)
     import dataclasses
 
     if opts.bucket == "auto":
         opts = dataclasses.replace(opts, bucket=choose_bucket(lake))
-    q = _Queries(lake, opts)
+    q = Queries(lake, opts)
     sections = []
     for fn in SECTIONS:
         try:
@@ -663,7 +616,7 @@ def build_report(lake: Lake | str | os.PathLike[str], opts: ReportOptions = Repo
 
 
 def write_report(lake: Lake | str | os.PathLike[str], out: str | Path,
-                 opts: ReportOptions = ReportOptions()) -> dict[str, Any]:
+                 opts: ReportOptions = DEFAULT_OPTIONS) -> dict[str, Any]:
     lake = as_lake(lake)
     page, summary = build_report(lake, opts)
     path = Path(out)

@@ -28,9 +28,11 @@ if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
 def evaluate(policy, env_name: str = "arithmetic-tool", *, n: int = 200, seed: int = 0, engine: str = "hf",
              lake: Lake | None = None, threads: int | None = 1, max_turns: int = 4, max_tokens_per_turn: int = 16,
              max_total_tokens: int = 64, samples: int = 1, temperature: float | None = None,
-             render: str = "auto") -> dict[str, Any]:
+             render: str = "auto", episodes: bool = False) -> dict[str, Any]:
     """``policy``: a PolicyRef, an HF directory, or (with ``lake``) a version / id / 'latest'.
-    ``render``: auto / text / chat, as the rollout's ``render`` key."""
+    ``render``: auto / text / chat, as the rollout's ``render`` key. ``episodes``: also return
+    ``episodes``, one row per episode (task id, verdict, format, tool calls, final text), for
+    paired per-task comparisons between versions."""
     from pipeline.policy_store import PolicyRef, resolve_policy
     from pipeline.rollout import codec
     from pipeline.rollout.backends import make_engine
@@ -61,7 +63,8 @@ def evaluate(policy, env_name: str = "arithmetic-tool", *, n: int = 200, seed: i
             spool = Spool(tmp, "eval", fsync=False)
             h = Harness(env, lambda: (eng, max(version, 0)), spool, run_id="eval", worker_id="eval",
                         sampling=Sampling(temperature, 1.0, max_tokens_per_turn),
-                        limits=Limits(max_turns, max_tokens_per_turn, max_total_tokens, 1e9),
+                        limits=Limits(max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn,
+                                      max_total_tokens=max_total_tokens, wall_clock_s=1e9),
                         codec=codec.load(hf_dir, env=env, render=render))
             eps = []
             for i in range(n):
@@ -83,7 +86,7 @@ def evaluate(policy, env_name: str = "arithmetic-tool", *, n: int = 200, seed: i
     by_task: dict[str, list[int]] = {}
     for e in judged:
         by_task.setdefault(e.group_id, []).append(int(e.verdict == "PASS"))
-    return {
+    out: dict[str, Any] = {
         "env": env_name, "policy_version": version, "engine": engine, "n": n, "seed": seed,
         "checkpoint_id": checkpoint_id, "policy_dir": str(hf_dir), "split": "eval", "samples": samples,
         "temperature": temperature, "judged": len(judged),
@@ -97,6 +100,11 @@ def evaluate(policy, env_name: str = "arithmetic-tool", *, n: int = 200, seed: i
         "success_by_difficulty": {k: sum(v) / len(v) for k, v in sorted(by_diff.items())},
         "statuses": dict(Counter(e.status for e in eps)),
     }
+    if episodes:
+        out["episodes"] = [{"task_id": e.task.task_id, "status": e.status, "verdict": e.verdict,
+                            "format": (e.components or {}).get("format", 0.0) == 1.0, "tool_calls": e.tool_calls,
+                            "turns": e.turns, "text": h.codec.decode(e.response_ids)} for e in eps]
+    return out
 
 
 def _pass_at_k(by_task: dict[str, list[int]], samples: int) -> dict[int, float]:

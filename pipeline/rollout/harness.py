@@ -50,6 +50,11 @@ versions, in its trajectory row; status EXPIRED makes admission exclude it
 token has no row to land (a trajectory needs a response): its TERMINAL event
 alone records it.
 
+A carried straggler (``straggler_policy=carry``: the worker's round closed
+without it) is not ended: it goes on, and when the worker takes a newer policy
+meanwhile its later turns are sampled by it (``token_versions`` records the
+version of every token; ``policy_version`` stays the one that started it).
+
 The settings a harness runs under (``Limits``, ``Schedule``, ``Latency``,
 ``Faults``) are in pipeline/rollout/settings.py; the loop that advances the
 episodes, their tool and verifier calls and the engine is the scheduler
@@ -63,7 +68,6 @@ import os
 import random
 import signal
 import time
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
 
@@ -73,59 +77,16 @@ from pipeline.rollout import observe
 from pipeline.rollout.engine import Engine, Request, Sampling, derive_seed
 from pipeline.rollout.envs import Environment, Stateful, Task, ToolError, ToolTimeout, Verification
 from pipeline.rollout.envs.base import tool_schema_version
-from pipeline.rollout.scheduler import EngineStats, VerifierTimeout, _Scheduler
+from pipeline.rollout.episode import TERMINAL_STATES, Episode, EpisodeState, Status, StopReason, Verdict
+from pipeline.rollout.scheduler import EngineStats, Scheduler, VerifierTimeout
 from pipeline.rollout.settings import Faults, Latency, Limits, Schedule
 
 HARNESS_VERSION = "harness/3"   # 3: tool output past a budget is an environment outcome (obs_budget), issue 41
 DEFAULT_TOOL_TIMEOUT_S = 30.0
-TERMINAL_STATES = ("ACCEPTED", "REJECTED", "INFRA_FAILED", "EXPIRED")
 
-
-@dataclass
-class Episode:
-    episode_id: str
-    group_id: str
-    group_size: int
-    task: Task
-    seed: int
-    prompt_ids: list[int]
-    policy_version: int = 0          # behaviour version that started it
-    state: str = "CREATED"
-    response_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    token_versions: list[int] = field(default_factory=list)
-    turns: int = 0
-    tool_calls: int = 0
-    created_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
-    started: float = field(default_factory=time.monotonic)
-    # set when terminal
-    status: str | None = None
-    verdict: str | None = None
-    stop_reason: str | None = None
-    reward: float | None = None
-    components: dict[str, float] | None = None
-    # a committed action awaiting its observation: {"action_id", "text", "output"?}
-    pending: dict[str, Any] | None = None
-    final_turn: list[int] | None = None
-    finished_mono: float = 0.0       # monotonic time of TERMINAL (the worker's ship lag)
-    written: set = field(default_factory=set)   # event keys (step, action, type) already recorded
-    env_state_hash: str | None = None   # a stateful environment's starting snapshot (``Stateful.open``)
-    # what the verifier returned beside the reward (Verification.evidence / confidence / turn_rewards)
-    evidence: str | None = None
-    confidence: float | None = None
-    turn_rewards: list[float] | None = None
-    replay: list[str] | None = None     # rebuilt after a crash: the actions executed so far, to re-apply
-
-    @property
-    def done(self) -> bool:
-        return self.state in TERMINAL_STATES
-
-    @property
-    def call(self) -> dict[str, Any]:
-        """``pending`` of an episode in the tool phase (only episodes with a committed action reach it)."""
-        assert self.pending is not None, f"episode {self.episode_id} has no pending action"
-        return self.pending
+# Episode and TERMINAL_STATES live in episode.py (the scheduler reads them too); their old paths here still work
+__all__ = ["DEFAULT_TOOL_TIMEOUT_S", "HARNESS_VERSION", "TERMINAL_STATES", "Episode", "Harness", "parse_answer",
+           "parse_call"]
 
 
 def _now() -> datetime:
@@ -139,6 +100,12 @@ def parse_answer(turn: list[int]) -> str | None:
         if all(t >= len(vocab.SPECIAL) for t in body):
             return vocab.decode(body)
     return None
+
+
+def scripted_turns(env: Environment) -> int:
+    """An environment's ``scripted_tool_turns``: its first N turns are tool calls whose argument is
+    the turn's text, whatever the policy wrote (a load generator: envs/relay.py); 0 = none."""
+    return int(getattr(env, "scripted_tool_turns", 0) or 0)
 
 
 def parse_call(turn: list[int]) -> str | None:
@@ -187,7 +154,7 @@ class Harness:
         self._ended: list[Episode] = []   # terminal since the scheduler last looked
 
     # -- events ------------------------------------------------------------------------
-    def _event(self, ep: Episode, event_type: str, *, step: int, action_id: str = "", state: str | None = None,
+    def _event(self, ep: Episode, event_type: str, *, step: int, action_id: str = "", state: EpisodeState | None = None,
                payload: dict[str, Any] | None = None, version: int | None = None) -> None:
         if state is not None:
             ep.state = state
@@ -203,12 +170,22 @@ class Harness:
             "created_at": _now().isoformat(),
         })
 
+    def tool_waiting(self, ep: Episode) -> None:
+        """TOOL_WAITING: the committed action is handed to its tool (the scheduler queues the call)."""
+        p = ep.call
+        self._event(ep, "TOOL_WAITING", step=p["step"], action_id=p["action_id"], state="TOOL_WAITING")
+
+    def next_ended(self) -> Episode | None:
+        """The oldest episode that became terminal and was not handed on yet (None: none); the scheduler
+        hands each to the worker."""
+        return self._ended.pop(0) if self._ended else None
+
     # -- episodes ------------------------------------------------------------------------
     def new_episode(self, *, episode_id: str, group_id: str, group_size: int, task: Task, seed: int,
                     policy_version: int, extra: dict[str, Any] | None = None) -> Episode:
         # [i28 rendering] the codec renders the prompt: text protocol, or the env's chat messages
-        ep = Episode(episode_id, group_id, group_size, task, seed, self.codec.prompt_ids(task),
-                     policy_version=policy_version)
+        ep = Episode(episode_id=episode_id, group_id=group_id, group_size=group_size, task=task, seed=seed,
+                     prompt_ids=self.codec.prompt_ids(task), policy_version=policy_version)
         if isinstance(self.env, Stateful):       # the episode's own state, from the task's snapshot
             ep.env_state_hash = self.env.open(episode_id, task)
             extra = (extra or {}) | {"env_state_hash": ep.env_state_hash}
@@ -240,7 +217,7 @@ class Harness:
         ``on_finish(ep)`` is told of each terminal episode and may return new ones
         (retries); ``tick()`` runs at every turn of the loop (the worker ships
         finished trajectories there)."""
-        return _Scheduler(self, episodes, feed, on_finish, tick).run()
+        return Scheduler(self, episodes, feed, on_finish, tick).run()
 
     def restore(self, ep: Episode) -> None:
         """A stateful episode rebuilt after a crash: its state again from the recorded
@@ -257,29 +234,29 @@ class Harness:
         else:
             err = f"the snapshot is {state}, the episode started from {ep.env_state_hash}"
         if state is None or state != ep.env_state_hash:
-            self._terminal(ep, "INFRA_FAILED", "ENV_ERROR", "stop_sequence", None, None,
+            self.terminal(ep, "INFRA_FAILED", "ENV_ERROR", "stop_sequence", None, None,
                            {"error": f"cannot restore the episode's state: {err}"})
 
     # -- one turn ------------------------------------------------------------------------
-    def _start_turn(self, ep: Episode, version: int) -> None:
+    def start_turn(self, ep: Episode, version: int) -> None:
         """GENERATING: the turn's context is final (a pending observation joins it first)."""
         if ep.pending is not None and "output" in ep.pending:
             self._observe(ep)
             if ep.done:
                 return
         if ep.response_ids and self._past_wall_clock(ep):       # ran out while waiting for the engine
-            self._terminal(ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None,
+            self.terminal(ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None,
                            {"error": "the wall clock ran out waiting for the engine"})
             return
         if ep.state == "CREATED":
             ep.policy_version = version if ep.turns == 0 else ep.policy_version
         self._event(ep, "GENERATING", step=ep.turns, state="GENERATING", version=version, payload={"turn": ep.turns})
 
-    def _sampling(self, budget: int) -> Sampling:
+    def turn_sampling(self, budget: int) -> Sampling:
         return Sampling(self.sampling.temperature, self.sampling.top_p, max(budget, 1),
                         self.sampling.stop_ids if self.codec.char else self.codec.stop_ids)
 
-    def _budget(self, ep: Episode) -> int:
+    def turn_budget(self, ep: Episode) -> int:
         return max(1, min(self.limits.max_tokens_per_turn, self.limits.max_total_tokens - self._spent(ep)))
 
     def _spent(self, ep: Episode) -> int:
@@ -287,10 +264,10 @@ class Harness:
         policy's alone when observations have their own budget."""
         return sum(ep.mask) if self.limits.obs_budget else len(ep.response_ids)
 
-    def _request(self, ep: Episode) -> Request:
+    def turn_request(self, ep: Episode) -> Request:
         return Request(tuple(self.next_turn_context(ep)), 1, derive_seed(ep.seed, ep.turns))
 
-    def _end_turn(self, ep: Episode, c: Any, version: int, meta: dict[str, Any]) -> str | None:
+    def end_turn(self, ep: Episode, c: Any, version: int, meta: dict[str, Any]) -> str | None:
         """Record a generated turn; returns ``"tool"`` (an action was committed),
         ``"verify"`` (a final turn) or None (terminal)."""
         turn, lps = list(c.token_ids), [float(x) for x in c.logprobs]
@@ -305,9 +282,14 @@ class Harness:
         ep.turns += 1
         turn_payload = {"turn": ep.turns - 1, "ids": turn, "logprobs": lps, "version": version} | meta
         if self._past_wall_clock(ep):
-            self._terminal(ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None, turn_payload)
+            self.terminal(ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None, turn_payload)
             return None
-        call = parse_call(turn) if self.codec.char else codecs.parse_turn(self.codec, turn)[0]
+        if ep.turns <= scripted_turns(self.env):   # the environment takes the turn's text as its call, whatever it is
+            call, finish = self.codec.decode(turn), "stop"
+        elif scripted_turns(self.env):            # ... and the turn after the last one as the final turn
+            call, finish = None, "stop"
+        else:
+            call = parse_call(turn) if self.codec.char else codecs.parse_turn(self.codec, turn)[0]
         if finish == "length":
             self._reject(ep, "max_length", turn_payload)
         elif call is not None and self.env.multi_turn:
@@ -329,15 +311,15 @@ class Harness:
             return "verify"
         return None
 
-    def _reject(self, ep: Episode, stop_reason: str, turn_payload: dict[str, Any]) -> None:
+    def _reject(self, ep: Episode, stop_reason: StopReason, turn_payload: dict[str, Any]) -> None:
         v = self.env.verify(ep.task, None, ep.tool_calls)   # components of a failed format
-        self._terminal(ep, "REJECTED", "FAIL", stop_reason, 0.0, v.components, turn_payload)
+        self.terminal(ep, "REJECTED", "FAIL", stop_reason, 0.0, v.components, turn_payload)
 
     def _past_wall_clock(self, ep: Episode, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) - ep.started > self.limits.wall_clock_s
 
     # -- tools ---------------------------------------------------------------------------
-    def _tool_timeout(self) -> float:
+    def tool_timeout(self) -> float:
         """The per-call deadline: the run's ``tool_timeout_s`` when set (> 0), else the
         environment's declared ``tool_timeout_s``, else none."""
         return float(self.limits.tool_timeout_s or getattr(self.env, "tool_timeout_s", 0) or DEFAULT_TOOL_TIMEOUT_S)
@@ -356,7 +338,7 @@ class Harness:
         faults land whatever the order calls run in and whatever the workers."""
         return random.Random(derive_seed(self.faults.seed, "fault", kind, self.draw_key(ep, str(step))))
 
-    def _tool_fault(self, ep: Episode) -> Exception | None:
+    def tool_fault(self, ep: Episode) -> Exception | None:
         rng = self._draw("tool", ep, ep.call["step"])
         if rng.random() < self.faults.tool_timeout:
             return ToolTimeout("injected tool timeout")
@@ -364,16 +346,16 @@ class Harness:
             return ToolError("injected environment crash")
         return None
 
-    def _tool_call(self, ep: Episode, pause_s: float) -> Any:
+    def call_tool(self, ep: Episode, pause_s: float) -> Any:
         """Runs in a tool thread: the injected latency, then the environment's tool."""
         if pause_s > 0:
             time.sleep(pause_s)
         p = ep.call
         return self.env.step(ep.task, p["text"], key=f"{ep.episode_id}/{p['action_id']}")
 
-    def _tool_result(self, ep: Episode, out: Any, meta: dict[str, Any]) -> None:
+    def record_tool_result(self, ep: Episode, out: Any, meta: dict[str, Any]) -> None:
         """Record a tool call's outcome (main thread). An executed call's
-        observation joins the context when its next turn starts (``_start_turn``)."""
+        observation joins the context when its next turn starts (``start_turn``)."""
         p = ep.call
         if isinstance(out, ToolTimeout):
             naive_reward = getattr(self.env, "infra_failure_reward", None)
@@ -381,20 +363,20 @@ class Harness:
                 # ablation only (benchmarks/bench_gates.py): the naive harness that scores a
                 # timeout as the policy's failure instead of recording "no valid evaluation"
                 v = self.env.verify(ep.task, None, ep.tool_calls)
-                self._terminal(ep, "REJECTED", "FAIL", "env_timeout", float(naive_reward), v.components,
+                self.terminal(ep, "REJECTED", "FAIL", "env_timeout", float(naive_reward), v.components,
                                {"error": str(out)})
                 return
-            self._terminal(ep, "INFRA_FAILED", "ENV_ERROR", "env_timeout", None, None, {"error": str(out)})
+            self.terminal(ep, "INFRA_FAILED", "ENV_ERROR", "env_timeout", None, None, {"error": str(out)})
             return
         if isinstance(out, BaseException):   # any environment failure is an infra failure
-            self._terminal(ep, "INFRA_FAILED", "ENV_ERROR", "stop_sequence", None, None,
+            self.terminal(ep, "INFRA_FAILED", "ENV_ERROR", "stop_sequence", None, None,
                            {"error": f"{type(out).__name__}: {out}"})
             return
         self.tool_executions += 1
         try:
             out, cut = self._fit_observation(ep, out)
         except observe.BudgetSpent as exc:   # the episode's observation budget is spent: the environment's doing
-            self._terminal(ep, "INFRA_FAILED", "ENV_ERROR", "obs_budget", None, None, {"error": str(exc)})
+            self.terminal(ep, "INFRA_FAILED", "ENV_ERROR", "obs_budget", None, None, {"error": str(exc)})
             return
         p["output"] = out
         self._event(ep, "ACTION_EXECUTED", step=p["step"], action_id=p["action_id"], state="TOOL_WAITING",
@@ -432,16 +414,16 @@ class Harness:
         self._event(ep, "OBSERVATION_PERSISTED", step=p["step"], action_id=p["action_id"], state="GENERATING",
                     payload={"obs": obs})
         if self._past_wall_clock(ep):
-            self._terminal(ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None, None)
+            self.terminal(ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None, None)
         elif self._spent(ep) >= self.limits.max_total_tokens:
             # past the budget through the tool's output alone: an environment outcome, never the
             # policy's failure (it was REJECTED / max_length with reward 0 before issue 41)
-            self._terminal(ep, "INFRA_FAILED", "ENV_ERROR", "obs_budget", None, None,
+            self.terminal(ep, "INFRA_FAILED", "ENV_ERROR", "obs_budget", None, None,
                            {"error": f"the observation took the episode past max_total_tokens "
                                      f"({len(ep.response_ids)} >= {self.limits.max_total_tokens})"})
 
     # -- verification ----------------------------------------------------------------------
-    def _verify_call(self, ep: Episode, pause_s: float) -> Verification:
+    def call_verifier(self, ep: Episode, pause_s: float) -> Verification:
         """Runs in a verifier thread: the injected latency, then the environment's verifier."""
         if pause_s > 0:
             time.sleep(pause_s)
@@ -451,33 +433,33 @@ class Harness:
         turn = ep.final_turn or []
         return parse_answer(turn) if self.codec.char else codecs.parse_turn(self.codec, turn)[1]
 
-    def _final_stop(self, ep: Episode) -> str:
+    def _final_stop(self, ep: Episode) -> StopReason:
         turn = ep.final_turn or []
         return "eos" if turn and turn[-1] == self.codec.eos_id else "stop_sequence"
 
-    def _verify_fault(self, ep: Episode) -> Exception | None:
+    def verifier_fault(self, ep: Episode) -> Exception | None:
         if self._draw("verifier", ep, ep.turns).random() < self.faults.verifier_error:
             return RuntimeError("injected verifier error")
         return None
 
-    def _verified(self, ep: Episode, out: Any, meta: dict[str, Any]) -> None:
+    def record_verdict(self, ep: Episode, out: Any, meta: dict[str, Any]) -> None:
         stop = self._final_stop(ep)
         if not isinstance(out, BaseException):
             bad = self._verifier_extras(ep, out)
             if bad:   # the environment broke its own contract: its verdict is not trusted (null reward)
                 out = RuntimeError(bad)
         if isinstance(out, VerifierTimeout):
-            self._terminal(ep, "INFRA_FAILED", "UNKNOWN", "verifier_timeout", None, None,
+            self.terminal(ep, "INFRA_FAILED", "UNKNOWN", "verifier_timeout", None, None,
                            {"error": f"verifier_timeout: {out}"} | meta)
         elif isinstance(out, BaseException):
-            self._terminal(ep, "INFRA_FAILED", "UNKNOWN", stop, None, None,
+            self.terminal(ep, "INFRA_FAILED", "UNKNOWN", stop, None, None,
                            {"error": f"verifier: {type(out).__name__}: {out}"} | meta)
         elif out.verdict == "UNKNOWN" or out.reward is None:
-            self._terminal(ep, "INFRA_FAILED", "UNKNOWN", stop, None, out.components or None, meta or None)
+            self.terminal(ep, "INFRA_FAILED", "UNKNOWN", stop, None, out.components or None, meta or None)
         elif not out.format_ok:
-            self._terminal(ep, "REJECTED", "FAIL", stop, 0.0, out.components, meta or None)
+            self.terminal(ep, "REJECTED", "FAIL", stop, 0.0, out.components, meta or None)
         else:
-            self._terminal(ep, "ACCEPTED", out.verdict, stop, float(out.reward), out.components, meta or None)
+            self.terminal(ep, "ACCEPTED", out.verdict, stop, float(out.reward), out.components, meta or None)
 
     @staticmethod
     def _verifier_extras(ep: Episode, out: Any) -> str | None:
@@ -499,8 +481,9 @@ class Harness:
         ep.confidence = None if conf is None else float(conf)
         return None
 
-    def _terminal(self, ep: Episode, status: str, verdict: str, stop_reason: str, reward: float | None,
-                  components: dict[str, float] | None, payload: dict[str, Any] | None) -> None:
+    def terminal(self, ep: Episode, status: Status, verdict: Verdict, stop_reason: StopReason, reward: float | None,
+                 components: dict[str, float] | None, payload: dict[str, Any] | None) -> None:
+        """End ``ep``: its trajectory row, then its TERMINAL event (status / verdict / stop_reason / reward)."""
         ep.status, ep.verdict, ep.stop_reason, ep.reward, ep.components = status, verdict, stop_reason, reward, components
         ep.pending = None
         finished = _now()
@@ -525,7 +508,7 @@ class Harness:
         self.cancelled += 1
         payload = {"error": "cancelled: the run had the groups it needed (group_redundancy)"}
         if ep.response_ids:
-            self._terminal(ep, "EXPIRED", "UNKNOWN", "cancelled", None, None, payload)
+            self.terminal(ep, "EXPIRED", "UNKNOWN", "cancelled", None, None, payload)
             return
         ep.status, ep.verdict, ep.stop_reason, ep.reward, ep.components = "EXPIRED", "UNKNOWN", "cancelled", None, None
         ep.pending = None

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pipeline.lake.delta import Lake
     from pipeline.lake.lease import Lease
-    from pipeline.rollout.run import RolloutConfig
+    from pipeline.rollout.config import RolloutConfig
 
 
 WATCHDOG_S = 0.5
@@ -27,7 +27,7 @@ _PARENT: int | None = None
 _LEASE: tuple[Any, float] | None = None     # (the owner's shared "lease valid until", lease_s)
 
 
-def _die_with_parent(parent_pid: int, pdeathsig: bool = True, valid_until=None, lease_s: float = 0.0) -> None:
+def die_with_parent(parent_pid: int, pdeathsig: bool = True, valid_until=None, lease_s: float = 0.0) -> None:
     """Worker-process initializer: never outlive the run's owner. The kernel sends
     SIGKILL when the parent dies (PR_SET_PDEATHSIG, Linux); a watchdog thread
     polling the parent pid covers kernels and sandboxes without it and the window
@@ -61,7 +61,7 @@ def _die_with_parent(parent_pid: int, pdeathsig: bool = True, valid_until=None, 
     threading.Thread(target=watch, name="owner-watchdog", daemon=True).start()
 
 
-def _parent_alive() -> None:
+def parent_alive() -> None:
     from pipeline.errors import ConflictError
 
     if _PARENT is not None and os.getppid() != _PARENT:

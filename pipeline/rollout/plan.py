@@ -1,5 +1,5 @@
 """What a worker owes: its groups (``plan``) and the retries of their failed
-members (``_retries``), every id and seed a function of the config, so a
+members (``plan_retries``), every id and seed a function of the config, so a
 restarted run knows exactly which episodes it owes.
 """
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.rollout.engine import derive_seed
 
 if TYPE_CHECKING:
-    from pipeline.rollout.run import RolloutConfig
+    from pipeline.rollout.config import RolloutConfig
 
 
 def launched_groups(cfg: RolloutConfig) -> int:
@@ -38,7 +38,7 @@ def retry_id(group_id: str, n: int) -> str:
     return f"{group_id}-r{n}"
 
 
-def _worker_share(total: int, workers: int, worker: int) -> int:
+def worker_share(total: int, workers: int, worker: int) -> int:
     return total // workers + (1 if worker < total % workers else 0)
 
 
@@ -48,7 +48,7 @@ def needs_retry(ep) -> bool:
     return ep.stop_reason != "cancelled" and (ep.status == "INFRA_FAILED" or ep.verdict == "UNKNOWN")
 
 
-def _retries(cfg: RolloutConfig, harness, holder, index, state, last, wave, budget: int, summary):
+def plan_retries(cfg: RolloutConfig, harness, holder, index, state, last, wave, budget: int, summary):
     """New episodes for the failed members of ``last`` (this wave's previous round):
     one per failed member while its group has retries left (``retry_group_budget``,
     counting those already on record) and the worker's share of ``retry_run_budget``

@@ -25,11 +25,11 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from pipeline.rollout.envs import Task
-from pipeline.rollout.harness import Episode
+from pipeline.rollout.episode import Episode
 
 if TYPE_CHECKING:
     from pipeline.lake.delta import Lake
-    from pipeline.rollout.run import RolloutConfig
+    from pipeline.rollout.config import RolloutConfig
 
 
 def rebuild(records: list[dict[str, Any]], tasks: dict[str, tuple[Task, str, int]]) -> dict[str, Episode | None]:
@@ -58,8 +58,8 @@ def rebuild(records: list[dict[str, Any]], tasks: dict[str, tuple[Task, str, int
         if created is None:
             continue
         cp = json.loads(created["payload"])
-        ep = Episode(eid, group_id, group_size, task, int(cp["seed"]), list(cp["prompt_ids"]),
-                     policy_version=int(created["policy_version"]))
+        ep = Episode(episode_id=eid, group_id=group_id, group_size=group_size, task=task, seed=int(cp["seed"]),
+                     prompt_ids=list(cp["prompt_ids"]), policy_version=int(created["policy_version"]))
         ep.written = set(evs)
         ep.env_state_hash = cp.get("env_state_hash")
         executed: list[str] = []           # a stateful episode's executed actions, re-applied on restore

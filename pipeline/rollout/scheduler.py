@@ -2,7 +2,10 @@
 tool and verifier calls under deadlines and stepping the engine on whatever is
 ready (pipeline/rollout/harness.py records what each step does).
 
-Streaming (``_Scheduler``): there is no wave barrier. When an episode's turn
+The scheduler meets the harness through ``Stepper``, the interface it owns
+(the harness implements it; this module imports nothing of the harness).
+
+Streaming (``Scheduler``): there is no wave barrier. When an episode's turn
 is generated it goes to its tool or its verifier, each a daemon thread (at
 most ``tool_concurrency`` / ``verifier_concurrency`` at once) under a deadline
 (``tool_timeout_s`` else the environment's, else 30s; ``verify_timeout_s``)
@@ -16,6 +19,10 @@ out) and its thread is abandoned, so no episode's outcome depends on another
 episode's latency. Only the loop's thread writes the spool and calls the
 engine. ``Schedule.order = "waves"`` keeps the old lockstep order (the
 baseline of benchmarks/bench_rollout.py).
+
+The calls themselves (staged until the spool is synced, queued, running in
+their threads, collected, taken out past a deadline) are the scheduler's
+``CallPool``; the loop decides what the engine does next.
 
 The tool and verifier pools are sized for I/O by default (``settings.pool_size``:
 the episodes in flight, at most ``POOL_CAP``, and never past the environment's
@@ -42,13 +49,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Iterator, Literal, Protocol
 
+from pipeline.rollout.engine import Engine, Request, Sampling
 from pipeline.rollout.envs import ToolTimeout
-from pipeline.rollout.settings import pool_size
+from pipeline.rollout.episode import Episode, Status, StopReason, Verdict
+from pipeline.rollout.settings import Faults, Latency, Limits, Schedule, pool_size
 
-if TYPE_CHECKING:  # the harness imports this module; these names are for the type checker only
-    from pipeline.rollout.harness import Episode, Harness
+CallKind = Literal["tool", "verify"]
 
 
 class EngineStats:
@@ -91,11 +99,56 @@ class VerifierTimeout(Exception):
     """A verifier call did not answer within ``verify_timeout_s``."""
 
 
+class Stepper(Protocol):
+    """What the scheduler needs of a harness (pipeline/rollout/harness.py implements it): its
+    settings, its counters, and the steps of an episode, each recording what it does in the spool.
+    The scheduler decides when each step runs; the harness what it does."""
+
+    env: Any
+    spool: Any
+    worker_id: str
+    limits: Limits
+    schedule: Schedule
+    faults: Faults
+    latency: Latency
+    stats: EngineStats
+    before_tools: Callable[[], Any] | None
+    engine_fn: Callable[[], tuple[Engine, int]]
+    follow_every_turn: bool
+    engine_changed: bool            # the worker switched the policy between episodes: the next step reloads
+    cancel_rest: bool               # the worker has its groups: end the active episodes (``Stepper.cancel``)
+    pool_bounds: dict[str, int]     # set by the scheduler: the pool sizes it runs with
+    tools_abandoned: int            # counted by the scheduler: calls left behind past their deadline
+    verifiers_abandoned: int
+
+    def next_ended(self) -> Episode | None: ...
+    def restore(self, ep: Episode) -> None: ...
+    def terminal(self, ep: Episode, status: Status, verdict: Verdict, stop_reason: StopReason, reward: float | None,
+                 components: dict[str, float] | None, payload: dict[str, Any] | None) -> None: ...
+    def cancel(self, ep: Episode) -> None: ...
+    # a turn
+    def start_turn(self, ep: Episode, version: int) -> None: ...
+    def turn_budget(self, ep: Episode) -> int: ...
+    def turn_sampling(self, budget: int) -> Sampling: ...
+    def turn_request(self, ep: Episode) -> Request: ...
+    def end_turn(self, ep: Episode, c: Any, version: int, meta: dict[str, Any]) -> str | None: ...
+    # tool and verifier calls
+    def tool_waiting(self, ep: Episode) -> None: ...
+    def draw_key(self, ep: Episode, call: str) -> str: ...
+    def tool_fault(self, ep: Episode) -> Exception | None: ...
+    def verifier_fault(self, ep: Episode) -> Exception | None: ...
+    def tool_timeout(self) -> float: ...
+    def call_tool(self, ep: Episode, pause_s: float) -> Any: ...
+    def call_verifier(self, ep: Episode, pause_s: float) -> Any: ...
+    def record_tool_result(self, ep: Episode, out: Any, meta: dict[str, Any]) -> None: ...
+    def record_verdict(self, ep: Episode, out: Any, meta: dict[str, Any]) -> None: ...
+
+
 @dataclass
 class _Call:
     """A tool or verifier call: queued, then running in a daemon thread under its deadline."""
 
-    kind: str                       # "tool" | "verify"
+    kind: CallKind
     ep: Episode
     fault: Exception | None
     queued: float
@@ -107,7 +160,179 @@ class _Call:
     finished: bool = False          # answered (its slot is free; the loop has yet to record it)
 
 
-class _Scheduler:
+class CallPool:
+    """The tool and verifier calls of one scheduler: staged until the spool is synced
+    (``publish``), then queued, then running in daemon threads, at most ``bounds[kind]``
+    of a kind at once, each under its deadline. Outcomes go to a completion queue the
+    scheduler's loop reads (``finished``); calls past their deadline or their episode's
+    wall clock are taken out (``overdue``), their threads abandoned."""
+
+    def __init__(self, h: Stepper, bounds: dict[str, int], *, chain: bool) -> None:
+        self.h = h
+        self.bounds = bounds
+        # call threads start the next queued call themselves, except where the loop must order
+        # things: the crash-test faults (an exact crash point) and shipping before tools run
+        self.chain = chain
+        self.queues: dict[str, deque[_Call]] = {"tool": deque(), "verify": deque()}
+        self.running: dict[int, _Call] = {}
+        self.staged: list[_Call] = []                          # queued, waiting for the spool sync
+        self.lock = threading.Lock()                           # queues + running, shared with the call threads
+        self.done: queue.SimpleQueue = queue.SimpleQueue()     # (token, outcome, finished at)
+        self.ship_first = False         # a committed action needs before_tools before its tool runs
+        self._token = itertools.count(1)
+
+    def stage(self, kind: CallKind, ep: Episode, now: float) -> None:
+        """Stage a call; it becomes runnable once the spool is synced (``publish``)."""
+        h = self.h
+        if kind == "tool":
+            fault = h.tool_fault(ep)
+            key = h.draw_key(ep, ep.call["action_id"])
+            self.ship_first = self.ship_first or h.before_tools is not None
+        else:
+            fault = h.verifier_fault(ep)
+            key = h.draw_key(ep, f"verify{ep.turns}")
+        pause = 0.0 if fault is not None else h.latency.draw(kind, key)
+        self.staged.append(_Call(kind, ep, fault, now, pause_s=pause))
+
+    def publish(self) -> None:
+        """Make the staged calls runnable: the spool first (every ACTION_COMMITTED and
+        TOOL_WAITING is durable before its tool can run), then the queues."""
+        if not self.staged:
+            return
+        self.h.spool.sync()
+        now = time.monotonic()
+        with self.lock:
+            for c in self.staged:
+                c.published = now
+                self.queues[c.kind].append(c)
+        self.staged.clear()
+
+    def calls(self) -> list[_Call]:
+        """The calls running."""
+        with self.lock:
+            return list(self.running.values())
+
+    def queued(self) -> list[_Call]:
+        """The calls queued for a slot."""
+        with self.lock:
+            return [c for q in self.queues.values() for c in q]
+
+    def busy(self) -> bool:
+        """A call is staged, queued or running."""
+        with self.lock:
+            return bool(self.running or self.queues["tool"] or self.queues["verify"] or self.staged)
+
+    def tools_busy(self) -> bool:
+        """A tool call is staged, queued or running."""
+        return bool(self.queues["tool"] or self.staged or any(c.kind == "tool" for c in self.calls()))
+
+    def _next(self, kind: CallKind) -> _Call | None:
+        """Under ``lock``: the next queued call of ``kind`` if a slot is free, registered as running."""
+        q = self.queues[kind]
+        if not q or sum(1 for c in self.running.values() if c.kind == kind and not c.finished) >= self.bounds[kind]:
+            return None
+        c = q.popleft()
+        c.token = next(self._token)
+        c.started = time.monotonic()
+        if c.started > c.published:
+            self.h.stats.slot_waits[kind].append((c.published, c.started))
+        timeout = self.h.tool_timeout() if kind == "tool" else float(self.h.limits.verify_timeout_s or math.inf)
+        c.deadline = c.started + timeout
+        self.running[c.token] = c
+        return c
+
+    def dispatch(self) -> None:
+        """Publish the staged calls and start the queued ones that have a free slot."""
+        h = self.h
+        self.publish()
+        for kind in ("tool", "verify"):
+            while True:
+                if kind == "tool" and self.ship_first and self.queues["tool"]:
+                    self.ship_first = False
+                    if h.before_tools is not None:
+                        h.before_tools()          # committed actions reach the lake before any of their tools run
+                with self.lock:
+                    c = self._next(kind)
+                if c is None:
+                    break
+                threading.Thread(target=self._work, args=(c,), name=f"{kind}-{c.ep.episode_id}",
+                                 daemon=True).start()
+
+    def _work(self, c: _Call | None) -> None:
+        """A call thread: run the call, hand its outcome to the loop; then (``chain``)
+        free its slot and run the next queued call of its kind, so a finished call
+        does not wait for the loop (busy with the engine) to start the next one."""
+        while c is not None:
+            if c.fault is not None:
+                out: Any = c.fault
+            else:
+                try:
+                    out = (self.h.call_tool(c.ep, c.pause_s) if c.kind == "tool"
+                           else self.h.call_verifier(c.ep, c.pause_s))
+                except BaseException as exc:  # noqa: BLE001 - handed to the harness as the call's outcome
+                    out = exc
+            self.done.put((c.token, out, time.monotonic()))
+            if not self.chain:
+                return
+            with self.lock:
+                c.finished = True
+                c = self._next(c.kind)
+
+    def finished(self, timeout: float | None) -> Iterator[tuple[_Call, Any, float]]:
+        """The calls that answered, with their outcome and when (waiting up to ``timeout`` for
+        the first); a late answer of a call abandoned at its deadline is dropped."""
+        try:
+            item = self.done.get(timeout=timeout) if timeout is None or timeout > 0 else self.done.get_nowait()
+        except queue.Empty:
+            item = None
+        while item is not None:
+            token, out, at = item
+            with self.lock:
+                c = self.running.pop(token, None)
+            if c is not None:               # None: abandoned at its deadline, a late answer
+                yield c, out, at
+            try:
+                item = self.done.get_nowait()
+            except queue.Empty:
+                item = None
+
+    def overdue(self, now: float, wall_s: float) -> tuple[list[_Call], list[_Call]]:
+        """Take out (queued calls whose episode's wall clock ran out, running calls past their
+        deadline or their episode's wall clock): the latter's threads are abandoned."""
+        expired: list[_Call] = []
+        overdue: list[_Call] = []
+        with self.lock:
+            for q in self.queues.values():              # a call still queued when its episode's wall clock ran out
+                for c in [c for c in q if now >= c.ep.started + wall_s]:
+                    q.remove(c)
+                    expired.append(c)
+            for token, c in list(self.running.items()):
+                if not c.finished and now >= min(c.deadline, c.ep.started + wall_s):
+                    del self.running[token]             # abandoned: its thread is a daemon, its answer ignored
+                    overdue.append(c)
+        return expired, overdue
+
+    def drain(self) -> list[_Call]:
+        """Take out every call not answered yet: queued and staged ones are dropped, running
+        ones abandoned (their answers ignored, as past a deadline)."""
+        now = time.monotonic()
+        with self.lock:
+            calls = [c for q in self.queues.values() for c in q]
+            for q in self.queues.values():
+                q.clear()
+            for token, c in list(self.running.items()):
+                if not c.finished:
+                    del self.running[token]
+                    calls.append(c)
+        calls += self.staged
+        self.staged.clear()
+        for c in calls:
+            if c.published and not c.started:
+                self.h.stats.slot_waits[c.kind].append((c.published, now))
+        return calls
+
+
+class Scheduler:
     """Advances episodes independently. One loop, in the calling thread (the only
     writer of the spool and the only caller of the engine):
 
@@ -131,33 +356,24 @@ class _Scheduler:
     faults (kill/hold after the Nth execution) run tools one at a time and the
     engine waits for the tool queue, so the crash point is exact."""
 
-    def __init__(self, h: Harness, episodes: list[Episode], feed, on_finish, tick) -> None:
+    def __init__(self, h: Stepper, episodes: list[Episode], feed, on_finish, tick) -> None:
         self.h = h
         self.eps: list[Episode] = []
         self.ready: list[tuple[int, Episode, float]] = []      # (order, episode, ready since)
-        self.queues: dict[str, deque[_Call]] = {"tool": deque(), "verify": deque()}
-        self.running: dict[int, _Call] = {}
-        self.staged: list[_Call] = []                          # queued, waiting for the spool sync
-        self.lock = threading.Lock()                           # queues + running, shared with the call threads
-        self.done: queue.SimpleQueue = queue.SimpleQueue()     # (token, outcome, finished at)
         self.feed, self.on_finish, self.tick = feed, on_finish, tick
         self.exhausted = feed is None
         crash = bool(h.faults.kill_after_executed or h.faults.hold_after_executed)
         self.barrier = h.schedule.order == "waves"
         self.tool_barrier = crash
-        # call threads start the next queued call themselves, except where the loop must order
-        # things: the crash-test faults (an exact crash point) and shipping before tools run
-        self.chain = not crash and h.before_tools is None
         self.inflight_bound = max(1, int(h.schedule.max_inflight)) if h.schedule.max_inflight else 0
-        self.bounds = {"tool": 1 if crash else pool_size(h.limits.tool_concurrency, self.inflight_bound,
-                                                         getattr(h.env, "max_tool_concurrency", None)),
-                       "verify": pool_size(h.limits.verifier_concurrency, self.inflight_bound,
-                                           getattr(h.env, "max_verifier_concurrency", None))}
-        h.pool_bounds = dict(self.bounds)
+        bounds = {"tool": 1 if crash else pool_size(h.limits.tool_concurrency, self.inflight_bound,
+                                                    getattr(h.env, "max_tool_concurrency", None)),
+                  "verify": pool_size(h.limits.verifier_concurrency, self.inflight_bound,
+                                      getattr(h.env, "max_verifier_concurrency", None))}
+        h.pool_bounds = dict(bounds)
+        self.pool = CallPool(h, bounds, chain=not crash and h.before_tools is None)
         self.active = 0
-        self.ship_first = False         # a committed action needs before_tools before its tool runs
         self._order = itertools.count()
-        self._token = itertools.count(1)
         self._batch = 0
         self.engine: Any = None
         self.version = 0
@@ -184,149 +400,42 @@ class _Scheduler:
                 self.ready.append((next(self._order), ep, now))
             elif p is not None:
                 if not p.get("waiting"):
-                    h._event(ep, "TOOL_WAITING", step=p["step"], action_id=p["action_id"], state="TOOL_WAITING")
+                    h.tool_waiting(ep)
                 if p.get("unconfirmed") and not h.env.idempotent:
-                    h._terminal(ep, "INFRA_FAILED", "ENV_ERROR", "stop_sequence", None, None,
+                    h.terminal(ep, "INFRA_FAILED", "ENV_ERROR", "stop_sequence", None, None,
                                 {"error": "tool outcome unknown after a restart; the tool is not idempotent"})
                 else:
-                    self._queue("tool", ep, now)
+                    self.pool.stage("tool", ep, now)
             elif ep.state == "VERIFYING":
-                self._queue("verify", ep, now)
+                self.pool.stage("verify", ep, now)
             else:
                 self.ready.append((next(self._order), ep, now))
         self._finished()
 
-    def _queue(self, kind: str, ep: Episode, now: float) -> None:
-        """Stage a call; it becomes runnable once the spool is synced (``_publish``)."""
-        h = self.h
-        if kind == "tool":
-            fault = h._tool_fault(ep)
-            key = h.draw_key(ep, ep.call["action_id"])
-            self.ship_first = self.ship_first or h.before_tools is not None
-        else:
-            fault = h._verify_fault(ep)
-            key = h.draw_key(ep, f"verify{ep.turns}")
-        pause = 0.0 if fault is not None else h.latency.draw(kind, key)
-        self.staged.append(_Call(kind, ep, fault, now, pause_s=pause))
-
-    def _publish(self) -> None:
-        """Make the staged calls runnable: the spool first (every ACTION_COMMITTED and
-        TOOL_WAITING is durable before its tool can run), then the queues."""
-        if not self.staged:
-            return
-        self.h.spool.sync()
-        now = time.monotonic()
-        with self.lock:
-            for c in self.staged:
-                c.published = now
-                self.queues[c.kind].append(c)
-        self.staged.clear()
-
     def _finished(self) -> None:
         """Hand the episodes that just ended to ``on_finish`` (retries come back as new episodes)."""
-        while self.h._ended:
-            ep = self.h._ended.pop(0)
+        while (ep := self.h.next_ended()) is not None:
             self.active -= 1
             if self.on_finish is not None:
                 more = self.on_finish(ep)
                 if more:
                     self._add(more)
 
-    def _calls(self) -> list[_Call]:
-        with self.lock:
-            return list(self.running.values())
-
-    def _inflight(self) -> bool:
-        with self.lock:
-            return bool(self.running or self.queues["tool"] or self.queues["verify"] or self.staged)
-
     # -- calls -----------------------------------------------------------------------------
-    def _next(self, kind: str) -> _Call | None:
-        """Under ``lock``: the next queued call of ``kind`` if a slot is free, registered as running."""
-        q = self.queues[kind]
-        if not q or sum(1 for c in self.running.values() if c.kind == kind and not c.finished) >= self.bounds[kind]:
-            return None
-        c = q.popleft()
-        c.token = next(self._token)
-        c.started = time.monotonic()
-        if c.started > c.published:
-            self.h.stats.slot_waits[kind].append((c.published, c.started))
-        timeout = self.h._tool_timeout() if kind == "tool" else float(self.h.limits.verify_timeout_s or math.inf)
-        c.deadline = c.started + timeout
-        self.running[c.token] = c
-        return c
-
-    def _dispatch(self) -> None:
-        h = self.h
-        self._publish()
-        for kind in ("tool", "verify"):
-            while True:
-                if kind == "tool" and self.ship_first and self.queues["tool"]:
-                    self.ship_first = False
-                    if h.before_tools is not None:
-                        h.before_tools()          # committed actions reach the lake before any of their tools run
-                with self.lock:
-                    c = self._next(kind)
-                if c is None:
-                    break
-                threading.Thread(target=self._work, args=(c,), name=f"{kind}-{c.ep.episode_id}",
-                                 daemon=True).start()
-
-    def _work(self, c: _Call | None) -> None:
-        """A call thread: run the call, hand its outcome to the loop; then (``chain``)
-        free its slot and run the next queued call of its kind, so a finished call
-        does not wait for the loop (busy with the engine) to start the next one."""
-        while c is not None:
-            if c.fault is not None:
-                out: Any = c.fault
-            else:
-                try:
-                    out = (self.h._tool_call(c.ep, c.pause_s) if c.kind == "tool"
-                           else self.h._verify_call(c.ep, c.pause_s))
-                except BaseException as exc:  # noqa: BLE001 - handed to the harness as the call's outcome
-                    out = exc
-            self.done.put((c.token, out, time.monotonic()))
-            if not self.chain:
-                return
-            with self.lock:
-                c.finished = True
-                c = self._next(c.kind)
-
     def _collect(self, timeout: float | None) -> None:
         """Record finished calls (waiting up to ``timeout`` for the first), then end overdue ones."""
         h = self.h
-        try:
-            item = self.done.get(timeout=timeout) if timeout is None or timeout > 0 else self.done.get_nowait()
-        except queue.Empty:
-            item = None
-        while item is not None:
-            token, out, at = item
-            with self.lock:
-                c = self.running.pop(token, None)
-            if c is not None and not c.ep.done:     # None: abandoned at its deadline, a late answer
+        for c, out, at in self.pool.finished(timeout):
+            if not c.ep.done:
                 self._resolved(c, out, at)
-            try:
-                item = self.done.get_nowait()
-            except queue.Empty:
-                item = None
         now = time.monotonic()
         wall_s = h.limits.wall_clock_s
-        expired: list[_Call] = []
-        overdue: list[_Call] = []
-        with self.lock:
-            for q in self.queues.values():              # a call still queued when its episode's wall clock ran out
-                for c in [c for c in q if now >= c.ep.started + wall_s]:
-                    q.remove(c)
-                    expired.append(c)
-            for token, c in list(self.running.items()):
-                if not c.finished and now >= min(c.deadline, c.ep.started + wall_s):
-                    del self.running[token]             # abandoned: its thread is a daemon, its answer ignored
-                    overdue.append(c)
+        expired, overdue = self.pool.overdue(now, wall_s)
         for c in expired:
             h.stats.slot_waits[c.kind].append((c.published, now))
-            h._terminal(c.ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None,
-                        {"error": f"the wall clock ran out while the {c.kind} call was queued "
-                                  f"(wall_clock_s={wall_s:g})", "waited_ms": round((now - c.queued) * 1000, 3)})
+            h.terminal(c.ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None,
+                       {"error": f"the wall clock ran out while the {c.kind} call was queued "
+                                 f"(wall_clock_s={wall_s:g})", "waited_ms": round((now - c.queued) * 1000, 3)})
         for c in overdue:
             if c.kind == "tool":
                 h.tools_abandoned += 1
@@ -334,15 +443,15 @@ class _Scheduler:
                 h.verifiers_abandoned += 1
             meta = {"waited_ms": round((now - c.queued) * 1000, 3)}
             if c.ep.started + wall_s <= c.deadline:     # the episode's wall clock ran out during the call
-                h._terminal(c.ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None,
-                            {"error": f"{c.kind} call outlived the episode's wall clock "
-                                      f"(wall_clock_s={wall_s:g})"} | meta)
+                h.terminal(c.ep, "EXPIRED", "UNKNOWN", "wall_clock", None, None,
+                           {"error": f"{c.kind} call outlived the episode's wall clock "
+                                     f"(wall_clock_s={wall_s:g})"} | meta)
             elif c.kind == "tool":
-                h._tool_result(c.ep, ToolTimeout(f"tool call exceeded its deadline of {c.deadline - c.started:g}s "
-                                                 f"(harness tool_timeout_s)"), meta)
+                h.record_tool_result(c.ep, ToolTimeout(f"tool call exceeded its deadline of "
+                                                       f"{c.deadline - c.started:g}s (harness tool_timeout_s)"), meta)
             else:
-                h._verified(c.ep, VerifierTimeout(f"verifier exceeded its deadline of "
-                                                  f"{c.deadline - c.started:g}s (verify_timeout_s)"), meta)
+                h.record_verdict(c.ep, VerifierTimeout(f"verifier exceeded its deadline of "
+                                                       f"{c.deadline - c.started:g}s (verify_timeout_s)"), meta)
         self._finished()
 
     def _resolved(self, c: _Call, out: Any, at: float) -> None:
@@ -351,11 +460,11 @@ class _Scheduler:
         h.stats.sample(c.kind, waited)
         meta = {"waited_ms": round(waited, 3), "injected_ms": round(c.pause_s * 1000, 3)}
         if c.kind == "tool":
-            h._tool_result(c.ep, out, meta)
+            h.record_tool_result(c.ep, out, meta)
             if not c.ep.done:
                 self.ready.append((next(self._order), c.ep, time.monotonic()))
         else:
-            h._verified(c.ep, out, meta)
+            h.record_verdict(c.ep, out, meta)
 
     # -- the engine ------------------------------------------------------------------------
     def _engine(self) -> None:
@@ -368,10 +477,10 @@ class _Scheduler:
             return False
         if self.continuous:
             return True
-        inflight = self._inflight()
+        inflight = self.pool.busy()
         if self.barrier:
             return not inflight
-        if self.tool_barrier and (self.queues["tool"] or self.staged or any(c.kind == "tool" for c in self._calls())):
+        if self.tool_barrier and self.pool.tools_busy():
             return False
         if not inflight or len(self.ready) >= self.h.schedule.max_batch:
             return True
@@ -394,7 +503,7 @@ class _Scheduler:
         batch = []
         now = time.monotonic()
         for ep, since in self._take():
-            h._start_turn(ep, self.version)
+            h.start_turn(ep, self.version)
             if not ep.done:
                 batch.append((ep, since))
         self._finished()
@@ -404,18 +513,18 @@ class _Scheduler:
         if self.continuous:
             for ep, since in batch:
                 rid = f"{ep.episode_id}/t{ep.turns}"
-                self.engine.add_request(rid, h._request(ep), h._sampling(h._budget(ep)))
+                self.engine.add_request(rid, h.turn_request(ep), h.turn_sampling(h.turn_budget(ep)))
                 self.generating[rid] = (ep, since, now)
             return
         self._batch += 1
         by_budget: dict[int, list[int]] = {}
         for i, (ep, _) in enumerate(batch):
-            by_budget.setdefault(h._budget(ep), []).append(i)
+            by_budget.setdefault(h.turn_budget(ep), []).append(i)
         outs: dict[int, Any] = {}
         t0 = time.perf_counter()
         for b, idx in by_budget.items():          # one engine call per distinct budget (usually one)
-            reqs = [h._request(batch[i][0]) for i in idx]
-            for i, comps in zip(idx, self.engine.generate(reqs, h._sampling(b))):
+            reqs = [h.turn_request(batch[i][0]) for i in idx]
+            for i, comps in zip(idx, self.engine.generate(reqs, h.turn_sampling(b))):
                 outs[i] = comps[0]
         busy = time.perf_counter() - t0
         h.stats.busy(busy, len(batch))
@@ -424,7 +533,7 @@ class _Scheduler:
         for i, (ep, since) in enumerate(batch):
             queued = (now - since) * 1000
             h.stats.sample("engine_queue", queued)
-            calls.append((ep, h._end_turn(ep, outs[i], self.version, meta | {"queue_ms": round(queued, 3)})))
+            calls.append((ep, h.end_turn(ep, outs[i], self.version, meta | {"queue_ms": round(queued, 3)})))
         self._after_turns(calls)
 
     def _step_continuous(self) -> None:
@@ -441,7 +550,7 @@ class _Scheduler:
             h.stats.sample("engine_queue", queued)
             meta = {"batch": f"{h.worker_id}:{rid}", "gen_ms": round((time.monotonic() - started) * 1000, 3),
                     "queue_ms": round(queued, 3)}
-            calls.append((ep, h._end_turn(ep, comp, self.version, meta)))
+            calls.append((ep, h.end_turn(ep, comp, self.version, meta)))
         self._after_turns(calls)
 
     def _after_turns(self, calls: list[tuple[Episode, str | None]]) -> None:
@@ -449,11 +558,10 @@ class _Scheduler:
         now = time.monotonic()
         for ep, nxt in calls:
             if nxt == "tool":
-                p = ep.call
-                h._event(ep, "TOOL_WAITING", step=p["step"], action_id=p["action_id"], state="TOOL_WAITING")
-                self._queue("tool", ep, now)
+                h.tool_waiting(ep)
+                self.pool.stage("tool", ep, now)
             elif nxt == "verify":
-                self._queue("verify", ep, now)
+                self.pool.stage("verify", ep, now)
         h.spool.sync()          # every ACTION_COMMITTED is durable before any tool runs
         self._finished()
 
@@ -465,20 +573,7 @@ class _Scheduler:
         next turn of the loop. The worker's feed then starts nothing new (it only hands
         over the episodes a restart left half-done, which end cancelled here too)."""
         h = self.h
-        now = time.monotonic()
-        with self.lock:
-            calls = [c for q in self.queues.values() for c in q]
-            for q in self.queues.values():
-                q.clear()
-            for token, c in list(self.running.items()):
-                if not c.finished:
-                    del self.running[token]
-                    calls.append(c)
-        calls += self.staged
-        self.staged.clear()
-        for c in calls:
-            if c.published and not c.started:
-                h.stats.slot_waits[c.kind].append((c.published, now))
+        calls = self.pool.drain()
         eps = [ep for _, ep, _ in self.ready] + [c.ep for c in calls]
         self.ready.clear()
         for ep in eps:
@@ -507,7 +602,7 @@ class _Scheduler:
             self._collect(0)
             if h.cancel_rest and self.active:
                 self._cancel()
-            self._dispatch()
+            self.pool.dispatch()
             self._more()
             if self.tick is not None:
                 self.tick()
@@ -525,14 +620,13 @@ class _Scheduler:
             wait = 0.5
             if self.ready and not self.barrier and not self.tool_barrier:
                 wait = min(wait, max(0.0, min(t for _, _, t in self.ready) + h.schedule.max_wait_ms / 1000 - now))
-            calls = self._calls()
-            with self.lock:
-                queued = [c for q in self.queues.values() for c in q]
+            calls = self.pool.calls()
+            queued = self.pool.queued()
             for c in calls:
                 wait = min(wait, max(0.0, min(c.deadline, c.ep.started + h.limits.wall_clock_s) - now))
             for c in queued:
                 wait = min(wait, max(0.0, c.ep.started + h.limits.wall_clock_s - now))
-            if not calls and not queued and not self.ready and not self.staged and self.active and self.exhausted:
+            if not calls and not queued and not self.ready and not self.pool.staged and self.active and self.exhausted:
                 raise RuntimeError(f"harness: {self.active} episodes are active but none can advance")
             self._collect(wait if calls else min(wait, 0.05))
         h.spool.sync()

@@ -24,7 +24,7 @@ from typing import Literal
 from pipeline.rollout.engine import derive_seed
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Limits:
     max_turns: int = 4
     max_tokens_per_turn: int = 16
@@ -75,7 +75,7 @@ class Schedule:
     max_inflight: int = 0            # episodes active at once when fed (0: no bound)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Latency:
     """Injected latency of tool and verifier calls: lognormal with mean ``*_ms``
     and log-sd ``*_sigma``; a share ``slow_*_p`` of the calls takes 10x. Seeded
@@ -111,7 +111,7 @@ class Latency:
         return ms / 1000
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Faults:
     """Fault injection (probabilities per tool call / verification)."""
 

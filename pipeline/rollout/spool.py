@@ -43,6 +43,17 @@ import pyarrow as pa
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
+    from pipeline.rollout.config import RolloutConfig
+
+
+def run_spool_dir(lake: Lake, cfg: RolloutConfig) -> Path:
+    """The run's spool folder: ``spool_dir`` when set, else ``<lake>/_spool/<run_id>`` (a remote lake's under
+    ``$PIPELINE_CACHE``, default ``~/.cache/pipeline``)."""
+    if cfg.spool_dir:
+        return Path(cfg.spool_dir)
+    base = Path(lake.uri) if lake.is_local else Path(os.environ.get("PIPELINE_CACHE",
+                                                                    Path.home() / ".cache" / "pipeline"))
+    return base / "_spool" / cfg.run_id
 
 
 def _safe(worker_id: str) -> str:
@@ -186,7 +197,7 @@ def ship_all(lake: Lake, spool_dir: str | os.PathLike[str], *, fsync: bool = Tru
     recorded event of the run, whatever ``--workers`` the crashed run had."""
     total = ShipReport()
     for path in sorted(Path(spool_dir).glob("*.spool.jsonl")) if Path(spool_dir).is_dir() else []:
-        worker_id = _spool_worker_id(path)
+        worker_id = spool_worker_id(path)
         if worker_id is None:
             continue                      # nothing complete was ever written to it
         spool = Spool(spool_dir, worker_id, fsync=fsync)
@@ -201,7 +212,7 @@ def ship_all(lake: Lake, spool_dir: str | os.PathLike[str], *, fsync: bool = Tru
     return total
 
 
-def _spool_worker_id(path: Path) -> str | None:
+def spool_worker_id(path: Path) -> str | None:
     """The worker id (the app id of its batches) that wrote the spool at ``path``:
     its event records carry it, and the file name is derived from it."""
     stem = path.name[:-len(".spool.jsonl")]

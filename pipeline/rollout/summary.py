@@ -1,15 +1,18 @@
 """What a rollout reports: ``RolloutSummary`` (one worker's, or the run's once
-``_merge`` has added up its workers') and the wait percentiles in it.
+``merge_summaries`` has added up its workers') and the wait percentiles in it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from pipeline.rollout.run import RolloutConfig
+    from pipeline.rollout.config import RolloutConfig
+
+
+BoundBy = Literal["engine", "tool_pool", "verify_pool"]
 
 
 @dataclass
@@ -44,8 +47,9 @@ class RolloutSummary:
     waits_ms: dict[str, dict[str, float]] = field(default_factory=dict)   # stage -> {p50, p95, n}
     pool_bounds: dict[str, int] = field(default_factory=dict)   # tool / verify -> threads of the pool (a worker's)
     pool_wait_s: dict[str, float] = field(default_factory=dict)  # tool / verify -> s a call waited for a slot
-    bound_by: str = "engine"                    # engine | tool_pool | verify_pool: pool wait > engine busy
+    bound_by: BoundBy = "engine"                # engine | tool_pool | verify_pool: pool wait > engine busy
     cancelled: int = 0                          # stragglers cancelled (group_redundancy): EXPIRED / cancelled
+    carried: int = 0                            # stragglers carried into a later round (straggler_policy=carry)
     groups_complete: int | None = None          # complete groups (group_redundancy > 0 only)
     rounds: int = 1                             # rounds of `groups` planned (continuous mode: more than 1)
     weight_switches: list[dict[str, Any]] = field(default_factory=list)   # {version, mode, seconds}
@@ -58,7 +62,7 @@ class RolloutSummary:
         return d
 
 
-def _percentiles(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+def percentiles(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     """stage -> {p50, p95, n} (nearest-rank) of the wait samples."""
     out = {}
     for stage, xs in samples.items():
@@ -73,7 +77,7 @@ def _percentiles(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]
     return out
 
 
-def _merge(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: float) -> RolloutSummary:
+def merge_summaries(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: float) -> RolloutSummary:
     s = RolloutSummary(cfg.run_id, cfg.env, cfg.engine, workers=cfg.workers, schedule=cfg.schedule)
     n_reward = 0
     reward_sum = 0.0
@@ -81,7 +85,7 @@ def _merge(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: float) -> R
     for p in parts:
         for k in ("trajectories", "landed", "events", "quarantined", "generated_tokens", "tool_executions", "resumed",
                   "rollout_seconds", "tools_abandoned", "retries", "retries_denied", "engine_busy_s", "engine_steps",
-                  "verifiers_abandoned", "weight_switches", "cancelled"):
+                  "verifiers_abandoned", "weight_switches", "cancelled", "carried"):
             setattr(s, k, getattr(s, k) + p[k])
         if p["groups_complete"] is not None:
             s.groups_complete = (s.groups_complete or 0) + p["groups_complete"]
@@ -108,13 +112,15 @@ def _merge(cfg: RolloutConfig, parts: list[dict[str, Any]], seconds: float) -> R
     slowest = max((p["rollout_seconds"] for p in parts), default=0.0)
     s.tokens_per_s = s.generated_tokens / slowest if slowest else 0.0
     s.engine_busy_share = s.engine_busy_s / s.rollout_seconds if s.rollout_seconds else 0.0   # per engine
-    s.waits_ms = _percentiles(s.samples)
+    s.waits_ms = percentiles(s.samples)
     s.bound_by = bound_by(s.engine_busy_s, s.pool_wait_s)
     return s
 
 
-def bound_by(engine_busy_s: float, pool_wait_s: dict[str, float]) -> str:
+def bound_by(engine_busy_s: float, pool_wait_s: dict[str, float]) -> BoundBy:
     """``engine``, or the pool (``tool_pool`` / ``verify_pool``) whose calls waited for a
     free slot longer than the engine was busy: that pool, not the engine, bounded the run."""
     kind, waited = max(pool_wait_s.items(), key=lambda kv: kv[1], default=("", 0.0))
-    return f"{kind}_pool" if waited > engine_busy_s else "engine"
+    if waited <= engine_busy_s:
+        return "engine"
+    return "tool_pool" if kind == "tool" else "verify_pool"

@@ -22,12 +22,22 @@ offline ``LLM`` engine loads the same HF directory the trainer writes.
   weights_path=...)``, vLLM's layerwise in-place reload; the CPU worker
   inherits it) and the prefix cache is reset, so cached KV of the old weights
   is never reused. No new engine is built.
+- ``apply_weight_deltas`` switches by a published version's sparse deltas
+  (pipeline.policy_store.delta): they are applied to a host copy of the served
+  weights (in the published dtype, read once from the served directory) and
+  only the changed tensors, with the other checkpoint tensors of the same
+  module (vLLM fuses q/k/v, gate/up and the experts into one layer, which its
+  in-place reload rebuilds whole), are pushed through the same in-place reload
+  (``weights_iterator``). A delta that stores a tensor whole, another
+  architecture or running requests: False, and the caller loads the full weights.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 from pipeline.rollout.engine import Completion, Request, Sampling, derive_seed, truncate_at_stop
 
@@ -66,8 +76,7 @@ class VLLMEngine:
 
             torch.set_num_threads(threads)
         self.hf_dir = Path(hf_dir)
-        import json
-
+        self._host: dict[str, Any] | None = None     # the served weights in the published dtype (deltas)
         cfg = json.loads((self.hf_dir / "config.json").read_text())
         self._vllm = vllm
         self._running: dict[str, tuple[int, Sampling]] = {}     # continuous batching: request id -> (seed, sampling)
@@ -133,19 +142,51 @@ class VLLMEngine:
     def load_weights(self, hf_dir: Path) -> bool:
         """Reload the weights of ``hf_dir`` into the running engine (same architecture
         only: False, changing nothing, otherwise)."""
-        import json
-
-        def arch(d: Path) -> dict:
-            cfg = json.loads((Path(d) / "config.json").read_text())
-            return {k: v for k, v in cfg.items() if k not in ("transformers_version", "_name_or_path")}
-
         hf_dir = Path(hf_dir)
-        if self._running or arch(hf_dir) != arch(self.hf_dir):
+        if self._running or _arch(hf_dir) != _arch(self.hf_dir):
             return False
+        self._host = None
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(hf_dir)})
         self.llm.reset_prefix_cache()
         self.hf_dir = hf_dir
         return True
+
+    def apply_weight_deltas(self, hf_dir: Path, deltas: list[tuple[dict[str, Any], list[str]]]) -> bool:
+        """Switch to the policy in ``hf_dir`` by its sparse weight deltas (oldest first,
+        each checked against its row): applied to the host copy, the changed modules'
+        tensors pushed in place. False, changing nothing, when this cannot apply them."""
+        from pipeline.policy_store.delta import apply_in_place, has_full, load_hf_weights
+
+        hf_dir = Path(hf_dir)
+        if self._running or has_full(deltas) or _arch(hf_dir, "dtype") != _arch(self.hf_dir, "dtype"):
+            return False
+        if self._host is None:
+            self._host = {k: v.contiguous() for k, v in load_hf_weights(self.hf_dir).items()}
+        if any(n not in self._host for _, names in deltas for n in names):
+            return False
+        try:
+            changed = apply_in_place(self._host, deltas)
+            keys = {_module_key(n) for n in changed}
+            self._reload([(n, t) for n, t in sorted(self._host.items()) if _module_key(n) in keys])
+        except BaseException:
+            self._host = None            # it may no longer be what the engine serves: read again next time
+            raise
+        self.llm.reset_prefix_cache()
+        self.hf_dir = hf_dir
+        return True
+
+    def _reload(self, weights: list[tuple[str, Any]]) -> None:
+        """vLLM's in-place reload of some checkpoint tensors (the layers they load into
+        rebuilt, the others kept); its per-layer notes about the layers left alone are silenced."""
+        import logging
+
+        log = logging.getLogger("vllm.model_executor.model_loader.reload")
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        finally:
+            log.setLevel(level)
 
     def generate(self, requests: list[Request], sampling: Sampling) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
@@ -164,3 +205,19 @@ class VLLMEngine:
             out.append(flat[pos:pos + r.n])
             pos += r.n
         return out
+
+
+def _arch(d: Path, *ignore: str) -> dict:
+    """config.json less version stamps (and ``ignore``): what must match to switch weights in place."""
+    cfg = json.loads((Path(d) / "config.json").read_text())
+    return {k: v for k, v in cfg.items() if k not in ("transformers_version", "_name_or_path", *ignore)}
+
+
+def _module_key(name: str) -> str:
+    """The module whose checkpoint tensors one vLLM layer may fuse: the tensor's module's
+    parent, numbered children (layers, experts) folded together
+    (``model.layers.0.self_attn.q_proj.weight`` -> ``model.layers.0.self_attn``)."""
+    parts = name.split(".")[:-2]
+    while parts and parts[-1].isdigit():
+        parts.pop()
+    return ".".join(parts)

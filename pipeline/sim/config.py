@@ -33,7 +33,7 @@ def _default_mix() -> dict[str, dict[str, Any]]:
     }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TaskClass:
     name: str
     weight: float
@@ -43,7 +43,7 @@ class TaskClass:
     n_tasks: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SimConfig:
     mode: Literal["sync", "async"] = field(default="async", metadata={
         "help": "sync: dispatch one batch with policy v, wait for every group, train, publish v+1, repeat "

@@ -59,6 +59,39 @@ def _pct(values: np.ndarray, q: float) -> float | None:
     return float(np.percentile(values, q)) if values.size else None
 
 
+def _per_class(classes: list[str], g_class: np.ndarray, t_class: np.ndarray, *, finished: np.ndarray,
+               decided: np.ndarray, admitted: np.ndarray, why: np.ndarray) -> dict[str, Any]:
+    """Per task class: groups created, completions, decisions and why the decided were not admitted."""
+    per_class: dict[str, Any] = {}
+    for k, name in enumerate(classes):
+        m = decided & (t_class == k)
+        nd = int(m.sum())
+        na = int((admitted & m).sum())
+        reasons = Counter(why[m & ~admitted].tolist())
+        stale = sum(reasons.get(r, 0) for r in STALE)
+        per_class[name] = {
+            "groups_created": int((g_class == k).sum()),
+            "completions": int((finished & (t_class == k)).sum()),
+            "decided": nd,
+            "admitted": na,
+            "rejection_rate": (1 - na / nd) if nd else None,
+            "stale_rate": (stale / nd) if nd else None,
+            "reasons": dict(sorted(reasons.items())),
+        }
+    return per_class
+
+
+def _rates(mask_cls: np.ndarray, *, decided: np.ndarray, admitted: np.ndarray,
+           why: np.ndarray) -> tuple[float | None, float | None]:
+    """(rejection rate, stale rate) of the decided trajectories in ``mask_cls``; (None, None) when none."""
+    m = decided & mask_cls
+    nd = int(m.sum())
+    if not nd:
+        return None, None
+    stale = int(np.isin(why[m], STALE).sum())
+    return 1 - int((admitted & m).sum()) / nd, stale / nd
+
+
 def summarize(sim) -> dict[str, Any]:
     cfg = sim.cfg
     G = sim.G
@@ -88,34 +121,11 @@ def summarize(sim) -> dict[str, Any]:
 
     # why each decided trajectory was not admitted: its own exclusion, else its group's decision
     why = np.where(reason == VALID, t_dec, reason)
-    per_class: dict[str, Any] = {}
-    for k, name in enumerate(classes):
-        m = decided & (t_class == k)
-        nd = int(m.sum())
-        na = int((admitted & m).sum())
-        reasons = Counter(why[m & ~admitted].tolist())
-        stale = sum(reasons.get(r, 0) for r in STALE)
-        per_class[name] = {
-            "groups_created": int((g_class == k).sum()),
-            "completions": int((finished & (t_class == k)).sum()),
-            "decided": nd,
-            "admitted": na,
-            "rejection_rate": (1 - na / nd) if nd else None,
-            "stale_rate": (stale / nd) if nd else None,
-            "reasons": dict(sorted(reasons.items())),
-        }
-
-    def rate_of(mask_cls: np.ndarray) -> tuple[float | None, float | None]:
-        m = decided & mask_cls
-        nd = int(m.sum())
-        if not nd:
-            return None, None
-        stale = int(np.isin(why[m], STALE).sum())
-        return 1 - int((admitted & m).sum()) / nd, stale / nd
-
+    per_class = _per_class(classes, g_class, t_class, finished=finished, decided=decided, admitted=admitted, why=why)
     slow_idx = classes.index(slow)
-    rej_slow, stale_slow = rate_of(t_class == slow_idx)
-    rej_rest, stale_rest = rate_of(t_class != slow_idx) if len(classes) > 1 else (None, None)
+    rej_slow, stale_slow = _rates(t_class == slow_idx, decided=decided, admitted=admitted, why=why)
+    rej_rest, stale_rest = (_rates(t_class != slow_idx, decided=decided, admitted=admitted, why=why)
+                            if len(classes) > 1 else (None, None))
 
     ok_decided = decided & (status == ACCEPTED)
     qage = (t_decided_at - end)[ok_decided]

@@ -68,16 +68,14 @@ def _barrier_point(snapshot_id: str) -> None:
     """Test hook: with the files written and the commit point next, announce it
     (``ready-<pid>`` in the barrier directory) and wait for ``go`` there."""
     import os
-    import time
     from pathlib import Path
+
+    from pipeline.hooks import mark_and_wait
 
     d = os.environ.get(PUBLISH_BARRIER_ENV)
     if not d:
         return
-    Path(d, f"ready-{os.getpid()}").write_text(snapshot_id)
-    deadline = time.time() + 120
-    while not Path(d, "go").exists() and time.time() < deadline:
-        time.sleep(0.0005)
+    mark_and_wait(Path(d, f"ready-{os.getpid()}"), Path(d, "go"), text=snapshot_id, timeout_s=120, poll_s=0.0005)
 
 
 # payload columns present only in some snapshots (schemas/snapshot_payload.yaml): a snapshot without them

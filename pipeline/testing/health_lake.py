@@ -35,7 +35,7 @@ START = datetime(2026, 11, 1, tzinfo=timezone.utc)
 ADMISSION = AdmissionConfig(quality=False)   # the receipts' admission config (current_policy_version per run)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HealthLakeSpec:
     trajectories_per_version: int = 400
     versions: int = 3

@@ -25,7 +25,8 @@ def binary() -> str:
     return found
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -38,7 +39,7 @@ class NatsServer:
                  max_payload: int | None = None, user: str | None = None, password: str | None = None) -> None:
         self.store_dir = str(store_dir or tempfile.mkdtemp(prefix="nats-js-"))
         Path(self.store_dir).mkdir(parents=True, exist_ok=True)
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.max_payload = max_payload
         self.auth = ["--user", user, "--pass", password or ""] if user else []
         self.proc: subprocess.Popen | None = None

@@ -201,6 +201,10 @@ def write_final(strategy: DeepSpeedStrategy, root: Path, *, client_state: dict[s
         export_hf(lm, parent_hf, root / HF_SUBDIR, state, dtype=train_config.get("publish_dtype") or "float32")
         if delta_base is not None:
             record = _write_weights_record(root, parent_hf, delta_base)
+            if delta_base.get("lake_uri"):      # delta-only layout: the full weights leave the version's directory
+                from pipeline.policy_store.delta import keep_exported
+
+                keep_exported(delta_base["lake_uri"], str(client_state["checkpoint_id"]), root, record)
         pause_point(f"{pause_prefix}checkpoint:final:hf-written")   # kill tests: every file but `latest`, no row
         atomic_write(root / LATEST, FINAL_TAG)
     strategy.barrier()
@@ -221,8 +225,10 @@ def _write_weights_record(root: Path, parent_hf: Path, base: dict[str, Any]) -> 
 
 
 def weight_hashes(files: dict[str, str]) -> dict[str, str]:
-    """The hf/ weight files among a checkpoint's file hashes."""
-    return {k: v for k, v in files.items() if k.startswith(f"{HF_SUBDIR}/") and k.endswith(WEIGHT_SUFFIXES)}
+    """The weight files among a checkpoint's file hashes: hf/ weights (an anchor) or its
+    delta (a delta-only version: ``delta/<sha256>.safetensors``)."""
+    return {k: v for k, v in files.items() if (k.startswith(f"{HF_SUBDIR}/") and k.endswith(WEIGHT_SUFFIXES))
+            or (k.startswith("delta/") and k.endswith(".safetensors"))}
 
 
 # -- the resident trainer's full state ------------------------------------------

@@ -27,7 +27,7 @@ def parse_trackers(text: str) -> list[str]:
 
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     config_section: ClassVar[str] = "train"   # its section in an experiment file (pipeline.config.SECTIONS)
 

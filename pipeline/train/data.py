@@ -37,7 +37,7 @@ class TrainDataError(PipelineError):
     """A snapshot member cannot be trained on safely (names the trajectory)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Members:
     """Columnar members of a snapshot, in snapshot order (group_id, trajectory_id)."""
 

@@ -31,9 +31,9 @@ import os
 import socket
 import sys
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -58,6 +58,18 @@ def single_process_env() -> list[str]:
     added = [k for k in LAUNCHER_ENV if k not in os.environ]
     os.environ.update({k: values[k] for k in added})
     return added
+
+
+@contextmanager
+def single_process_scope() -> Iterator[None]:
+    """``single_process_env`` for the duration of the block; the keys it set are removed afterwards (the
+    process group stays up; the fake launcher env does not)."""
+    added = single_process_env()
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def _import_deepspeed():

@@ -14,15 +14,16 @@ carried (in memory instead of through the parent's files). So ``--follow``
 over S1..Sk and the chain ``--batch-snapshot S1`` ... ``--batch-snapshot Sk``
 publish byte-identical weights under the same checkpoint ids.
 
-Publishing is cheap: each version writes its weights (``hf/``) and publishes
-its checkpoints row; the full DeepSpeed state goes with every
+Publishing is cheap: each version writes its weights (``hf/`` at an anchor, else
+its sparse delta) and publishes its checkpoints row; the full DeepSpeed state goes with every
 ``full_checkpoint_every``-th version and with the last one at shutdown.
 
 Recovery is replay (``recovery_plan``): a restarted trainer walks its line back
 from the newest version to the last one with a full state (or to a version
 whose optimizer started fresh), loads it, re-trains the snapshots consumed
 since in lineage order, and checks that every replayed version's weight files
-hash to what is published before it trains anything new. The rules (order,
+(or, for a delta-only version, its weights' digest) hash to what is published
+before it trains anything new. The rules (order,
 staleness, what makes replay bitwise) are in docs/resident-trainer.md.
 """
 
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 __all__ = ["FollowResult", "Recovery", "follow", "pending_snapshots", "recovery_plan", "superseded"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FollowResult:
     versions: list[dict[str, Any]] = field(default_factory=list)   # TrainResult.to_dict() per published version
     replayed: list[str] = field(default_factory=list)              # checkpoint ids re-trained and verified
@@ -93,17 +94,12 @@ def follow(lake: Lake, cfg: TrainConfig | None = None, *, from_checkpoint: str |
         with hold_line(lake, "follow", ""):
             return _launch(lake, cfg, from_checkpoint=from_checkpoint, nproc=nproc, stop_after=stop_after,
                            idle_timeout_s=idle_timeout_s, stop_file=stop_file, progress=progress)
-    from pipeline.train.ds_adapter import single_process_env
+    from pipeline.train.ds_adapter import single_process_scope
     from pipeline.train.hold import hold_line
 
-    with hold_line(lake, "follow", ""):                # one trainer on the line at a time (pipeline.train.hold)
-        added = single_process_env()
-        try:
-            return _Follower(lake, cfg, from_checkpoint, stop_after, idle_timeout_s, stop_file, progress,
-                             on_version).run()
-        finally:
-            for k in added:
-                os.environ.pop(k, None)
+    with hold_line(lake, "follow", ""), single_process_scope():   # one trainer on the line at a time
+        return _Follower(lake, cfg, from_checkpoint, stop_after, idle_timeout_s, stop_file, progress,
+                         on_version).run()
 
 
 WAIT_NOTE_EVERY_S = 60.0   # a waiting resident trainer says so this often
@@ -197,7 +193,7 @@ class _Follower:
         from pipeline.train.steps import build_engine
 
         init_distributed()
-        head = resolve_policy(self.lake, self.from_checkpoint, verify=False)
+        head = resolve_policy(self.lake, self.from_checkpoint, verify=False, weights=False)
         plan = self._broadcast(recovery_plan(self.lake, head.checkpoint_id) if self.rank == 0 else None)
         start = resolve_policy(self.lake, plan.start)                        # hash-verified
         cfg = self.cfg
@@ -239,7 +235,7 @@ class _Follower:
                               "from the one this line was trained with",
                               hint="restart with the line's --config/--set (recorded in its checkpoints rows)")
         data = prepare_data(run, lm=self.lm)
-        plan, state = self._train(run, data, replay=True)
+        self._train(run, data, replay=True)   # the weights it leaves in memory are what is compared
         published = resolve_policy(self.lake, row["checkpoint_id"], verify=False)
         with tempfile.TemporaryDirectory(prefix="pipeline-replay-") as tmp:
             out = Path(tmp) / "v"
@@ -248,6 +244,8 @@ class _Follower:
                 ck.export_hf(self.lm, self.head.hf_dir, out / "hf", state_dict, dtype=self.cfg.publish_dtype)
                 got = weight_hashes({f"hf/{k}": v for k, v in hash_dir(out / "hf").items()})
                 want = weight_hashes(published.file_sha256)
+                if any(k.startswith("delta/") for k in want):    # delta-only: the digest of the rebuilt weights
+                    got, want = {"weights": _digest(out / "hf")}, {"weights": _digest(published.hf_dir)}
                 if got != want:
                     raise IntegrityError(f"replaying snapshot {sid} did not reproduce checkpoint {row['checkpoint_id']} "
                                          f"(weights {got} != published {want})",
@@ -284,11 +282,10 @@ class _Follower:
 
     def _version(self, sid: str) -> None:
         """Train ``sid`` from the head and publish the next version (or record a skip)."""
-        from pipeline import lineage
         from pipeline.errors import ConflictError
         from pipeline.lake.delta import pause_point
         from pipeline.train.identity import identify
-        from pipeline.train.publish import JOB_NAME, checkpoint_and_publish, close_trackers
+        from pipeline.train.publish import checkpoint_and_publish, lineage_run
         from pipeline.train.records import TrainResult
         from pipeline.train.steps import prepare_data
 
@@ -324,11 +321,7 @@ class _Follower:
             from pipeline.policy_store import next_policy_version
 
             self.trackers.begin(run.checkpoint_id, next_policy_version(self.lake))   # the version it will publish
-        if self.rank == 0:
-            lineage.emit_run_event(self.lake, event_type="START", run_id=run.lineage_run_id, job_name=JOB_NAME,
-                                   inputs=run.inputs, outputs=[lineage.checkpoint(self.lake, run.checkpoint_id, rel=run.final_rel or None)],
-                                   **run.ol)
-        try:
+        with lineage_run(run):
             plan, state = self._train(run, data, replay=False, plan=plan)
             full = self._broadcast(self._full_now(n) if self.rank == 0 else None)
             extra = {"trainer": "follow", "skipped_snapshots": self.unrecorded_skips}
@@ -337,19 +330,8 @@ class _Follower:
                                             exclusive=True)
             self.strategy.barrier()
             result = self.strategy.broadcast_object(result)
-        except BaseException as exc:
-            if self.rank == 0:
-                close_trackers(run.live)
-                try:
-                    lineage.emit_run_event(self.lake, event_type="FAIL", run_id=run.lineage_run_id,
-                                           job_name=JOB_NAME, inputs=run.inputs,
-                                           outputs=[lineage.checkpoint(self.lake, run.checkpoint_id, rel=run.final_rel or None)],
-                                           error=f"{type(exc).__name__}: {exc}", **run.ol)
-                except Exception:  # pragma: no cover - never mask the real error
-                    pass
-            raise
         self.unrecorded_skips = []
-        self.head = _published_ref(self.lake, result)
+        self.head = _published_ref(result)
         self.optimizer_from = self.head.checkpoint_id
         self.since_full = 0 if full else self.since_full + 1
         self.trained = True
@@ -454,12 +436,20 @@ class _Follower:
         return box[0]
 
 
-def _published_ref(lake: Lake, result: Any) -> PolicyRef:
+def _digest(hf: Path) -> str:
+    from pipeline.policy_store.delta import load_hf_weights, weights_digest
+
+    return weights_digest(load_hf_weights(hf))
+
+
+def _published_ref(result: Any) -> PolicyRef:
     """The version just published, as the next version's parent (its files were
-    hashed by the publish a moment ago: no second read of the weights)."""
+    hashed by the publish a moment ago: no second read of the weights). A delta-only
+    version's weights are the copy its writer left in this machine's cache."""
     from pipeline.policy_store import PolicyRef
 
-    return PolicyRef(result.checkpoint_id, int(result.policy_version), Path(result.path), dict(result.weight_sha256))
+    return PolicyRef(result.checkpoint_id, int(result.policy_version), Path(result.path), dict(result.weight_sha256),
+                     hf_path=Path(result.rebuilt_hf) if result.rebuilt_hf else None)
 
 
 # -- N processes --------------------------------------------------------------------------------

@@ -53,10 +53,12 @@ def published_result(lake: Lake, checkpoint_id: str, snapshot_id: str) -> TrainR
     ref = resolve_policy(lake, checkpoint_id)
     row = lake.read("checkpoints").to_pylist()
     row = next(r for r in row if r["checkpoint_id"] == checkpoint_id)
-    return TrainResult(checkpoint_id, ref.policy_version, row["parent_checkpoint_id"], snapshot_id,
-                       int(row["global_step"]), int(row["samples_seen"]), json.loads(row["metrics_json"] or "{}"),
-                       weight_hashes(ref.file_sha256), str(ref.path), int(row["world_size"]),
-                       already_published=True, published_by=published_by(row))
+    return TrainResult(checkpoint_id=checkpoint_id, policy_version=ref.policy_version,
+                       parent_checkpoint_id=row["parent_checkpoint_id"], snapshot_id=snapshot_id,
+                       global_step=int(row["global_step"]), samples_seen=int(row["samples_seen"]),
+                       metrics=json.loads(row["metrics_json"] or "{}"), weight_sha256=weight_hashes(ref.file_sha256),
+                       path=str(ref.path), world_size=int(row["world_size"]), already_published=True,
+                       published_by=published_by(row))
 
 
 def identify(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint: str | int | None, resume: bool,
@@ -114,8 +116,9 @@ def new_run(lake: Lake, snapshot_id: str, cfg: TrainConfig, parent: PolicyRef, *
     lineage_run_id = lineage.new_run_id()
     inputs = [lineage.snapshot(lake, snapshot_id), lineage.checkpoint(lake, parent.checkpoint_id, parent.policy_version)]
     ol: dict[str, Any] = dict(job_type="TRAIN", engine="deepspeed", config=config_dict(cfg) | {"world_size": world_size})
-    return Run(lake, snapshot_id, cfg, world_size, rank, parent, run_key, checkpoint_id, generation, work, final,
-               lineage_run_id, inputs, ol, final_rel=final_rel)
+    return Run(lake=lake, snapshot_id=snapshot_id, cfg=cfg, world_size=world_size, rank=rank, parent=parent,
+               run_key=run_key, checkpoint_id=checkpoint_id, generation=generation, work=work, final=final,
+               lineage_run_id=lineage_run_id, inputs=inputs, ol=ol, final_rel=final_rel)
 
 
 def _run_tag(world_size: int) -> str | None:

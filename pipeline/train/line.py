@@ -113,7 +113,7 @@ def recovery_plan(lake: Lake, head_id: str) -> Recovery:
         row = rows.get(cid)
         if row is None:
             raise IntegrityError(f"checkpoint {cid} of the line is not published", hint="pass --from-checkpoint")
-        ref = resolve_policy(lake, cid, verify=False)          # files as recorded, less what retention removed
+        ref = resolve_policy(lake, cid, verify=False, weights=False)   # files as recorded, less what retention removed
         if has_full_state(ref.path, ref.file_sha256):
             return Recovery(cid, True, replay[::-1])
         if not row["snapshot_ids"]:

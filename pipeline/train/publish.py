@@ -9,7 +9,8 @@ racing run deletes its directory and returns the winner's version
 full checkpoints) writes the weights (``hf/``), cursor and config only: no
 DeepSpeed state. Every version records its weights as an anchor or a sparse
 delta against its parent (``delta_base``; pipeline.policy_store.delta) in its row's
-``train_config_json["weights"]``.
+``train_config_json["weights"]``; a delta version's directory keeps only the delta
+(its full weights go to this machine's cache: ``TrainResult.hf_dir``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import os
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator, Literal
 
 from pipeline.config import config_dict, config_hash
 from pipeline.train.records import TrainResult
@@ -34,10 +36,11 @@ if TYPE_CHECKING:
     from pipeline.train.records import Data, Plan, Run, State
 
 JOB_NAME = "pipeline.train"
+CrashPoint = Literal["publish"]   # failure drills only: die with the checkpoint files half written
 
 
 def checkpoint_and_publish(run: Run, strategy: DeepSpeedStrategy, data: Data, plan: Plan, state: State, *,
-                           crash_at: str | None, t_start: float, full: bool = True,
+                           crash_at: CrashPoint | None, t_start: float, full: bool = True,
                            extra_config: dict[str, Any] | None = None, pause_prefix: str = "",
                            exclusive: bool = False) -> TrainResult | None:
     """Step 7: the checkpoint dir (``latest`` last); rank 0 publishes (metrics rows, then
@@ -88,9 +91,9 @@ def delta_base(lake: Lake, parent: PolicyRef, anchor_every: int) -> dict[str, An
     from pipeline.policy_store.delta import weights_record
 
     if parent.policy_version < 0:
-        return {"parent_id": None, "parent_record": None, "anchor_every": anchor_every}
+        return {"parent_id": None, "parent_record": None, "anchor_every": anchor_every, "lake_uri": lake.uri}
     return {"parent_id": parent.checkpoint_id, "parent_record": weights_record(policy_train_config(lake, parent)),
-            "anchor_every": anchor_every}
+            "anchor_every": anchor_every, "lake_uri": lake.uri}
 
 
 def cursor_state(checkpoint_id: str, snapshot_id: str, global_step: int, samples_seen: int, epoch: int,
@@ -109,6 +112,7 @@ def publish(lake: Lake, *, checkpoint_id: str, parent: PolicyRef, snapshot_id: s
     """Metrics rows (exactly once), then the checkpoints row naming ``rel`` (the run's
     directory ``final``): that commit publishes the version."""
     from pipeline.policy_store import local_dir, publish_checkpoint, row_rel
+    from pipeline.policy_store.delta import rebuilt_hf
     from pipeline.train.checkpoint import weight_hashes
 
     live = live or live_metrics(lake, cfg, checkpoint_id, with_trackers=False)
@@ -126,9 +130,15 @@ def publish(lake: Lake, *, checkpoint_id: str, parent: PolicyRef, snapshot_id: s
     version = published["policy_version"]
     lost = bool(published["already_published"])
     path = local_dir(lake, row_rel(published)) if lost else final
-    return TrainResult(checkpoint_id, version, parent.checkpoint_id, snapshot_id, global_step, samples_seen, summary,
-                       weight_hashes(dict(published["file_sha256"])), str(path), world_size, resumed_from, lost,
-                       time.perf_counter() - t_start, lineage_run_id, published_by=published["published_by"])
+    weights = weight_hashes(dict(published["file_sha256"]))
+    rec = (extra_config or {}).get("weights") or {}
+    rebuilt = str(rebuilt_hf(lake.uri, checkpoint_id, rec)) if any(k.startswith("delta/") for k in weights) else None
+    return TrainResult(checkpoint_id=checkpoint_id, policy_version=version, parent_checkpoint_id=parent.checkpoint_id,
+                       snapshot_id=snapshot_id, global_step=global_step, samples_seen=samples_seen, metrics=summary,
+                       weight_sha256=weights, path=str(path),
+                       world_size=world_size, resumed_from_step=resumed_from, already_published=lost,
+                       seconds=time.perf_counter() - t_start, lineage_run_id=lineage_run_id,
+                       published_by=published["published_by"], rebuilt_hf=rebuilt)
 
 
 def live_metrics(lake: Lake, cfg: TrainConfig, checkpoint_id: str, *, with_trackers: bool = True,
@@ -146,6 +156,31 @@ def live_metrics(lake: Lake, cfg: TrainConfig, checkpoint_id: str, *, with_track
 def close_trackers(live: LiveMetrics | None) -> None:
     if live is not None and live.trackers is not None:
         live.trackers.close()
+
+
+@contextmanager
+def lineage_run(run: Run) -> Iterator[None]:
+    """The run's OpenLineage events around the block, from rank 0: START on entry; on any exception the
+    trackers are closed and FAIL is emitted (an error emitting it never masks the real one), then it re-raises.
+    COMPLETE is the publication's (checkpoint_and_publish)."""
+    from pipeline import lineage
+
+    outputs = lambda: [lineage.checkpoint(run.lake, run.checkpoint_id, rel=run.final_rel or None)]  # noqa: E731
+    if run.rank == 0:
+        lineage.emit_run_event(run.lake, event_type="START", run_id=run.lineage_run_id, job_name=JOB_NAME,
+                               inputs=run.inputs, outputs=outputs(), **run.ol)
+    try:
+        yield
+    except BaseException as exc:
+        if run.rank == 0:
+            close_trackers(run.live)
+            try:
+                lineage.emit_run_event(run.lake, event_type="FAIL", run_id=run.lineage_run_id, job_name=JOB_NAME,
+                                       inputs=run.inputs, outputs=outputs(), error=f"{type(exc).__name__}: {exc}",
+                                       **run.ol)
+            except Exception:  # pragma: no cover - never mask the real error
+                pass
+        raise
 
 
 def crash_while_publishing(strategy: DeepSpeedStrategy, final: Path, client_state, train_config, lm, parent: PolicyRef) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from pipeline.lake.delta import Lake
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from pipeline.train.packing import Step
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainResult:
     checkpoint_id: str
     policy_version: int
@@ -27,7 +27,7 @@ class TrainResult:
     global_step: int
     samples_seen: int
     metrics: dict[str, Any]                 # summary over the run's steps
-    weight_sha256: dict[str, str]           # hf/ weight files -> sha256
+    weight_sha256: dict[str, str]           # hf/ weight files (an anchor) or its delta file -> sha256
     path: str                               # local checkpoint directory
     world_size: int = 1
     resumed_from_step: int | None = None
@@ -36,18 +36,20 @@ class TrainResult:
     lineage_run_id: str | None = None
     worker_exit_codes: list[int] | None = None   # --nproc N: the launcher's exit code when it was not 0
     published_by: str | None = None         # already_published: who published it (a racing run, an earlier one)
+    rebuilt_hf: str | None = None           # a delta-only version: its full weights in this machine's cache
 
     @property
     def hf_dir(self) -> Path:
-        """The exported policy (what rollout engines load)."""
-        return Path(self.path) / "hf"
+        """The exported policy (what rollout engines load): ``hf/``, or for a delta-only
+        version the copy of its weights its writer left in this machine's cache."""
+        return Path(self.rebuilt_hf) if self.rebuilt_hf else Path(self.path) / "hf"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     """One training run: who it is, where its files go, its lineage (step 1)."""
 
@@ -80,11 +82,11 @@ class Data:
     freshness: dict[str, Any]       # check_freshness figures + consumed_at, snapshot_wait_ms
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Plan:
     """What the pre-pass resolved: the loss, the step plan, the length normaliser (step 4)."""
 
-    loss_kind: str
+    loss_kind: Literal["ppo", "reinforce"]   # cfg.policy_loss with "auto" resolved (steps.plan_run)
     optimizer_from: str | None
     steps: list[Step]
     norm_len: float

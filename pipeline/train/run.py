@@ -40,7 +40,7 @@ from pipeline.lake.ref import as_lake
 from pipeline.train.config import TrainConfig
 from pipeline.train.freshness import check_freshness
 from pipeline.train.identity import identify, run_identity
-from pipeline.train.publish import JOB_NAME, checkpoint_and_publish, close_trackers
+from pipeline.train.publish import JOB_NAME, CrashPoint, checkpoint_and_publish, lineage_run
 from pipeline.train.records import TrainResult
 from pipeline.train.steps import build_engine, carry_optimizer, plan_run, prepare_data, prepare_workdir, restore, step_loop
 from pipeline.train.update import kl_reference_spec
@@ -57,7 +57,7 @@ __all__ = ["TrainConfig", "TrainResult", "train_snapshot", "run_identity", "chec
 
 def train_snapshot(lake: Lake | str | os.PathLike[str], snapshot_id: str, cfg: TrainConfig | None = None, *,
                    from_checkpoint: str | int | None = None, resume: bool = False, nproc: int = 1, force: bool = False,
-                   progress: bool | None = None, crash_at: str | None = None) -> TrainResult:
+                   progress: bool | None = None, crash_at: CrashPoint | None = None) -> TrainResult:
     """Train on ``snapshot_id`` starting from ``from_checkpoint`` (a checkpoint
     id, policy version, or HF dir; default: the newest published policy) and
     publish the result as the next policy version.
@@ -82,7 +82,7 @@ def train_snapshot(lake: Lake | str | os.PathLike[str], snapshot_id: str, cfg: T
 
 
 def _launch(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint: str | int | None, resume: bool, nproc: int, force: bool,
-            progress: bool | None, crash_at: str | None = None) -> TrainResult:
+            progress: bool | None, crash_at: CrashPoint | None = None) -> TrainResult:
     """N processes via torchrun running pipeline.train.worker; rank 0 writes the result."""
     from pipeline.train.launch import launch
 
@@ -97,33 +97,24 @@ def _launch(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint: 
 
 
 def _train(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint: str | int | None, resume: bool, force: bool,
-           progress: bool | None, crash_at: str | None) -> TrainResult:
-    from pipeline.train.ds_adapter import single_process_env
+           progress: bool | None, crash_at: CrashPoint | None) -> TrainResult:
+    from pipeline.train.ds_adapter import single_process_scope
 
     t_start = time.perf_counter()
-    added_env = single_process_env()
-    try:
+    with single_process_scope():
         return _train_in_env(lake, snapshot_id, cfg, from_checkpoint=from_checkpoint, resume=resume, force=force,
                              progress=progress, crash_at=crash_at, t_start=t_start)
-    finally:
-        for k in added_env:   # the process group stays up; the fake launcher env does not
-            os.environ.pop(k, None)
 
 
 def _train_in_env(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkpoint: str | int | None, resume: bool, force: bool,
-                  progress: bool | None, crash_at: str | None, t_start: float) -> TrainResult:
+                  progress: bool | None, crash_at: CrashPoint | None, t_start: float) -> TrainResult:
     import torch
-
-    from pipeline import lineage
 
     torch.set_num_threads(cfg.threads)
     run = identify(lake, snapshot_id, cfg, from_checkpoint=from_checkpoint, resume=resume, force=force)
     if isinstance(run, TrainResult):
         return run                                          # this very run already published: a no-op
-    if run.rank == 0:
-        lineage.emit_run_event(lake, event_type="START", run_id=run.lineage_run_id, job_name=JOB_NAME,
-                               inputs=run.inputs, outputs=[lineage.checkpoint(lake, run.checkpoint_id, rel=run.final_rel or None)], **run.ol)
-    try:
+    with lineage_run(run):
         data = prepare_data(run)
         strategy = build_engine(cfg, data.lm)
         plan = plan_run(run, strategy, data.members,
@@ -136,15 +127,5 @@ def _train_in_env(lake: Lake, snapshot_id: str, cfg: TrainConfig, *, from_checkp
         result = checkpoint_and_publish(run, strategy, data, plan, state, crash_at=crash_at, t_start=t_start)
         strategy.barrier()
         return strategy.broadcast_object(result)
-    except BaseException as exc:
-        if run.rank == 0:
-            close_trackers(run.live)
-            try:
-                lineage.emit_run_event(lake, event_type="FAIL", run_id=run.lineage_run_id, job_name=JOB_NAME,
-                                       inputs=run.inputs, outputs=[lineage.checkpoint(lake, run.checkpoint_id, rel=run.final_rel or None)],
-                                       error=f"{type(exc).__name__}: {exc}", **run.ol)
-            except Exception:  # pragma: no cover - never mask the real error
-                pass
-        raise
 
 

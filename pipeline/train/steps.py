@@ -123,7 +123,8 @@ def plan_run(run: Run, strategy: DeepSpeedStrategy, members: Members, *, optimiz
     steps = plan_steps(members.lengths, budget_tokens=cfg.micro_batch_tokens, grad_accum=cfg.grad_accum,
                        epochs=cfg.epochs, seed=cfg.seed, order=cfg.step_order, max_steps=cfg.max_steps)
     norm_len = float(cfg.norm_len or max(len(r) for r in members.response))
-    return Plan(loss_kind, optimizer_from, steps, norm_len, prepass_s, offpolicy)
+    return Plan(loss_kind=loss_kind, optimizer_from=optimizer_from, steps=steps, norm_len=norm_len,
+                prepass_seconds=prepass_s, offpolicy=offpolicy)
 
 
 def restore(run: Run, strategy: DeepSpeedStrategy, resume: bool) -> State:

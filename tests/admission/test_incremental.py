@@ -69,7 +69,7 @@ def test_incremental_admission_decides_what_a_full_scan_decides(tmp_path, make_t
     monkeypatch.setattr(admission_run, "_trajectory_sources", spy)
     incremental = _run(Lake(tmp_path / "inc"), steps, nows, compact_after=0)
     assert [s[0] for s in seen_sources] == [False, True, True]  # runs 2 and 3 used the recorded state
-    monkeypatch.setattr(admission_run, "_previous_state", lambda lake, rv: None)
+    monkeypatch.setattr(admission_run, "previous_state", lambda lake, rv: None)
     full = _run(Lake(tmp_path / "full"), steps, nows)
     assert incremental == full
     decisions = {d for _, rec in full for _, d, _ in rec}
@@ -87,7 +87,7 @@ def test_incremental_admission_skips_old_files_of_decided_groups(tmp_path, make_
     admit(lake, AdmissionConfig(quality=False), current_policy_version=0)
     ingest_table(lake, make_traj(40, seed=99, id_prefix="new-", start=now - timedelta(hours=1)))
     rv = lake.version("receipts")
-    srcs = admission_run._trajectory_sources(lake, lake.version("trajectories"), admission_run._previous_state(lake, rv))
+    srcs = admission_run._trajectory_sources(lake, lake.version("trajectories"), admission_run.previous_state(lake, rv))
     # one new file read whole; the five old files only through a finished_at filter that excludes them
     rows = [d.to_table(columns=["trajectory_id"], filter=f).num_rows for d, f in srcs]
     assert rows == [40, 0]

@@ -195,7 +195,8 @@ def test_chat_rendering_through_the_harness(lake, chatml_dir):
 
     spool = Spool(lake.uri + "/_spool", "w", fsync=False)
     h = Harness(env, lambda: (Scripted(), 0), spool, run_id="chat", worker_id="w",
-                sampling=Sampling(max_new_tokens=200), limits=Limits(4, 200, 400, 1e9), codec=c)
+                sampling=Sampling(max_new_tokens=200), limits=Limits(max_turns=4, max_tokens_per_turn=200, max_total_tokens=400,
+                                                                       wall_clock_s=1e9), codec=c)
     (ep,) = h.run([h.new_episode(episode_id="e", group_id="g", group_size=1, task=task, seed=0, policy_version=0)])
     assert (ep.status, ep.verdict, ep.tool_calls) == ("ACCEPTED", "PASS", 1), (ep.status, ep.stop_reason)
     rendered = tok.apply_chat_template(env.chat_messages(task), tokenize=False, add_generation_prompt=True)
@@ -263,7 +264,8 @@ def test_token_in_token_out_with_the_real_tokenizer(lake, smollm2_dir):
     eng = Recording(HFEngine(smollm2_dir, threads=1))
     spool = Spool(lake.uri + "/_spool", "w", fsync=False)
     h = Harness(env, lambda: (eng, 0), spool, run_id="tito", worker_id="w", codec=c,
-                sampling=Sampling(temperature=0.0, max_new_tokens=40), limits=Limits(3, 40, 120, 1e9))
+                sampling=Sampling(temperature=0.0, max_new_tokens=40), limits=Limits(max_turns=3, max_tokens_per_turn=40,
+                                                                                    max_total_tokens=120, wall_clock_s=1e9))
     eps = h.run([h.new_episode(episode_id=f"e{i}", group_id=f"g{i}", group_size=1, task=env.reset(i), seed=i,
                                policy_version=0) for i in range(4)])
     multi = [e for e in eps if e.tool_calls >= 1 and e.turns >= 2]

@@ -413,15 +413,15 @@ def test_hints_carry_the_lake_the_operator_gave(tmp_path, capsys):
 
 
 def test_counts_are_singular_when_one_and_local_policies_have_no_fake_version():
-    from pipeline.commands.policy import _policy_label
-    from pipeline.commands.train import _text
+    from pipeline.commands.policy import policy_label
+    from pipeline.commands.train import result_text
 
     r = {"already_published": False, "checkpoint_id": "c", "policy_version": 1, "global_step": 1, "samples_seen": 8,
          "seconds": 1.0, "resumed_from_step": None, "metrics": {}, "path": "p"}
-    assert "(1 step, 8 samples" in _text(r)
-    assert "(2 steps," in _text({**r, "global_step": 2})
-    assert _policy_label({"policy_version": -1}, "./dir") == "policy ./dir (a local directory, not a lake version)"
-    assert _policy_label({"policy_version": 3}, "latest") == "policy v3"
+    assert "(1 step, 8 samples" in result_text(r)
+    assert "(2 steps," in result_text({**r, "global_step": 2})
+    assert policy_label({"policy_version": -1}, "./dir") == "policy ./dir (a local directory, not a lake version)"
+    assert policy_label({"policy_version": 3}, "latest") == "policy v3"
 
 
 def test_ingest_reports_the_version_its_rows_landed_in(tmp_path, make_traj, capsys):

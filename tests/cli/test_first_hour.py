@@ -171,15 +171,15 @@ def test_the_demo_prints_the_alerts_its_report_raised(tmp_path):
 
 
 def test_admit_target_line_never_prints_none():
-    from pipeline.admission.run import _target_report
-    from pipeline.commands.admit import _target_text
+    from pipeline.admission.run import target_report
+    from pipeline.commands.admit import target_text
 
-    none_decided = _target_text(_target_report(8, 0, 0))
+    none_decided = target_text(target_report(8, 0, 0))
     assert "None" not in none_decided and "admit rate unknown (no group decided" in none_decided
-    nothing_admitted = _target_text(_target_report(8, 0, 5))
+    nothing_admitted = target_text(target_report(8, 0, 5))
     assert "None" not in nothing_admitted and "admit rate 0.0%" in nothing_admitted
-    assert _target_text(_target_report(8, 2, 4)) == "target 8 groups: 6 missing, admit rate 50.0%, sample ~12 more groups"
-    assert _target_text(_target_report(2, 3, 4)).endswith("target met")
+    assert target_text(target_report(8, 2, 4)) == "target 8 groups: 6 missing, admit rate 50.0%, sample ~12 more groups"
+    assert target_text(target_report(2, 3, 4)).endswith("target met")
 
 
 def test_rollout_with_a_mistyped_lake_refuses_before_creating_it(tmp_path, capsys):
@@ -258,8 +258,8 @@ def test_demo_refuses_experiment_sections_it_would_ignore_and_accepts_trackers(t
     assert main(["demo", "--set", "trackers=tensorbord", "--print-config"]) == 2
     assert "unknown tracker(s) ['tensorbord']" in capsys.readouterr().err
     # the demo's training runs mirror to the trackers it was given (sync: each run; async: the resident trainer)
-    from pipeline.demo import DemoConfig, _resident_train_sets, _train_cfg
+    from pipeline.demo import DemoConfig, resident_train_sets, train_cfg
 
     cfg = DemoConfig(trackers="tensorboard")
-    assert _train_cfg(cfg, 1).trackers == "tensorboard" and _resident_train_sets(cfg)["trackers"] == "tensorboard"
-    assert "trackers" not in _resident_train_sets(DemoConfig())
+    assert train_cfg(cfg, 1).trackers == "tensorboard" and resident_train_sets(cfg)["trackers"] == "tensorboard"
+    assert "trackers" not in resident_train_sets(DemoConfig())

@@ -335,7 +335,7 @@ def _ingest(lake, t):
     import pipeline.lake.delta as delta
     from pipeline.ingest import ingest_table
 
-    delta._KEY_CACHE.clear()               # as a fresh process: the keys come from _index/ and the log
+    delta.KEY_CACHE.clear()               # as a fresh process: the keys come from _index/ and the log
     return ingest_table(lake, t)
 
 

@@ -80,7 +80,7 @@ def test_appends_dedupe_against_the_key_index_and_what_landed_after_it(lake, mak
     iv = out["tables"]["trajectories"]["key_index_version"]
     assert iv == lake.version("trajectories")
     assert ingest_table(lake, b).landed == 30           # committed after the index
-    delta._KEY_CACHE.clear()                            # as a new process
+    delta.KEY_CACHE.clear()                            # as a new process
     ks = lake.keys("trajectories", lake.table("trajectories"))
     assert len(ks.index) == 30 and len(ks.loose) == 30  # index + only the file added since
     c = make_traj(3, seed=3, id_prefix="c-")

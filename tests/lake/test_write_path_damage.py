@@ -259,7 +259,7 @@ def test_a_forged_key_index_with_a_recomputed_checksum_is_refused(lake, make_tra
     Path(path).write_bytes(line + b" " * (-(len(line) + 1) % 8) + b"\n" + forged)
     problems = _problems(lake)
     assert len(problems) == 1 and "key index" in problems[0] and "forged" in problems[0], problems
-    delta._KEY_CACHE.clear()                                  # a fresh process reads _index/
+    delta.KEY_CACHE.clear()                                  # a fresh process reads _index/
     with caplog.at_level("WARNING", logger="pipeline.lake"):
         r = ingest_table(lake, pa.concat_tables([a.slice(0, 10), make_traj(3, seed=2, median_len=6, id_prefix="n-")]))
     assert (r.landed, r.duplicates) == (3, 10)

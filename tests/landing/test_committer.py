@@ -11,14 +11,14 @@ import pytest
 
 from pipeline.lake.delta import Lake
 from pipeline.landing import wire
-from pipeline.landing.committer import FencedError, TableCommitter, _Msg
+from pipeline.landing.committer import FencedError, TableCommitter, LogMessage
 from pipeline.testing.trajectories import make_trajectories
 
 
-def _msg(seq: int, rows, *, producer: str = "p", headers: dict | None = None, payload: bytes | None = None) -> _Msg:
+def _msg(seq: int, rows, *, producer: str = "p", headers: dict | None = None, payload: bytes | None = None) -> LogMessage:
     mid = wire.msg_id(producer, seq)
     h = {wire.HEADER_ID: mid, wire.HEADER_TABLE: "trajectories", wire.HEADER_WIRE: "1", **(headers or {})}
-    return _Msg(seq, mid, h, payload if payload is not None else wire.encode(rows), None)
+    return LogMessage(seq, mid, h, payload if payload is not None else wire.encode(rows), None)
 
 
 def _rows(i: int, n: int = 10):

@@ -266,9 +266,9 @@ def make_stream_auth(url, stream):
 
 
 def test_serve_with_an_unreachable_log_is_one_line_and_creates_no_lake(tmp_path):
-    from pipeline.testing.nats_server import _free_port
+    from pipeline.testing.nats_server import free_port
 
-    proc = start_serve(str(tmp_path / "lake"), f"nats://127.0.0.1:{_free_port()}", "lake")
+    proc = start_serve(str(tmp_path / "lake"), f"nats://127.0.0.1:{free_port()}", "lake")
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and err.startswith("error: cannot connect to the log") and "Traceback" not in err
     assert not (tmp_path / "lake").exists()

@@ -44,9 +44,9 @@ def _checks(res) -> dict[str, list[str]]:
 def _alerts(lake, opts: ReportOptions | None = None) -> dict[str, list[str]]:
     """The alerts section alone (what build_report puts first), by check."""
     from pipeline.report.alerts import alerts
-    from pipeline.report.build import _Queries
+    from pipeline.report.queries import Queries
 
-    notes = [b for b in alerts(_Queries(lake, opts or ReportOptions())).blocks if b.kind == "alert"]
+    notes = [b for b in alerts(Queries(lake, opts or ReportOptions())).blocks if b.kind == "alert"]
     return _checks({"alert_checks": [{"check": b.check, "message": b.text} for b in notes]})
 
 

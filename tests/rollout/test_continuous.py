@@ -64,14 +64,14 @@ def test_continuous_mode_runs_the_next_round_during_a_rounds_tail(lake, policy_d
 
 def test_follow_refuses_redundancy_and_an_unbounded_multi_worker_run():
     from pipeline.errors import ConfigError
-    from pipeline.rollout.run import _check
+    from pipeline.rollout.config import check_config
 
     with pytest.raises(ConfigError, match="group_redundancy"):
-        _check(RolloutConfig(follow=True, group_redundancy=0.5))
+        check_config(RolloutConfig(follow=True, group_redundancy=0.5))
     with pytest.raises(ConfigError, match="rounds or stop_file"):
-        _check(RolloutConfig(follow=True, workers=2))
+        check_config(RolloutConfig(follow=True, workers=2))
     with pytest.raises(ConfigError, match="group_redundancy must be >= 0"):
-        _check(RolloutConfig(group_redundancy=-1))
+        check_config(RolloutConfig(group_redundancy=-1))
 
 
 @pytest.mark.slow

@@ -198,13 +198,12 @@ def test_sign_gated_run_ends_ahead_of_the_naive_one(tmp_path):
 
     from pipeline.demo import warm_start_overrides
     from pipeline.lake.delta import Lake
-    from pipeline.rollout.envs.base import _REGISTRY
+    from pipeline.rollout.envs.base import list_envs, register_env
     from pipeline.rollout.policy import init_policy
 
     naive = "flaky-tool-infra0-test"
-    if naive not in _REGISTRY:
-        _REGISTRY[naive] = type("FlakyToolInfraAsZeroTest", (FlakyTool,), {"name": naive,
-                                                                         "infra_failure_reward": 0.0})
+    if naive not in list_envs():
+        register_env(type("FlakyToolInfraAsZeroTest", (FlakyTool,), {"name": naive, "infra_failure_reward": 0.0}))
     init_policy(Lake(tmp_path / "v0"), seed=SIGN_SEED, tool_fraction=0.5, **warm_start_overrides("flaky-tool"))
     curves, tool_use = {}, {}
     for name, env in (("gated", "flaky-tool"), ("naive", naive)):

@@ -109,12 +109,45 @@ def test_vllm_logprobs_match_forward_pass(policy_dir, lake):
         c = switched[0][0]                     # and no longer the old policy's
         ref_old = teacher_forced_logprobs(model, list(reqs[0].context), c.token_ids)
         assert max(abs(a - b) for a, b in zip(ref_old, c.logprobs)) > 1e-3
+        _vllm_switches_by_delta_and_falls_back(eng, policy_dir, other, lake, reqs, model)
     finally:
         eng.close()
 
 
-def _perturbed(src, dst):
-    """A copy of the policy with other weights (same architecture)."""
+def _vllm_switches_by_delta_and_falls_back(eng, policy_dir, other, lake, reqs, model):
+    """A published version's sparse delta applied in place (the changed modules pushed, the same
+    engine): it serves the new weights; a reader off the chain (no deltas) loads the full weights."""
+    from pipeline.policy_store import delta as wd
+    from pipeline.rollout.backends import switch_weights
+    from pipeline.rollout.hf import load_model
+
+    llm = eng.llm
+    w_other = wd.load_hf_weights(other)
+    sparse = _perturbed(other, lake.uri + "/sparse", frac=0.03, names=("model.layers.0.self_attn.k_proj.weight",
+                                                                          "lm_head.weight"))
+    w_sparse = wd.load_hf_weights(sparse)
+    delta = wd.make_delta(w_other, w_sparse)
+    assert sorted(k.rsplit("::", 1)[0] for k in delta[0] if k.endswith("::val")) == [
+        "lm_head.weight", "model.layers.0.self_attn.k_proj.weight"]
+    eng2, rec = switch_weights(eng, sparse, deltas=[delta])
+    assert rec["mode"] == "delta" and eng2 is eng and eng.llm is llm and eng.hf_dir == sparse
+    # the CPU build repacks the weights it serves (the parameters read back empty): the served policy is checked by
+    # its log-probs, those of the new weights (the fused q/k/v layer rebuilt from all three, the untouched layers
+    # kept) and no longer those of the old ones
+    out, _ = _check_agreement(eng, load_model(sparse), reqs, Sampling(temperature=1.0, max_new_tokens=12))
+    from pipeline.rollout.hf import teacher_forced_logprobs
+
+    old = load_model(other)
+    assert max(abs(a - b) for r, cs in zip(reqs, out) for c in cs
+               for a, b in zip(teacher_forced_logprobs(old, list(r.context), c.token_ids), c.logprobs)) > 1e-3
+    eng2, rec = switch_weights(eng, policy_dir, deltas=None)        # off the chain: the full weights
+    assert rec["mode"] == "in_place" and eng2 is eng and eng.llm is llm
+    _check_agreement(eng, model, reqs, Sampling(temperature=1.0, max_new_tokens=12))
+
+
+def _perturbed(src, dst, frac: float = 1.0, names: tuple[str, ...] | None = None):
+    """A copy of the policy with other weights (same architecture): ``frac`` of the
+    elements of ``names`` (default: every tensor) moved."""
     import shutil
     from pathlib import Path
 
@@ -125,7 +158,11 @@ def _perturbed(src, dst):
     shutil.copytree(src, dst)
     state = load_file(str(dst / "model.safetensors"))
     g = torch.Generator().manual_seed(5)
-    save_file({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()},
+    def move(v):
+        step = 0.05 * torch.randn(v.shape, generator=g)
+        return v + (step if frac >= 1 else step * (torch.rand(v.shape, generator=g) < frac))
+
+    save_file({k: move(v) if names is None or k in names else v for k, v in state.items()},
               str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
 

@@ -222,7 +222,7 @@ def test_follow_latest_switches_engine_to_newest_published_policy(lake, publishe
     from pipeline.policy_store import resolve_policy
     from pipeline.rollout.engine import Request, Sampling
     from pipeline.rollout.hf import HFEngine
-    from pipeline.rollout.worker import _PolicyHolder
+    from pipeline.rollout.worker import PolicyHolder
 
     def publish_perturbed(version, cid):      # another policy of the same architecture
         import shutil
@@ -240,7 +240,7 @@ def test_follow_latest_switches_engine_to_newest_published_policy(lake, publishe
         return resolve_policy(lake, str(version)).hf_dir
 
     published(0, "p0")
-    holder = _PolicyHolder(lake, RolloutConfig(follow_latest=True))
+    holder = PolicyHolder(lake, RolloutConfig(follow_latest=True))
     eng0, v0 = holder()
     assert v0 == 0 and holder() == (eng0, 0)                 # nothing new: same engine, no reload
     v1_dir = publish_perturbed(1, "p1")
@@ -251,12 +251,12 @@ def test_follow_latest_switches_engine_to_newest_published_policy(lake, publishe
     fresh = HFEngine(v1_dir, threads=1)
     assert [c.token_ids for c in eng1.generate(req, sampling)[0]] == [c.token_ids for c in fresh.generate(req, sampling)[0]]
     assert eng1.generate(req, sampling)[0][0].logprobs == fresh.generate(req, sampling)[0][0].logprobs
-    rebuilt = _PolicyHolder(lake, RolloutConfig(follow_latest=True, weight_switch="rebuild"))
+    rebuilt = PolicyHolder(lake, RolloutConfig(follow_latest=True, weight_switch="rebuild"))
     e0, _ = rebuilt()
     publish_perturbed(2, "p2")
     e2, v2 = rebuilt()
     assert v2 == 2 and e2 is not e0 and [s["mode"] for s in rebuilt.switches] == ["rebuild"]
-    pinned = _PolicyHolder(lake, RolloutConfig(policy="0"))
+    pinned = PolicyHolder(lake, RolloutConfig(policy="0"))
     assert pinned()[1] == 0
     holder.close()
     rebuilt.close()

@@ -159,14 +159,14 @@ OWNER = r"""
 import os, sys, time
 from concurrent.futures import ProcessPoolExecutor
 import multiprocessing as mp
-from pipeline.rollout.owner import _die_with_parent
+from pipeline.rollout.owner import die_with_parent
 
 def work(marker):
     open(marker, "w").write(str(os.getpid()))
     time.sleep(600)
 
 if __name__ == "__main__":
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=_die_with_parent,
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=die_with_parent,
                              initargs=(os.getpid(), sys.argv[2] == "1")) as pool:
         pool.submit(work, sys.argv[1]).result()
 """

@@ -197,7 +197,8 @@ def test_latency_model_is_seeded_recorded_and_changes_no_outcome(lake, policy_di
     assert created and all(c["latency"] == model for c in created)
     executed = [e for e in ev if e["event_type"] == "ACTION_EXECUTED"]
     assert executed
-    lm = Latency(30.0, 1.0, 0.2, 10.0, 0.0, 0.0, seed=SEED)
+    lm = Latency(tool_ms=30.0, tool_sigma=1.0, slow_tool_p=0.2, verifier_ms=10.0, verifier_sigma=0.0,
+                 slow_verifier_p=0.0, seed=SEED)
     for e in executed:                                  # every call's injected latency is on record, reproducibly
         key = f"{e['episode_id'].removeprefix('lat1-')}/{e['action_id']}"   # drawn without the run id
         assert json.loads(e["payload"])["injected_ms"] == round(lm.draw("tool", key) * 1000, 3)

@@ -114,7 +114,7 @@ def test_deadline_precedence_run_then_environment_then_default():
 
     def deadline(env, run_value):
         return Harness(env, lambda: None, None, run_id="r", worker_id="w", sampling=Sampling(),
-                       limits=Limits(tool_timeout_s=run_value))._tool_timeout()
+                       limits=Limits(tool_timeout_s=run_value)).tool_timeout()
 
     assert deadline(ArithmeticTool(), 0.0) == DEFAULT_TOOL_TIMEOUT_S
     assert deadline(Declares(), 0.0) == 7.0                 # the environment's own deadline
@@ -128,7 +128,7 @@ def teardown_module():
 def test_retry_only_while_the_groups_policy_is_still_served():
     from pipeline.rollout.envs import Task
     from pipeline.rollout.harness import Episode
-    from pipeline.rollout.plan import _retries
+    from pipeline.rollout.plan import plan_retries
     from pipeline.rollout.summary import RolloutSummary
 
     class Recorder:
@@ -140,15 +140,15 @@ def test_retry_only_while_the_groups_policy_is_still_served():
             return kw["episode_id"]
 
     task = Task("t", "1+1=")
-    ok = Episode("g-0", "g", 2, task, 0, [1], policy_version=2)
+    ok = Episode(episode_id="g-0", group_id="g", group_size=2, task=task, seed=0, prompt_ids=[1], policy_version=2)
     ok.status, ok.verdict = "ACCEPTED", "PASS"
-    bad = Episode("g-1", "g", 2, task, 0, [1], policy_version=2)
+    bad = Episode(episode_id="g-1", group_id="g", group_size=2, task=task, seed=0, prompt_ids=[1], policy_version=2)
     bad.status, bad.verdict = "INFRA_FAILED", "ENV_ERROR"
     cfg = RolloutConfig(retry_group_budget=2, retry_run_budget=10)
     for served, expect in ((3, []), (2, ["g-r0"])):
         rec, summary = Recorder(), RolloutSummary("r", "e", "hf")
-        out, left = _retries(cfg, rec, lambda v=served: (None, v), {"g": (0, task)}, {}, [ok, bad], [ok, bad], 10,
-                             summary)
+        out, left = plan_retries(cfg, rec, lambda v=served: (None, v), {"g": (0, task)}, {}, [ok, bad], [ok, bad], 10,
+                                  summary)
         assert out == expect and left == 10 - len(expect)
         assert summary.retries_denied == (1 if served == 3 else 0)   # a newer policy: not comparable, no retry
         if expect:

@@ -68,10 +68,11 @@ def test_collate_layout_by_hand():
 
     # member 0: prompt [5, 6], response [7, 8, 9] with mask [1, 0, 1] (8 is an observation)
     # member 1: prompt [4], response [3] mask [1]
-    m = Members(["a", "b"], ["g", "g"], np.array([2, 2]), np.array([1.0, -1.0]), np.array([1.0, 0.0]),
-                np.array([0, 0]), [np.array([5, 6]), np.array([4])], [np.array([7, 8, 9]), np.array([3])],
-                [np.array([-0.1, 0, -0.3], np.float32), np.array([-0.2], np.float32)],
-                [np.array([1, 0, 1], np.int8), np.array([1], np.int8)], [None, None])
+    m = Members(trajectory_id=["a", "b"], group_id=["g", "g"], group_size=np.array([2, 2]),
+                advantage=np.array([1.0, -1.0]), reward=np.array([1.0, 0.0]), policy_lag=np.array([0, 0]),
+                prompt=[np.array([5, 6]), np.array([4])], response=[np.array([7, 8, 9]), np.array([3])],
+                rollout_logprobs=[np.array([-0.1, 0, -0.3], np.float32), np.array([-0.2], np.float32)],
+                loss_mask=[np.array([1, 0, 1], np.int8), np.array([1], np.int8)], token_versions=[None, None])
     b = collate(m, [0, 1], need=("rollout",))
     # L = 5, R = 3; input rows: [5 6 7 8 9], [4 3 0 0 0]
     assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9], [4, 3, 0, 0, 0]]

@@ -8,11 +8,12 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
 import torch
 from safetensors import safe_open
 
 from pipeline.policy_store import delta as wd
-from pipeline.policy_store import published_dir
+from pipeline.policy_store import published_dir, resolve_policy
 from pipeline.testing.train_fixtures import publish_synthetic_snapshot
 from pipeline.train.config import TrainConfig, identity_hash
 from pipeline.train.follow import follow
@@ -26,10 +27,14 @@ def _more(lake, k: int) -> list[str]:
     return [publish_synthetic_snapshot(lake, 16, seed=20 + i, median_len=18, prompt_len=6) for i in range(k)]
 
 
-def _line(lake) -> list[tuple[str, int, str]]:
+def _line(lake) -> list[tuple[str, int, dict[str, str], str]]:
+    """(id, version, weight files (an anchor's hf/ weights or a delta-only version's delta), weights digest)."""
+    from pipeline.train.checkpoint import weight_hashes
+
     rows = sorted((r for r in lake.read("checkpoints").to_pylist() if r["snapshot_ids"]),
                   key=lambda r: r["policy_version"])
-    return [(r["checkpoint_id"], r["policy_version"], dict(r["file_sha256"])["hf/model.safetensors"]) for r in rows]
+    return [(r["checkpoint_id"], r["policy_version"], weight_hashes(dict(r["file_sha256"])),
+             wd.weights_record(r)["sha256"]) for r in rows]
 
 
 def test_identity_counts_publish_dtype_only_when_not_float32():
@@ -50,7 +55,10 @@ def test_bf16_follow_equals_the_chain_and_every_version_rebuilds_from_its_deltas
     assert [r["kind"] for r in recs] == ["anchor", "delta", "delta"] and recs[0]["why"] == "delta not smaller"
     assert [r["chain"] for r in recs] == [0, 1, 2]
     for v, rec in zip(res.versions, recs):
-        hf = published_dir(lake, v["checkpoint_id"]) / "hf"
+        own = published_dir(lake, v["checkpoint_id"]) / "hf"      # delta-only: full weights only at the anchor
+        assert (own / "model.safetensors").exists() == (rec["kind"] == "anchor")
+        assert (published_dir(lake, v["checkpoint_id"]) / rec["file"]).is_file()
+        hf = resolve_policy(lake, v["checkpoint_id"]).hf_dir        # rebuilt where it is a delta
         with safe_open(str(hf / "model.safetensors"), "pt") as f:
             assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
         assert json.loads((hf / "config.json").read_text())["dtype"] == "bfloat16"
@@ -63,7 +71,7 @@ def test_bf16_follow_equals_the_chain_and_every_version_rebuilds_from_its_deltas
     from pipeline.rollout.backends import switch_weights
     from pipeline.rollout.hf import HFEngine
 
-    v1, v3 = (published_dir(lake, res.versions[i]["checkpoint_id"]) / "hf" for i in (0, 2))
+    v1, v3 = (resolve_policy(lake, res.versions[i]["checkpoint_id"]).hf_dir for i in (0, 2))
     want = {k: t.float() for k, t in wd.load_hf_weights(v3).items()}
     for deltas, mode in ((wd.delta_path(lake, res.versions[0]["checkpoint_id"], res.versions[2]["checkpoint_id"]),
                           "delta"), (None, "in_place")):
@@ -75,4 +83,32 @@ def test_bf16_follow_equals_the_chain_and_every_version_rebuilds_from_its_deltas
     lake2, _ = tlake2
     assert _more(lake2, 2) == sids[1:]
     chain = [train_snapshot(lake2, sid, CFG, progress=False) for sid in sids]
-    assert [(r.checkpoint_id, r.policy_version, r.weight_sha256["hf/model.safetensors"]) for r in chain] == _line(lake)
+    assert [(r.checkpoint_id, r.policy_version, r.weight_sha256) for r in chain] == [x[:3] for x in _line(lake)]
+    assert _line(lake2) == _line(lake)                              # and the same rebuilt weights
+
+
+@pytest.mark.slow
+def test_bf16_restart_replays_delta_only_versions_on_a_machine_without_their_weights(tlake, tmp_path, monkeypatch):
+    """A restart that must replay delta-only versions (their DeepSpeed state lost) on a machine with
+    no rebuilt copy: each replayed version's weights are checked against its recorded digest
+    (rebuilt from the anchor and its deltas), and the line continues."""
+    import shutil
+
+    from pipeline.policy_store.care import repair_checkpoints
+
+    lake, _ = tlake
+    monkeypatch.setenv("PIPELINE_CACHE", str(tmp_path / "this-machine"))
+    _more(lake, 2)
+    res = follow(lake, CFG, stop_after=3, progress=False)
+    ids = [v["checkpoint_id"] for v in res.versions]
+    rows = {r["checkpoint_id"]: r for r in lake.read("checkpoints").to_pylist()}
+    assert [wd.weights_record(rows[c])["kind"] for c in ids] == ["anchor", "delta", "delta"]
+    ds = sorted(p for p in (published_dir(lake, ids[2]) / "ds").rglob("*") if p.is_file())
+    ds[0].write_bytes(b"damaged")                              # v3's full state lost: repair retires it
+    assert repair_checkpoints(lake)["repaired"]
+    shutil.rmtree(wd.weights_cache(lake.uri))                    # another machine
+    wd._VERIFIED.clear()
+    monkeypatch.setenv("PIPELINE_CACHE", str(tmp_path / "other-machine"))
+    _more(lake, 3)
+    res2 = follow(lake, CFG, stop_after=1, progress=False)
+    assert res2.replayed == ids and [v["policy_version"] for v in res2.versions] == [4]

@@ -21,7 +21,9 @@ CFG = TrainConfig(lr=3e-3, micro_batch_tokens=256, grad_accum=2, epochs=2, seed=
 
 
 def _weights(res) -> str:
-    return res.weight_sha256["hf/model.safetensors"]
+    """The published weights' file: an anchor's hf/ weights or, for a delta-only version, its delta."""
+    (sha,) = res.weight_sha256.values()
+    return sha
 
 
 def test_train_publishes_a_complete_reproducible_checkpoint(tlake, tlake2):
@@ -98,7 +100,7 @@ def test_exported_policy_loads_in_transformers_and_generates(tlake):
 
     lake, sid = tlake
     res = train_snapshot(lake, sid, TrainConfig(lr=1e-3, micro_batch_tokens=512, max_steps=1), progress=False)
-    hf = Path(res.path) / "hf"
+    hf = res.hf_dir                       # a delta-only version: its weights rebuilt in this machine's cache
     model = AutoModelForCausalLM.from_pretrained(hf)
     tok = AutoTokenizer.from_pretrained(hf)
     ids = tok("w5 w6 w7", return_tensors="pt").input_ids
@@ -237,8 +239,8 @@ def test_two_processes_match_one_up_to_reduction_order(tlake, tlake2):
     lake2, _ = tlake2
     one = train_snapshot(lake2, sid, cfg, progress=False)
     assert one.global_step == two.global_step
-    a = load_file(str(Path(one.path) / "hf" / "model.safetensors"))
-    b = load_file(str(Path(two.path) / "hf" / "model.safetensors"))
+    a = load_file(str(one.hf_dir / "model.safetensors"))
+    b = load_file(str(two.hf_dir / "model.safetensors"))
     parent = load_file(str(Path(lake.uri) / "_checkpoints" / "tiny-v0" / "hf" / "model.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4)

@@ -20,7 +20,7 @@ from pipeline.train.run import train_snapshot
 def _load(res):
     from safetensors.torch import load_file
 
-    return load_file(str(Path(res.path) / "hf" / "model.safetensors"))
+    return load_file(str(res.hf_dir / "model.safetensors"))
 
 
 def _assert_close_weights(a, b, atol=2e-5, rtol=1e-4):
@@ -102,7 +102,7 @@ def test_zero3_matches_zero0_with_an_inference_only_reference(tlake, tlake2):
     w3, w0 = _load(z3), _load(z0)
     _assert_close_weights(w3, w0)
     assert all(v.numel() > 0 for v in w3.values())                                # consolidated, not partitions
-    AutoModelForCausalLM.from_pretrained(Path(z3.path) / "hf")                     # loads cleanly
+    AutoModelForCausalLM.from_pretrained(z3.hf_dir)                                # loads cleanly
 
 
 def test_zero3_tied_qwen2_exports_what_zero0_exports(tmp_path):

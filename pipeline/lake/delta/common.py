@@ -1,7 +1,6 @@
 """What every module of the table store shares: the write settings, the test
-pause points, the commit metadata and :class:`FilesMissing`. It imports nothing
-of the store, so the modules that import it (store, writes, keyindex, compact)
-form no circle.
+pause points, the commit metadata and :class:`FilesMissing`: the bottom of the
+store (docs/architecture.md, "Storage"). It imports nothing of the store.
 """
 
 from __future__ import annotations
@@ -9,12 +8,11 @@ from __future__ import annotations
 import getpass
 import os
 import socket
-import time
-from pathlib import Path
 from typing import Any
 
 from pipeline import __version__
 from pipeline.errors import IntegrityError
+from pipeline.hooks import mark_and_wait
 
 # Old versions stay loadable until `pipeline lake maintain` says otherwise:
 # delta-rs would otherwise clean expired logs (30 days) on checkpoint.
@@ -54,12 +52,8 @@ def pause_point(point: str) -> None:
     want, _, marker = raw.partition("=")
     if want != point:
         return
-    tmp = Path(f"{marker}.tmp{os.getpid()}")
-    tmp.write_text(str(os.getpid()))
-    os.replace(tmp, marker)  # whole or absent: a test reading the marker never sees it half written
-    go = Path(f"{marker}.go")
-    while not go.exists():  # inside the critical section until the test kills (or releases) us
-        time.sleep(0.01)
+    # inside the critical section until the test kills (or releases) us; the marker appears whole or not at all
+    mark_and_wait(marker, f"{marker}.go", text=str(os.getpid()), timeout_s=None, poll_s=0.01, atomic=True)
 
 
 class FilesMissing(IntegrityError):
@@ -78,13 +72,15 @@ class FilesMissing(IntegrityError):
         self.missing = missing
 
 
-def _partition_str(v: Any) -> str | None:
+def partition_str(v: Any) -> str | None:
+    """A partition value as the Delta log writes it (ISO text for dates and times)."""
     if v is None:
         return None
     return v.isoformat() if hasattr(v, "isoformat") else str(v)
 
 
-def _metadata(command: str, config_hash: str | None) -> dict[str, str]:
+def write_metadata(command: str, config_hash: str | None) -> dict[str, str]:
+    """The ``pipeline.*`` commit metadata of a write: command, user, host, pid, version, config hash."""
     try:
         user = getpass.getuser()
     except Exception:  # no passwd entry in some containers

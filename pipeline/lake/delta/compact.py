@@ -19,17 +19,17 @@ from pipeline.lake.delta.common import (
     MAX_KEYED_ATTEMPTS,
     ORPHAN_MIN_AGE_S,
     FilesMissing,
-    _metadata,
-    _partition_str,
+    partition_str,
     pause_point,
+    write_metadata,
 )
 from pipeline.schema import table_spec
 
 if TYPE_CHECKING:
-    from pipeline.lake.delta.store import Lake
+    from pipeline.lake.delta.root import LakeRoot
 
 
-def compact(lake: Lake, name: str, *, target_bytes: int = 128 << 20) -> dict[str, Any]:
+def compact(lake: LakeRoot, name: str, *, target_bytes: int = 128 << 20) -> dict[str, Any]:
     """Rewrite each partition's small files into files of up to ``target_bytes``.
 
     Our own rewrite instead of delta-rs's ``optimize.compact``: two of those
@@ -45,7 +45,7 @@ def compact(lake: Lake, name: str, *, target_bytes: int = 128 << 20) -> dict[str
     removed = added = 0
     for attempt in range(MAX_KEYED_ATTEMPTS):
         dt = lake.table(name)
-        plan = _compaction_plan(pa.table(dt.get_add_actions(flatten=True)), target_bytes)
+        plan = plan_compaction(pa.table(dt.get_add_actions(flatten=True)), target_bytes)
         if not plan:
             break
         lock_v = (dt.transaction_version(COMPACT_APP) or 0) + 1
@@ -62,7 +62,7 @@ def compact(lake: Lake, name: str, *, target_bytes: int = 128 << 20) -> dict[str
                 removes + new_actions, mode="append", schema=spec.arrow_schema(),
                 partition_by=list(spec.partition_by) or None,
                 commit_properties=CommitProperties(
-                    custom_metadata=_metadata("lake maintain: compact", None),
+                    custom_metadata=write_metadata("lake maintain: compact", None),
                     max_commit_retries=MAX_COMMIT_RETRIES,
                     app_transactions=[Transaction(COMPACT_APP, lock_v, now_ms)]))
             writes.release(lake, name, new_actions)
@@ -72,16 +72,16 @@ def compact(lake: Lake, name: str, *, target_bytes: int = 128 << 20) -> dict[str
         except (CommitFailedError, FilesMissing):
             # another compaction committed first (our rewrite may repeat its rows), or our
             # files were deleted under us: plan again
-            lake.discard(name, new_actions)
+            writes.discard(lake, name, new_actions)
             time.sleep(random.uniform(0, min(0.02 * 2 ** min(attempt, 6), 1.0)))
         except BaseException:
-            lake.discard(name, new_actions)
+            writes.discard(lake, name, new_actions)
             raise
     return {"numFilesRemoved": removed, "numFilesAdded": added}
 
 
 
-def rewrite(lake: Lake, name: str, files: list[tuple[str, dict[str, str | None], int]], transform, *,
+def rewrite(lake: LakeRoot, name: str, files: list[tuple[str, dict[str, str | None], int]], transform, *,
             command: str) -> int | None:
     """Replace ``files`` ((path, partition values, size) of live files of ``name``)
     by ``transform(their rows)`` in one commit: their removes plus the new files'
@@ -111,14 +111,14 @@ def rewrite(lake: Lake, name: str, files: list[tuple[str, dict[str, str | None],
         dt.create_write_transaction(
             [RemoveAction(p, False, now_ms, size, pv) for p, pv, size in files] + new_actions, mode="append",
             schema=spec.arrow_schema(), partition_by=list(spec.partition_by) or None,
-            commit_properties=CommitProperties(custom_metadata=_metadata(command, None),
+            commit_properties=CommitProperties(custom_metadata=write_metadata(command, None),
                                                max_commit_retries=MAX_COMMIT_RETRIES,
                                                app_transactions=[Transaction(COMPACT_APP, lock_v, now_ms)]))
         writes.release(lake, name, new_actions)
         pause_point(f"rewrite:{name}:committed")
         return lake.table(name).version()
     except (CommitFailedError, FilesMissing):
-        lake.discard(name, new_actions)
+        writes.discard(lake, name, new_actions)
         return None
     except BaseException:
         try:  # an error after the commit landed (post-commit hooks): its files are live, keep them
@@ -126,11 +126,11 @@ def rewrite(lake: Lake, name: str, files: list[tuple[str, dict[str, str | None],
         except Exception:  # noqa: BLE001 - cannot tell: leave the files to the age-guarded orphan cleanup
             landed = {a.path for a in new_actions}
         if not landed:
-            lake.discard(name, new_actions)
+            writes.discard(lake, name, new_actions)
         raise
 
 
-def remove_orphans(lake: Lake, name: str, *, min_age_s: float = ORPHAN_MIN_AGE_S,
+def remove_orphans(lake: LakeRoot, name: str, *, min_age_s: float = ORPHAN_MIN_AGE_S,
                    dry_run: bool = False, future: list[str] | None = None) -> list[str]:
     """Delete data files under table ``name`` that no commit ever referenced
     (staged by a writer that died before committing, or that lost a race), that
@@ -152,7 +152,7 @@ def remove_orphans(lake: Lake, name: str, *, min_age_s: float = ORPHAN_MIN_AGE_S
     from urllib.parse import unquote
 
     fs, _ = lake.filesystem()
-    base = lake.table_uri(name) if lake.is_local else lake.table_uri(name).split("://", 1)[1]
+    base = lake.table_path(name)
     listed = [i for i in fs.get_file_info(pafs.FileSelector(base, recursive=True)) if i.type == pafs.FileType.File]
     declared = staging.declared(lake, remove_expired=not dry_run)
     dt = lake.table(name)
@@ -165,7 +165,7 @@ def remove_orphans(lake: Lake, name: str, *, min_age_s: float = ORPHAN_MIN_AGE_S
     now = time.time()
     cutoff = now - min_age_s
     out = []
-    seen = _FirstSeen(lake, name, now, dry_run=dry_run)
+    seen = FirstSeen(lake, name, now, dry_run=dry_run)
     for info in listed:
         rel = info.path[len(base) + 1:]
         if rel.startswith("_delta_log/") or rel in referenced or not rel.endswith(".parquet") \
@@ -193,11 +193,11 @@ FUTURE_SKEW_S = 10 * 60
 SEEN_DIR = "_maintain/first-seen"
 
 
-class _FirstSeen:
+class FirstSeen:
     """When maintenance first saw each future-dated orphan of a table (by its own clock): one marker
     object per file, created put-if-absent (the first sighting wins), removed once the file is gone."""
 
-    def __init__(self, lake: Lake, name: str, now: float, *, dry_run: bool) -> None:
+    def __init__(self, lake: LakeRoot, name: str, now: float, *, dry_run: bool) -> None:
         self.lake, self.name, self.now, self.dry_run = lake, name, now, dry_run
         self.touched: set[str] = set()
         self.ok = lake.is_local or lake.uri.startswith("s3://")   # plain objects: local and S3 only
@@ -237,7 +237,7 @@ class _FirstSeen:
 
 
 
-def _compaction_plan(adds: pa.Table, target_bytes: int) -> list[list[tuple[str, dict[str, str | None], int]]]:
+def plan_compaction(adds: pa.Table, target_bytes: int) -> list[list[tuple[str, dict[str, str | None], int]]]:
     """Bins of small files (same partition, up to ``target_bytes`` each, >= 2 files)."""
     parts = [c for c in adds.column_names if c.startswith("partition.")]
     by_part: dict[tuple, list[tuple[str, dict[str, str | None], int]]] = {}
@@ -245,7 +245,7 @@ def _compaction_plan(adds: pa.Table, target_bytes: int) -> list[list[tuple[str, 
     for r in sorted(rows, key=lambda r: r["path"]):
         if r["size_bytes"] >= target_bytes:
             continue
-        pv = {c[len("partition."):]: _partition_str(r[c]) for c in parts}
+        pv = {c[len("partition."):]: partition_str(r[c]) for c in parts}
         by_part.setdefault(tuple(sorted(pv.items(), key=lambda kv: kv[0])), []).append(
             (r["path"], pv, r["size_bytes"]))
     plan = []

@@ -26,18 +26,28 @@ import logging
 import os
 import socket
 import time
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from pipeline.lake import objects, staging
 from pipeline.lake.liveness import holder_is_dead
 
 if TYPE_CHECKING:
-    from pipeline.lake.delta.store import Lake
+    from pipeline.lake.delta.root import LakeRoot
 
 DAMAGED_PREFIX = "damaged."
-# why an intent was set aside: its files (it can never be committed by anyone) or its record (it cannot be
-# parsed; its live writer may still commit it from memory)
-FILES, RECORD = "files", "record"
+
+
+class DamageKind(StrEnum):
+    """Why an intent was set aside (the ``kind`` its set-aside record stores, as this text): its files
+    (it can never be committed by anyone) or its record (it cannot be parsed; its live writer may still
+    commit it from memory)."""
+
+    FILES = "files"
+    RECORD = "record"
+
+
+FILES, RECORD = DamageKind.FILES, DamageKind.RECORD
 log = logging.getLogger("pipeline.lake")
 
 
@@ -49,7 +59,7 @@ def _rel(rid: str) -> str:
     return f"{staging.STAGING_DIR}/{rid}.json"
 
 
-def set_aside(lake: Lake, rid: str, raw: bytes | None, *, kind: str, reason: str) -> bool:
+def set_aside(lake: LakeRoot, rid: str, raw: bytes | None, *, kind: DamageKind, reason: str) -> bool:
     """Move intent record ``rid`` (whose bytes were ``raw``) aside as ``damaged.<rid>``; False when the
     record is already gone (committed, given up by its writer, or set aside by another process)."""
     body: dict[str, Any] = {}
@@ -78,7 +88,7 @@ def set_aside(lake: Lake, rid: str, raw: bytes | None, *, kind: str, reason: str
     return True
 
 
-def records(lake: Lake, name: str) -> list[tuple[str, dict[str, Any]]]:
+def records(lake: LakeRoot, name: str) -> list[tuple[str, dict[str, Any]]]:
     """(set-aside record id, its body) of table ``name``'s set-aside intents, in name order."""
     prefix = f"{DAMAGED_PREFIX}commit.{name}."
     out = []
@@ -100,7 +110,7 @@ def describe(body: dict[str, Any]) -> str:
     return str(_dict(body.get("set_aside")).get("reason", "unreadable set-aside record"))
 
 
-def prune(lake: Lake, name: str, *, live: set[str], dry_run: bool = False) -> list[str]:
+def prune(lake: LakeRoot, name: str, *, live: set[str], dry_run: bool = False) -> list[str]:
     """Remove the set-aside records of table ``name`` that protect nothing any more: set aside for their
     files (no commit can take them), naming no file, their writer provably dead or the record expired
     (as any staging record), or every file they name committed (``live``: paths relative to the table)
@@ -115,7 +125,7 @@ def prune(lake: Lake, name: str, *, live: set[str], dry_run: bool = False) -> li
         paths = [p for p in body.get("paths") or [] if isinstance(p, str)]
         gone = True
         if paths and info.get("kind") != FILES and not holder_is_dead(body) \
-                and staging._record_age_s(body, None, now) <= staging.INTENT_MAX_AGE_S:
+                and staging.record_age_s(body, None, now) <= staging.INTENT_MAX_AGE_S:
             rest = [p for p in paths if p.split("/", 1)[-1] not in live]
             infos = fs.get_file_info([f"{root}/{p}" for p in rest]) if rest else []
             gone = all(i.type == pafs.FileType.NotFound for i in infos)

@@ -49,7 +49,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -60,12 +60,12 @@ from pipeline.errors import CommitError
 from pipeline.lake import objects, staging
 from pipeline.lake.delta import damaged, keyindex, writes
 from pipeline.lake.delta.common import KEYS_APP, MAX_COMMIT_RETRIES, MAX_KEYED_ATTEMPTS, STAGE_MAX_AGE_S, \
-    FilesMissing, _metadata, pause_point
+    FilesMissing, pause_point, write_metadata
 from pipeline.lake.liveness import identity
 from pipeline.schema import ROW_KEY, TableSpec, table_spec
 
 if TYPE_CHECKING:
-    from pipeline.lake.delta.store import Lake
+    from pipeline.lake.delta.root import LakeRoot
 
 GROUP_COMMIT_ENV = "PIPELINE_GROUP_COMMIT"
 INTENT_PREFIX = "commit."
@@ -77,15 +77,25 @@ MAX_GROUP_ROWS = 500_000
 # waiting writers commit themselves. Only progress depends on it, never what lands.
 TAKEOVER_S = 2.0
 
+# Why :func:`choose` leaves an intent out of a commit: its transaction ``landed`` already, it is ``stale``,
+# a key of it landed after its check (``keys``), a key or transaction of an intent taken before it
+# (``repeat``), or the commit is ``full``.
+LeftOut = Literal["landed", "stale", "keys", "repeat", "full"]
+# How waiting for our intent ends (:func:`_drive`): ``landed`` with our files; a ``twin`` (our transaction
+# with other files) landed; our transaction landed, with which files the log no longer says (``unknown``);
+# ``keys`` of ours landed since our check; our files are ``gone``; or it ``failed`` (out of attempts).
+Outcome = Literal["landed", "twin", "unknown", "keys", "gone", "failed"]
+_BY_OURS: dict[bool | None, Outcome] = {True: "landed", False: "twin", None: "unknown"}
 
-def enabled(lake: Lake) -> bool:
+
+def enabled(lake: LakeRoot) -> bool:
     """On unless ``PIPELINE_GROUP_COMMIT=0``, on stores with put-if-absent (local, S3)."""
     if not lake.is_local and not lake.uri.startswith("s3://"):
         return False
     return os.environ.get(GROUP_COMMIT_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Intent:
     """One writer's pending append, as published in its intent record."""
 
@@ -117,11 +127,12 @@ def _add_action(d: dict[str, Any]):
                      bool(d["data_change"]), d["stats"])
 
 
-def _publish(lake: Lake, name: str, *, app_id: str, txn_version: int, extra: list[str], meta: dict[str, str],
+def _publish(lake: LakeRoot, name: str, *, app_id: str, txn_version: int, extra: list[str], meta: dict[str, str],
              checked: int, actions: list, keys: np.ndarray, rows: int) -> Intent:
     rid = f"{INTENT_PREFIX}{name}.{int(time.time() * 1000):013d}-{uuid.uuid4().hex}"
-    intent = Intent(rid, app_id, txn_version, tuple(extra), dict(meta), checked,
-                    tuple(_action_dict(a) for a in actions), keys.astype("<i8"), rows, time.time())
+    intent = Intent(rid=rid, app_id=app_id, txn_version=txn_version, extra=tuple(extra), meta=dict(meta),
+                    checked=checked, actions=tuple(_action_dict(a) for a in actions), keys=keys.astype("<i8"),
+                    rows=rows, created=time.time())
     body = {"paths": sorted(f"{name}/{a.path}" for a in actions), "created": intent.created,
             "host": socket.gethostname(), "pid": os.getpid(),
             "pid_bound": False,     # a dead writer's intent may still be committed by another writer
@@ -159,15 +170,16 @@ def _parse(rid: str, raw: bytes, name: str | None = None) -> Intent | str:
                  "an add action lacks path, size, partition values, time, data change or stats")
         keys = base64.b64decode(c["keys"], validate=True)
         need(len(keys) == 8 * c["rows"], f"{len(keys)} bytes of keys for {c['rows']} rows")
-        return Intent(rid, c["app_id"], c["txn_version"], tuple(str(t) for t in c["extra"]),
-                      {str(k): str(v) for k, v in c["meta"].items()}, c["checked"],
-                      tuple(c["actions"]), np.frombuffer(keys, "<i8").astype(np.int64),
-                      c["rows"], float(body["created"]))
+        return Intent(rid=rid, app_id=c["app_id"], txn_version=c["txn_version"],
+                      extra=tuple(str(t) for t in c["extra"]), meta={str(k): str(v) for k, v in c["meta"].items()},
+                      checked=c["checked"], actions=tuple(c["actions"]),
+                      keys=np.frombuffer(keys, "<i8").astype(np.int64), rows=c["rows"],
+                      created=float(body["created"]))
     except (ValueError, KeyError, TypeError) as exc:
         return f"unreadable intent record ({type(exc).__name__}: {exc})"
 
 
-def records(lake: Lake, name: str) -> list[tuple[str, bytes | None, Intent | str]]:
+def records(lake: LakeRoot, name: str) -> list[tuple[str, bytes | None, Intent | str]]:
     """(record id, its bytes (None when cached), the intent or why it is damaged) of every published
     intent of table ``name``, in name (= publication time) order."""
     prefix = f"{INTENT_PREFIX}{name}."
@@ -191,7 +203,7 @@ def records(lake: Lake, name: str) -> list[tuple[str, bytes | None, Intent | str
     return out
 
 
-def pending(lake: Lake, name: str) -> list[Intent]:
+def pending(lake: LakeRoot, name: str) -> list[Intent]:
     """The published intents of table ``name``, in name (= publication time) order. A record that does
     not parse can never be committed: it is set aside (pipeline/lake/delta/damaged.py), never chosen."""
     out = []
@@ -203,7 +215,7 @@ def pending(lake: Lake, name: str) -> list[Intent]:
     return out
 
 
-def missing_files(lake: Lake, name: str, intent: Intent) -> str:
+def missing_files(lake: LakeRoot, name: str, intent: Intent) -> str:
     """Why the intent's files are not all there as written ("" when they are)."""
     try:
         lake.check_files({f"{name}/{a['path']}": int(a["size"]) for a in intent.actions}, what="intent")
@@ -213,7 +225,7 @@ def missing_files(lake: Lake, name: str, intent: Intent) -> str:
     return ""
 
 
-def _remove(lake: Lake, rid: str) -> None:
+def _remove(lake: LakeRoot, rid: str) -> None:
     staging.release(lake, rid)
     _CACHE.pop((lake.uri, rid), None)
 
@@ -221,16 +233,16 @@ def _remove(lake: Lake, rid: str) -> None:
 _TABLES = threading.local()
 
 
-def _commit_size(lake: Lake, name: str, version: int) -> int | None:
+def _commit_size(lake: LakeRoot, name: str, version: int) -> int | None:
     fs, _ = lake.filesystem()
-    base = lake.table_uri(name) if lake.is_local else lake.table_uri(name).split("://", 1)[1]
+    base = lake.table_path(name)
     import pyarrow.fs as pafs
 
     info = fs.get_file_info(f"{base}/_delta_log/{version:020d}.json")
     return info.size if info.type == pafs.FileType.File else None
 
 
-def latest(lake: Lake, name: str) -> DeltaTable:
+def latest(lake: LakeRoot, name: str) -> DeltaTable:
     """Table ``name`` at its latest version: this thread's open table brought forward
     (``update_incremental`` reads only the new commits), or freshly loaded. The open table is
     reused only while the commit it was last at is still in the log with the same size (a table
@@ -253,21 +265,21 @@ def latest(lake: Lake, name: str) -> DeltaTable:
     return dt
 
 
-@dataclass
+@dataclass(kw_only=True)
 class View:
     """Table ``name`` as of ``version``, read from its log alone (no snapshot loaded): what a waiting
     writer needs to see whether its transaction landed and which intents one commit could take.
     ``tid`` is the Delta table id (a table created again at the same path is another table)."""
 
-    lake: Lake
+    lake: LakeRoot
     name: str
     tid: str
     version: int
     _dt: DeltaTable | None = None
 
     @classmethod
-    def of(cls, lake: Lake, name: str, dt: DeltaTable) -> View:
-        return cls(lake, name, str(dt.metadata().id), dt.version(), dt)
+    def of(cls, lake: LakeRoot, name: str, dt: DeltaTable) -> View:
+        return cls(lake=lake, name=name, tid=str(dt.metadata().id), version=dt.version(), _dt=dt)
 
     def table(self) -> DeltaTable:
         """The snapshot at ``version`` (loaded only when the log alone does not tell)."""
@@ -281,14 +293,14 @@ class View:
         v = self.version
         while _commit_size(self.lake, self.name, v + 1) is not None:
             v += 1
-        return self if v == self.version else View(self.lake, self.name, self.tid, v)
+        return self if v == self.version else View(lake=self.lake, name=self.name, tid=self.tid, version=v)
 
 
 # commits are immutable: (lake, table, Delta table id, version) -> (application transactions, paths added)
 _LOG: dict[tuple[str, str, str, int], tuple[dict[str, int], frozenset[str]]] = {}
 
 
-def _commit_facts(lake: Lake, name: str, tid: str, version: int
+def _commit_facts(lake: LakeRoot, name: str, tid: str, version: int
                   ) -> tuple[dict[str, int], frozenset[str]] | None:
     """(application transactions, paths added) of commit ``version`` of table ``name`` with Delta
     table id ``tid``; None if its log file is gone."""
@@ -350,7 +362,7 @@ class _KeysAdded:
 
     def since(self, version: int) -> keyindex.KeySet:
         if version not in self.memo:
-            self.memo[version] = keyindex.KeySet(keyindex._EMPTY, self._read(version))
+            self.memo[version] = keyindex.KeySet(keyindex.EMPTY_KEYS, self._read(version))
         return self.memo[version]
 
     def _read(self, version: int) -> np.ndarray:
@@ -371,17 +383,17 @@ class _KeysAdded:
                 if len(_COMMIT_KEYS) > 100_000:
                     _COMMIT_KEYS.clear()
             parts.append(_COMMIT_KEYS[key])
-        return np.concatenate(parts) if parts else keyindex._EMPTY
+        return np.concatenate(parts) if parts else keyindex.EMPTY_KEYS
 
 
 def choose(view: View, intents: list[Intent], *, now: float | None = None
-           ) -> tuple[list[Intent], dict[str, str]]:
+           ) -> tuple[list[Intent], dict[str, LeftOut]]:
     """The intents one commit on ``view`` takes, and why each other one is left out
     (``landed``, ``stale``, ``keys``: a key landed after its check, ``repeat``: a key or
     transaction of an intent taken before it, ``full``: the commit is full)."""
     now = time.time() if now is None else now
     out: list[Intent] = []
-    why: dict[str, str] = {}
+    why: dict[str, LeftOut] = {}
     live = []
     landed = _Landed(view)
     for i in intents:
@@ -414,7 +426,7 @@ def choose(view: View, intents: list[Intent], *, now: float | None = None
     return out, why
 
 
-def _check_files(lake: Lake, name: str, intents: list[Intent], ours: Intent) -> tuple[list[Intent], list[Intent]]:
+def _check_files(lake: LakeRoot, name: str, intents: list[Intent], ours: Intent) -> tuple[list[Intent], list[Intent]]:
     """(intents whose files are all there as written, those with a file gone). Another writer's
     intent with a file gone can never be committed: it is set aside after this one check."""
     ok, gone = [], []
@@ -432,7 +444,7 @@ def _check_files(lake: Lake, name: str, intents: list[Intent], ours: Intent) -> 
     return ok, gone
 
 
-def _commit(lake: Lake, spec: TableSpec, dt: DeltaTable, intents: list[Intent], meta: dict[str, str]) -> None:
+def _commit(lake: LakeRoot, spec: TableSpec, dt: DeltaTable, intents: list[Intent], meta: dict[str, str]) -> None:
     now_ms = int(time.time() * 1000)
     txns = [Transaction(a, i.txn_version if a == i.app_id else 0, now_ms) for i in intents for a in i.apps]
     txns.append(Transaction(KEYS_APP, (dt.transaction_version(KEYS_APP) or 0) + 1, now_ms))
@@ -450,7 +462,7 @@ def _commit(lake: Lake, spec: TableSpec, dt: DeltaTable, intents: list[Intent], 
     pause_point(f"group:{spec.name}:committed")
 
 
-def append(lake: Lake, name: str, data: pa.Table, *, command: str, config_hash: str | None, app_id: str | None,
+def append(lake: LakeRoot, name: str, data: pa.Table, *, command: str, config_hash: str | None, app_id: str | None,
            txn_version: int, extra: list[str]) -> writes.AppendResult:
     """``writes.append`` for a keyed table through a group commit (same result, same guarantees)."""
     if (lake.uri, name) not in _TABLES.__dict__.get("tables", {}):
@@ -458,13 +470,19 @@ def append(lake: Lake, name: str, data: pa.Table, *, command: str, config_hash: 
     spec = table_spec(name)
     data = writes.prepare(lake, spec, data)
     app_id = app_id or f"write-{uuid.uuid4().hex}"
-    meta = _metadata(command, config_hash)
+    meta = write_metadata(command, config_hash)
     meta.update({"pipeline.app_id": app_id, "pipeline.txn_version": str(txn_version)})
     dt = latest(lake, name)
     landed = dt.transaction_version(app_id)
     if landed is not None and landed >= txn_version:
-        return writes.AppendResult(name, False, 0, None, app_id, txn_version)
+        return writes.AppendResult(table=name, landed=False, rows=0, version=None, app_id=app_id,
+                                   txn_version=txn_version)
     duplicates, conflicts = 0, None
+
+    def result(*, landed: bool, rows: int, version: int | None) -> writes.AppendResult:
+        return writes.AppendResult(table=name, landed=landed, rows=rows, version=version, app_id=app_id,
+                                   txn_version=txn_version, duplicates=duplicates, conflicts=conflicts)
+
     checked: int | None = None
     last: Exception | None = None
     for _ in range(MAX_KEYED_ATTEMPTS):
@@ -473,11 +491,11 @@ def append(lake: Lake, name: str, data: pa.Table, *, command: str, config_hash: 
         if confl is not None:
             conflicts = confl if conflicts is None else pa.concat_tables([conflicts, confl])
         if data.num_rows == 0:
-            return writes.AppendResult(name, False, 0, None, app_id, txn_version, duplicates, conflicts)
+            return result(landed=False, rows=0, version=None)
         if checked is not None:     # a later pass: has a twin with our transaction landed meanwhile?
             landed = dt.transaction_version(app_id)
             if landed is not None and landed >= txn_version:
-                return writes.AppendResult(name, False, 0, None, app_id, txn_version, duplicates, conflicts)
+                return result(landed=False, rows=0, version=None)
         checked = dt.version()      # our transaction is not in the table up to here (every pass looked)
         actions = writes.write_data_files(lake, spec, data)
         intent = _publish(lake, name, app_id=app_id, txn_version=txn_version, extra=extra, meta=meta,
@@ -488,8 +506,7 @@ def append(lake: Lake, name: str, data: pa.Table, *, command: str, config_hash: 
             pause_point(f"append:{name}:committed")
             _remove(lake, intent.rid)
             writes.release(lake, name, actions)
-            return writes.AppendResult(name, True, data.num_rows, version, app_id, txn_version, duplicates,
-                                       conflicts)
+            return result(landed=True, rows=data.num_rows, version=version)
         if outcome == "failed":
             break    # left published: another writer may still commit it, or it expires (maintenance)
         if outcome in ("keys", "gone") and _landed_as_of(lake, name, intent):
@@ -497,25 +514,25 @@ def append(lake: Lake, name: str, data: pa.Table, *, command: str, config_hash: 
         if outcome == "unknown":   # our transaction landed; whether with our files the log no longer says:
             _remove(lake, intent.rid)           # keep them (orphan cleanup removes them if unreferenced)
             writes.release(lake, name, actions)
-            return writes.AppendResult(name, False, 0, version, app_id, txn_version, duplicates, conflicts)
+            return result(landed=False, rows=0, version=version)
         # our intent can never land (see _drive): drop it and its files
         _remove(lake, intent.rid)
-        lake.discard(name, actions)
+        writes.discard(lake, name, actions)
         if outcome == "twin":
-            return writes.AppendResult(name, False, 0, None, app_id, txn_version, duplicates, conflicts)
+            return result(landed=False, rows=0, version=None)
         dt = latest(lake, name)     # "keys": dedupe what landed since `checked`; "gone": write the files again
     cause = f"{type(last).__name__}: {last}" if last is not None else "out of attempts"
     raise CommitError(f"could not append {data.num_rows} rows to {name}: {cause}",
                       hint=f"retry with the same transaction id ({app_id}, {txn_version}); it lands at most once")
 
 
-def _landed_as_of(lake: Lake, name: str, intent: Intent) -> bool:
+def _landed_as_of(lake: LakeRoot, name: str, intent: Intent) -> bool:
     """Is the intent's transaction in the table now (asked of a freshly loaded table)?"""
     v = lake.table(name).transaction_version(intent.app_id)
     return v is not None and v >= intent.txn_version
 
 
-def _wait_for_commit(lake: Lake, name: str, version: int, *, until: float) -> None:
+def _wait_for_commit(lake: LakeRoot, name: str, version: int, *, until: float) -> None:
     """Poll (one metadata request each time) until commit ``version + 1`` exists or ``until`` (monotonic).
     On an object store each poll is a billed request: poll less often there."""
     pause, most = (0.002, 0.02) if lake.is_local else (0.01, 0.1)
@@ -524,8 +541,8 @@ def _wait_for_commit(lake: Lake, name: str, version: int, *, until: float) -> No
         pause = min(pause * 1.5, most)
 
 
-def _drive(lake: Lake, spec: TableSpec, intent: Intent, meta: dict[str, str], view: View
-           ) -> tuple[str, int | None, Exception | None]:
+def _drive(lake: LakeRoot, spec: TableSpec, intent: Intent, meta: dict[str, str], view: View
+           ) -> tuple[Outcome, int | None, Exception | None]:
     """Wait for ``intent`` to land, committing pending intents (ours among them) when nobody
     else does. -> ("landed", version), ("twin": the same transaction landed with other files),
     ("keys": some of our keys landed since our check), ("gone": our files vanished) or
@@ -538,7 +555,7 @@ def _drive(lake: Lake, spec: TableSpec, intent: Intent, meta: dict[str, str], vi
         view = view.advanced()
         version, ours = _Landed(view).where(intent)
         if version is not None:
-            return {True: "landed", False: "twin", None: "unknown"}[ours], version, None
+            return _BY_OURS[ours], version, None
         intents = pending(lake, name)
         if intent.rid not in {i.rid for i in intents}:
             intents = sorted([*intents, intent], key=lambda i: i.rid)
@@ -592,7 +609,7 @@ def _drive(lake: Lake, spec: TableSpec, intent: Intent, meta: dict[str, str], vi
     return "failed", None, last or RuntimeError(f"{MAX_KEYED_ATTEMPTS} passes without a commit holding it")
 
 
-def sweep(lake: Lake, name: str, *, dry_run: bool = False) -> list[str]:
+def sweep(lake: LakeRoot, name: str, *, dry_run: bool = False) -> list[str]:
     """Remove the intent records of ``name`` whose transaction is committed (left by writers killed
     after their commit landed). Records of intents not committed stay: another writer may still
     commit them, and they expire like any staging record (maintenance removes them then)."""
@@ -609,7 +626,7 @@ def sweep(lake: Lake, name: str, *, dry_run: bool = False) -> list[str]:
     return out
 
 
-def inspect_damaged(lake: Lake, name: str) -> list[tuple[str, str]]:
+def inspect_damaged(lake: LakeRoot, name: str) -> list[tuple[str, str]]:
     """(intent record id, why) of the pending intents of ``name`` that are damaged now: a record that
     does not parse, or a file gone (nothing is changed: `pipeline lake verify` reports them)."""
     out = []
@@ -623,7 +640,7 @@ def inspect_damaged(lake: Lake, name: str) -> list[tuple[str, str]]:
     return out
 
 
-def tidy_damaged(lake: Lake, name: str, *, live: set[str], dry_run: bool = False) -> tuple[list[str], list[str]]:
+def tidy_damaged(lake: LakeRoot, name: str, *, live: set[str], dry_run: bool = False) -> tuple[list[str], list[str]]:
     """What `pipeline lake maintain` does: set aside the damaged pending intents of ``name``, then remove
     the set-aside records that protect nothing any more (:func:`.damaged.prune`). -> (set aside, removed)."""
     aside = []

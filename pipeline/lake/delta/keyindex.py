@@ -23,7 +23,7 @@ from deltalake import DeltaTable
 from pipeline.schema import ROW_KEY
 
 if TYPE_CHECKING:
-    from pipeline.lake.delta.store import Lake
+    from pipeline.lake.delta.root import LakeRoot
 
 
 def key_member(table_keys: np.ndarray, probes: np.ndarray) -> np.ndarray:
@@ -62,12 +62,12 @@ class KeySet:
         return len(self.index) + len(self.loose)
 
 
-_EMPTY = np.empty(0, np.int64)
-_KEY_CACHE: dict[tuple[str, str], tuple[int, frozenset[str], KeySet]] = {}
+EMPTY_KEYS = np.empty(0, np.int64)
+KEY_CACHE: dict[tuple[str, str], tuple[int, frozenset[str], KeySet]] = {}
 INDEX_DIR = "_index"  # <lake>/_index/<table>/keys-<version>.idx: sorted row_keys of that version
 
 
-def keys(lake: Lake, name: str, dt: DeltaTable, *, since: int | None = None) -> KeySet:
+def keys(lake: LakeRoot, name: str, dt: DeltaTable, *, since: int | None = None) -> KeySet:
     """``row_key`` of every row in ``dt`` (since=None) or in the files committed
     after version ``since``. The full set is the newest key index at or
     below ``dt``'s version (written by ``lake maintain``) plus the keys of the
@@ -77,9 +77,9 @@ def keys(lake: Lake, name: str, dt: DeltaTable, *, since: int | None = None) -> 
     version = dt.version()
     if since is not None:
         if since >= version:
-            return KeySet(_EMPTY, _EMPTY)
-        return KeySet(_EMPTY, read_keys(lake, name, lake.files_added(name, dt, since=since)))
-    cached = _KEY_CACHE.get((lake.uri, name))
+            return KeySet(EMPTY_KEYS, EMPTY_KEYS)
+        return KeySet(EMPTY_KEYS, read_keys(lake, name, lake.files_added(name, dt, since=since)))
+    cached = KEY_CACHE.get((lake.uri, name))
     live = lake.live_files(dt)
     names = frozenset(p for p, _ in live)
     if cached is not None and cached[0] <= version and cached[1] <= names:
@@ -91,7 +91,7 @@ def keys(lake: Lake, name: str, dt: DeltaTable, *, since: int | None = None) -> 
     else:
         found, rejected = _load_key_index(lake, name, version, dt=dt)
         if found is None:
-            ks = KeySet(_EMPTY, read_keys(lake, name, live))
+            ks = KeySet(EMPTY_KEYS, read_keys(lake, name, live))
             if rejected:   # rebuild from the keys just read: the next reader is fast again
                 try:
                     write_key_index(lake, name, dt=dt, keys=ks.loose)
@@ -100,11 +100,11 @@ def keys(lake: Lake, name: str, dt: DeltaTable, *, since: int | None = None) -> 
         else:
             iv, index = found
             ks = KeySet(index, read_keys(lake, name, lake.files_added(name, dt, since=iv)))
-    _KEY_CACHE[(lake.uri, name)] = (version, names, ks)
+    KEY_CACHE[(lake.uri, name)] = (version, names, ks)
     return ks
 
 
-def index_base(lake: Lake, name: str) -> str:
+def index_base(lake: LakeRoot, name: str) -> str:
     _, root = lake.filesystem()
     return f"{root}/{INDEX_DIR}/{name}"
 
@@ -120,9 +120,10 @@ def _index_name(version: int) -> str:
     return f"keys-{version:020d}.idx"
 
 
-def _commit_file(lake: Lake, name: str, version: int) -> bytes | None:
+def commit_file(lake: LakeRoot, name: str, version: int) -> bytes | None:
+    """The bytes of the log entry of commit ``version`` of table ``name``; None when it is gone."""
     fs, _ = lake.filesystem()
-    base = lake.table_uri(name) if lake.is_local else lake.table_uri(name).split("://", 1)[1]
+    base = lake.table_path(name)
     try:
         with fs.open_input_stream(f"{base}/_delta_log/{version:020d}.json") as f:
             return f.read()
@@ -130,13 +131,13 @@ def _commit_file(lake: Lake, name: str, version: int) -> bytes | None:
         return None
 
 
-def _commit_sha(lake: Lake, name: str, version: int) -> str | None:
+def _commit_sha(lake: LakeRoot, name: str, version: int) -> str | None:
     """sha256 of the log entry of ``version``: names that commit in this history of the table."""
-    raw = _commit_file(lake, name, version)
+    raw = commit_file(lake, name, version)
     return None if raw is None else hashlib.sha256(raw).hexdigest()
 
 
-def _anchor(raw: bytes | None) -> dict[str, Any] | None:
+def index_anchor(raw: bytes | None) -> dict[str, Any] | None:
     """The key-index record (``pipeline.key_index`` in the commit's metadata) of a commit's log entry."""
     for line in (raw or b"").splitlines():
         try:
@@ -198,7 +199,7 @@ def decode_index(raw: bytes, *, table: str, table_id: str, version: int, commit:
     return keys
 
 
-def write_key_index(lake: Lake, name: str, *, dt: DeltaTable | None = None, keys: np.ndarray | None = None
+def write_key_index(lake: LakeRoot, name: str, *, dt: DeltaTable | None = None, keys: np.ndarray | None = None
                     ) -> int | None:
     """Write the sorted ``row_key`` of every row of ``name``'s latest version (or of ``dt``, whose
     keys are ``keys`` when given) and delete older indexes; returns the version the index is of.
@@ -218,7 +219,7 @@ def write_key_index(lake: Lake, name: str, *, dt: DeltaTable | None = None, keys
     from deltalake import CommitProperties, Transaction
     from deltalake.exceptions import CommitFailedError
 
-    from pipeline.lake.delta.common import KEYS_APP, MAX_COMMIT_RETRIES, _metadata
+    from pipeline.lake.delta.common import KEYS_APP, MAX_COMMIT_RETRIES, write_metadata
     from pipeline.schema import table_spec
 
     spec = table_spec(name)
@@ -238,7 +239,7 @@ def write_key_index(lake: Lake, name: str, *, dt: DeltaTable | None = None, keys
             dt.create_write_transaction(
                 [], mode="append", schema=spec.arrow_schema(), partition_by=list(spec.partition_by) or None,
                 commit_properties=CommitProperties(
-                    custom_metadata=dict(_metadata("lake maintain: key index", None),
+                    custom_metadata=dict(write_metadata("lake maintain: key index", None),
                                          **{ANCHOR_META: json.dumps(anchor, sort_keys=True)}),
                     max_commit_retries=MAX_COMMIT_RETRIES,
                     app_transactions=[Transaction(KEYS_APP, n, int(time.time() * 1000))]))
@@ -271,7 +272,7 @@ def write_key_index(lake: Lake, name: str, *, dt: DeltaTable | None = None, keys
     return version
 
 
-def _carrying(lake: Lake, name: str, app: str, txn_version: int, after: int) -> int | None:
+def _carrying(lake: LakeRoot, name: str, app: str, txn_version: int, after: int) -> int | None:
     """The version of the commit after ``after`` that carries ``(app, txn_version)`` (each is committed once)."""
     latest = lake.version(name)
     for v in range(latest if latest is not None else after, after, -1):
@@ -282,13 +283,13 @@ def _carrying(lake: Lake, name: str, app: str, txn_version: int, after: int) -> 
     return None
 
 
-def load_key_index(lake: Lake, name: str, version: int, *, dt: DeltaTable | None = None
+def load_key_index(lake: LakeRoot, name: str, version: int, *, dt: DeltaTable | None = None
                    ) -> tuple[int, np.ndarray] | None:
     """(index version, sorted keys) of the newest trustworthy index at or below ``version``."""
     return _load_key_index(lake, name, version, dt=dt)[0]
 
 
-def _load_key_index(lake: Lake, name: str, version: int, *, dt: DeltaTable | None = None
+def _load_key_index(lake: LakeRoot, name: str, version: int, *, dt: DeltaTable | None = None
                     ) -> tuple[tuple[int, np.ndarray] | None, bool]:
     """(what ``load_key_index`` returns, whether an index was ignored as untrustworthy).
 
@@ -326,10 +327,10 @@ def _load_key_index(lake: Lake, name: str, version: int, *, dt: DeltaTable | Non
         try:
             if ext != "idx":
                 raise ValueError("an older format without table identity or checksum")
-            entry = _commit_file(lake, name, v)
+            entry = commit_file(lake, name, v)
             return (v, decode_index(raw, table=name, table_id=table_id, version=v,
                                     commit=None if entry is None else hashlib.sha256(entry).hexdigest(),
-                                    anchor=_anchor(entry))), rejected
+                                    anchor=index_anchor(entry))), rejected
         except ValueError as exc:
             rejected = True
             log.warning("ignoring the key index %s of table %s: %s; reading the keys from the table "
@@ -337,7 +338,7 @@ def _load_key_index(lake: Lake, name: str, version: int, *, dt: DeltaTable | Non
     return None, rejected
 
 
-def read_keys(lake: Lake, name: str, files: list[tuple[str, dict[str, str | None]]]) -> np.ndarray:
+def read_keys(lake: LakeRoot, name: str, files: list[tuple[str, dict[str, str | None]]]) -> np.ndarray:
     if not files:
         return np.empty(0, np.int64)
     t = lake.files_dataset(name, files, schema=pa.schema([pa.field(ROW_KEY, pa.int64())])).to_table(

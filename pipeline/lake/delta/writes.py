@@ -41,14 +41,14 @@ from pipeline.lake.delta.common import (
     MAX_KEYED_ATTEMPTS,
     STAGE_MAX_AGE_S,
     FilesMissing,
-    _metadata,
-    _partition_str,
+    partition_str,
     pause_point,
+    write_metadata,
 )
 from pipeline.schema import ROW_KEY, TableSpec, table_spec
 
 if TYPE_CHECKING:
-    from pipeline.lake.delta.store import Lake
+    from pipeline.lake.delta.root import LakeRoot
 
 
 class LockTaken(Exception):
@@ -80,7 +80,7 @@ class StagedFilesMissing(KeyRace):
         self.missing = missing.missing
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Staged:
     """Data files written by :meth:`Lake.stage`, not yet committed."""
 
@@ -108,7 +108,7 @@ def row_keys(spec: TableSpec, data: pa.Table) -> pa.Array:
 
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AppendResult:
     """Outcome of one append. ``landed`` is False when the app transaction had
     already been committed (an exactly-once no-op), or when every row was
@@ -127,7 +127,7 @@ class AppendResult:
 
 
 
-def prepare(lake: Lake, spec: TableSpec, data: pa.Table) -> pa.Table:
+def prepare(lake: LakeRoot, spec: TableSpec, data: pa.Table) -> pa.Table:
     """``data`` in the table's column order and types, with ``row_key`` computed."""
     if spec.enforces_key and (ROW_KEY not in data.column_names or data.column(ROW_KEY).null_count):
         if ROW_KEY in data.column_names:
@@ -137,7 +137,7 @@ def prepare(lake: Lake, spec: TableSpec, data: pa.Table) -> pa.Table:
 
 
 
-def stage(lake: Lake, name: str, data: pa.Table) -> Staged:
+def stage(lake: LakeRoot, name: str, data: pa.Table) -> Staged:
     """Write ``data`` as data files of table ``name`` without committing them;
     pass the result to ``append(..., staged=[...])`` (or to ``discard``). Until
     that commit lands the files are invisible; they are declared in the staging
@@ -146,15 +146,15 @@ def stage(lake: Lake, name: str, data: pa.Table) -> Staged:
     spec = table_spec(name)
     data = prepare(lake, spec, data)
     keys = (data.column(ROW_KEY).to_numpy() if spec.enforces_key else np.empty(0, np.int64))
-    return Staged(write_data_files(lake, spec, data), keys, data.num_rows, time.time())
+    return Staged(actions=write_data_files(lake, spec, data), keys=keys, rows=data.num_rows, written_at=time.time())
 
 
 
-def discard(lake: Lake, name: str, staged: list) -> None:
+def discard(lake: LakeRoot, name: str, staged: list) -> None:
     """Best-effort removal of staged files that will not be committed (and of
     their staging-registry records)."""
     fs, _ = lake.filesystem()
-    base = lake.table_uri(name) if lake.is_local else lake.table_uri(name).split("://", 1)[1]
+    base = lake.table_path(name)
     actions = [a for item in staged for a in (item.actions if isinstance(item, Staged) else [item])]
     for action in actions:
         try:
@@ -169,19 +169,19 @@ def intent_id(name: str, path: str) -> str:
     return f"{name}.{path.rsplit('/', 1)[-1].removesuffix('.parquet')}"
 
 
-def release(lake: Lake, name: str, actions: list) -> None:
+def release(lake: LakeRoot, name: str, actions: list) -> None:
     """Remove the staging-registry records of ``actions`` (committed or given up)."""
     for action in actions:
         staging.release(lake, intent_id(name, action.path))
 
 
-def check_actions(lake: Lake, name: str, actions: list, *, what: str) -> None:
+def check_actions(lake: LakeRoot, name: str, actions: list, *, what: str) -> None:
     """:meth:`Lake.check_files` for the data files of add actions of table ``name``."""
     lake.check_files({f"{name}/{a.path}": a.size for a in actions if hasattr(a, "size")}, what=what)
 
 
 
-def append(lake: Lake, name: str, data: pa.Table | None, *, command: str, config_hash: str | None = None,
+def append(lake: LakeRoot, name: str, data: pa.Table | None, *, command: str, config_hash: str | None = None,
            app_id: str | None = None, txn_version: int = 0,
            extra_transactions: list[str] | None = None,
            extra_metadata: dict[str, str] | None = None,
@@ -209,140 +209,196 @@ def append(lake: Lake, name: str, data: pa.Table | None, *, command: str, config
     ``snapshot`` is a freshly loaded table the first attempt may use instead
     of loading it again.
     """
-    lake.ensure(name)
-    spec = table_spec(name)
-    keyed = spec.enforces_key
-    if staged is None:
-        data = prepare(lake, spec, data)
-        rows = data.num_rows
-    else:
-        rows = sum(s.rows for s in staged)
-    app_id = app_id or f"write-{uuid.uuid4().hex}"
-    meta = _metadata(command, config_hash)
-    meta.update({"pipeline.app_id": app_id, "pipeline.txn_version": str(txn_version)})
-    meta.update(extra_metadata or {})
+    run = _Append(lake, name, data, command=command, config_hash=config_hash, app_id=app_id,
+                  txn_version=txn_version, extra_transactions=extra_transactions, extra_metadata=extra_metadata,
+                  staged=staged, read_version=read_version, lock=lock)
     last_exc: Exception | None = None
-    ambiguous = False  # an earlier attempt failed in a way that may have committed
-    actions = [a for s in staged for a in s.actions] if staged is not None else None
-    checked = read_version if staged is not None else None  # keys up to here are checked
-    duplicates, conflicts = 0, None
-    attempts = MAX_KEYED_ATTEMPTS if keyed or lock else MAX_ATTEMPTS
-    for attempt in range(attempts):
+    for attempt in range(run.attempts):
         # Check and write against the SAME table snapshot: delta-rs then refuses
         # (ConcurrentTransaction) a commit racing another with our app id (or the
         # serialising one), which closes the window between the check and the write.
         dt = snapshot if attempt == 0 and snapshot is not None else lake.table(name)
-        landed = dt.transaction_version(app_id)
-        if landed is not None and landed >= txn_version:
-            if not ambiguous:
-                # committed by someone else with this app id (or before this call)
-                if staged is None and actions:
-                    lake.discard(name, actions)    # ours were never committed: unreferenced files
-                return AppendResult(name, False, 0, None, app_id, txn_version, duplicates, conflicts)
-            # our own earlier attempt committed before failing: done
-            release(lake, name, actions or [])
-            return AppendResult(name, True, rows, lake.version(name), app_id, txn_version,
-                                duplicates, conflicts)
+        done = run.settled(dt)
+        if done is not None:
+            return done
         now_ms = int(time.time() * 1000)
-        txns = [Transaction(app_id, txn_version, now_ms)] + [
-            Transaction(t, 0, now_ms) for t in extra_transactions or [] if t != app_id]
-        if lock is not None:
-            held = dt.transaction_version(lock[0])
-            if held is not None and held >= lock[1]:
-                if staged is None and actions:
-                    lake.discard(name, actions)
-                raise LockTaken(*lock)
-            txns.append(Transaction(lock[0], lock[1], now_ms))
-        if keyed:
-            if staged is None:
-                try:
-                    data, dups, confl = drop_landed(lake, spec, dt, data, since=checked)
-                except BaseException:
-                    if actions and not ambiguous:   # never committed: nothing of this call stays behind
-                        lake.discard(name, actions)
-                    raise
-                if dups or confl is not None:
-                    duplicates += dups
-                    if confl is not None:   # a retry may find duplicates only (conflicts of an earlier pass stay)
-                        conflicts = confl if conflicts is None else pa.concat_tables([conflicts, confl])
-                    if actions is not None:  # written before a concurrent append landed some keys
-                        lake.discard(name, [Staged(actions, np.empty(0, np.int64), 0, 0.0)])
-                        actions = None
-                rows = data.num_rows
-                if rows == 0:
-                    return AppendResult(name, False, 0, None, app_id, txn_version, duplicates, conflicts)
-            else:
-                if time.time() - min(s.written_at for s in staged) > STAGE_MAX_AGE_S:
-                    raise KeyRace(np.empty(0, np.int64))
-                ours = np.concatenate([s.keys for s in staged])
-                hits = ours[keyindex.keys(lake, name, dt, since=checked).contains(ours)]
-                if hits.size:
-                    raise KeyRace(hits)
-            checked = dt.version()
+        txns = run.transactions(dt, now_ms)
+        if run.keyed:
+            done = run.dedupe(dt)
+            if done is not None:
+                return done
             txns.append(Transaction(KEYS_APP, (dt.transaction_version(KEYS_APP) or 0) + 1, now_ms))
         try:
-            if actions is None:  # data files are immutable: write once, commit as often as needed
-                actions = write_data_files(lake, spec, data)
-                written_at = time.time()
-            elif staged is None and time.time() - written_at > STAGE_MAX_AGE_S:
-                lake.discard(name, [Staged(actions, np.empty(0, np.int64), 0, 0.0)])
-                actions = write_data_files(lake, spec, data)
-                written_at = time.time()
-            pause_point(f"append:{name}:staged")
-            check_actions(lake, name, actions, what=f"append to {name}")   # nothing committed without its files
-            dt.create_write_transaction(
-                actions,
-                mode="append",
-                schema=spec.arrow_schema(),
-                partition_by=list(spec.partition_by) or None,
-                commit_properties=CommitProperties(
-                    custom_metadata=meta,
-                    max_commit_retries=MAX_COMMIT_RETRIES,
-                    app_transactions=txns,
-                ),
-            )
-            pause_point(f"append:{name}:committed")
-            release(lake, name, actions)
-            # delta-rs does not move `dt` to the version it committed: find the commit by its transaction
-            return AppendResult(name, True, rows, committed_version(lake, name, app_id, txn_version, dt.version()),
-                                app_id, txn_version, duplicates, conflicts)
+            return run.commit(dt, txns)
         except FilesMissing as exc:
             if staged is not None:
                 raise StagedFilesMissing(exc) from None
             last_exc = exc     # deleted under us: write them again on the next attempt
-            lake.discard(name, actions or [])
-            actions = None
+            discard(lake, name, run.actions or [])
+            run.actions = None
             continue
         except CommitFailedError as exc:
             last_exc = exc
-            if lock is not None:
-                held = lake.table(name).transaction_version(lock[0])
-                if held is not None and held >= lock[1] and \
-                        (lake.table(name).transaction_version(app_id) or -1) < txn_version:
-                    if staged is None:
-                        lake.discard(name, actions or [])
-                    raise LockTaken(*lock) from None
+            run.check_lock()
         except Exception as exc:  # ambiguous: the commit may have landed
             last_exc = exc
-            ambiguous = True
-        if keyed or lock:  # lost a serialising race: jittered back-off, then re-check
+            run.ambiguous = True
+        if run.keyed or lock:  # lost a serialising race: jittered back-off, then re-check
             time.sleep(random.uniform(0, min(0.02 * 2 ** min(attempt, 6), 1.0)))
         else:
             time.sleep(min(0.05 * 2**attempt, 2.0))
-    landed = lake.transaction_version(name, app_id)
-    if landed is not None and landed >= txn_version:
-        release(lake, name, actions or [])
-        return AppendResult(name, True, rows, lake.version(name), app_id, txn_version, duplicates, conflicts)
-    if staged is None and actions:
-        lake.discard(name, actions)     # never committed: unreferenced files
-    raise CommitError(
-        f"could not append {rows} rows to {name} after {attempts} attempts: {last_exc}",
-        hint=f"retry with the same transaction id ({app_id}, {txn_version}); it lands at most once",
-    )
+    return run.give_up(last_exc)
 
 
+class _Append:
+    """One call of :func:`append`: its inputs, and what its attempts learned so far (the files
+    written, the table version the keys are checked up to, the duplicates and conflicts found)."""
 
-def drop_landed(lake: Lake, spec: TableSpec, dt: DeltaTable, data: pa.Table, *, since: int | None
+    def __init__(self, lake: LakeRoot, name: str, data: pa.Table | None, *, command: str,
+                 config_hash: str | None, app_id: str | None, txn_version: int,
+                 extra_transactions: list[str] | None, extra_metadata: dict[str, str] | None,
+                 staged: list[Staged] | None, read_version: int | None, lock: tuple[str, int] | None) -> None:
+        lake.ensure(name)
+        self.lake, self.name, self.spec = lake, name, table_spec(name)
+        self.keyed = self.spec.enforces_key
+        self.staged, self.lock, self.txn_version = staged, lock, txn_version
+        self.extra_transactions = extra_transactions
+        if staged is None:
+            data = prepare(lake, self.spec, data)
+            self.rows = data.num_rows
+        else:
+            self.rows = sum(s.rows for s in staged)
+        self.data = data
+        self.app_id = app_id or f"write-{uuid.uuid4().hex}"
+        self.meta = write_metadata(command, config_hash)
+        self.meta.update({"pipeline.app_id": self.app_id, "pipeline.txn_version": str(txn_version)})
+        self.meta.update(extra_metadata or {})
+        self.ambiguous = False  # an earlier attempt failed in a way that may have committed
+        self.actions: list | None = [a for s in staged for a in s.actions] if staged is not None else None
+        self.written_at = 0.0   # when this call wrote ``actions`` (rows in memory only)
+        self.checked = read_version if staged is not None else None  # keys up to here are checked
+        self.duplicates, self.conflicts = 0, None
+        self.attempts = MAX_KEYED_ATTEMPTS if self.keyed or lock else MAX_ATTEMPTS
+
+    def result(self, *, landed: bool, rows: int, version: int | None) -> AppendResult:
+        return AppendResult(table=self.name, landed=landed, rows=rows, version=version, app_id=self.app_id,
+                            txn_version=self.txn_version, duplicates=self.duplicates, conflicts=self.conflicts)
+
+    def discard_written(self) -> None:
+        """Remove the files this call wrote itself (never the caller's staged ones)."""
+        if self.staged is None and self.actions:
+            discard(self.lake, self.name, self.actions)
+
+    def settled(self, dt: DeltaTable) -> AppendResult | None:
+        """The result when our transaction is already in ``dt``; None when it is not."""
+        landed = dt.transaction_version(self.app_id)
+        if landed is None or landed < self.txn_version:
+            return None
+        if not self.ambiguous:
+            # committed by someone else with this app id (or before this call)
+            self.discard_written()    # ours were never committed: unreferenced files
+            return self.result(landed=False, rows=0, version=None)
+        # our own earlier attempt committed before failing: done
+        release(self.lake, self.name, self.actions or [])
+        return self.result(landed=True, rows=self.rows, version=self.lake.version(self.name))
+
+    def transactions(self, dt: DeltaTable, now_ms: int) -> list[Transaction]:
+        """The application transactions of the commit on ``dt`` (:class:`LockTaken` if the lock is taken)."""
+        txns = [Transaction(self.app_id, self.txn_version, now_ms)] + [
+            Transaction(t, 0, now_ms) for t in self.extra_transactions or [] if t != self.app_id]
+        if self.lock is not None:
+            held = dt.transaction_version(self.lock[0])
+            if held is not None and held >= self.lock[1]:
+                self.discard_written()
+                raise LockTaken(*self.lock)
+            txns.append(Transaction(self.lock[0], self.lock[1], now_ms))
+        return txns
+
+    def dedupe(self, dt: DeltaTable) -> AppendResult | None:
+        """Keyed tables: leave out the rows whose key landed (in memory), or raise :class:`KeyRace` when
+        a staged key did; the result when no row is left to write."""
+        if self.staged is None:
+            try:
+                self.data, dups, confl = drop_landed(self.lake, self.spec, dt, self.data, since=self.checked)
+            except BaseException:
+                if self.actions and not self.ambiguous:   # never committed: nothing of this call stays behind
+                    discard(self.lake, self.name, self.actions)
+                raise
+            if dups or confl is not None:
+                self.duplicates += dups
+                if confl is not None:   # a retry may find duplicates only (conflicts of an earlier pass stay)
+                    self.conflicts = confl if self.conflicts is None else pa.concat_tables([self.conflicts, confl])
+                if self.actions is not None:  # written before a concurrent append landed some keys
+                    discard(self.lake, self.name, self.actions)
+                    self.actions = None
+            self.rows = self.data.num_rows
+            if self.rows == 0:
+                return self.result(landed=False, rows=0, version=None)
+        else:
+            if time.time() - min(s.written_at for s in self.staged) > STAGE_MAX_AGE_S:
+                raise KeyRace(np.empty(0, np.int64))
+            ours = np.concatenate([s.keys for s in self.staged])
+            hits = ours[keyindex.keys(self.lake, self.name, dt, since=self.checked).contains(ours)]
+            if hits.size:
+                raise KeyRace(hits)
+        self.checked = dt.version()
+        return None
+
+    def commit(self, dt: DeltaTable, txns: list[Transaction]) -> AppendResult:
+        """Write the data files (once; again when too old) and commit them on ``dt``."""
+        lake, name, spec = self.lake, self.name, self.spec
+        if self.actions is None:  # data files are immutable: write once, commit as often as needed
+            self.actions = write_data_files(lake, spec, self.data)
+            self.written_at = time.time()
+        elif self.staged is None and time.time() - self.written_at > STAGE_MAX_AGE_S:
+            discard(lake, name, self.actions)
+            self.actions = write_data_files(lake, spec, self.data)
+            self.written_at = time.time()
+        pause_point(f"append:{name}:staged")
+        check_actions(lake, name, self.actions, what=f"append to {name}")   # nothing committed without its files
+        dt.create_write_transaction(
+            self.actions,
+            mode="append",
+            schema=spec.arrow_schema(),
+            partition_by=list(spec.partition_by) or None,
+            commit_properties=CommitProperties(
+                custom_metadata=self.meta,
+                max_commit_retries=MAX_COMMIT_RETRIES,
+                app_transactions=txns,
+            ),
+        )
+        pause_point(f"append:{name}:committed")
+        release(lake, name, self.actions)
+        # delta-rs does not move `dt` to the version it committed: find the commit by its transaction
+        return self.result(landed=True, rows=self.rows,
+                           version=committed_version(lake, name, self.app_id, self.txn_version, dt.version()))
+
+    def check_lock(self) -> None:
+        """After a lost commit race: :class:`LockTaken` when another writer took the lock (and not with
+        our transaction)."""
+        if self.lock is None:
+            return
+        held = self.lake.table(self.name).transaction_version(self.lock[0])
+        if held is not None and held >= self.lock[1] and \
+                (self.lake.table(self.name).transaction_version(self.app_id) or -1) < self.txn_version:
+            if self.staged is None:
+                discard(self.lake, self.name, self.actions or [])
+            raise LockTaken(*self.lock) from None
+
+    def give_up(self, last_exc: Exception | None) -> AppendResult:
+        """Out of attempts: the result if our transaction landed after all, else :class:`CommitError`."""
+        landed = self.lake.transaction_version(self.name, self.app_id)
+        if landed is not None and landed >= self.txn_version:
+            release(self.lake, self.name, self.actions or [])
+            return self.result(landed=True, rows=self.rows, version=self.lake.version(self.name))
+        self.discard_written()     # never committed: unreferenced files
+        raise CommitError(
+            f"could not append {self.rows} rows to {self.name} after {self.attempts} attempts: {last_exc}",
+            hint=f"retry with the same transaction id ({self.app_id}, {self.txn_version}); it lands at most once",
+        )
+
+
+def drop_landed(lake: LakeRoot, spec: TableSpec, dt: DeltaTable, data: pa.Table, *, since: int | None
                  ) -> tuple[pa.Table, int, pa.Table | None]:
     """``data`` without rows whose key is in ``dt`` (only files committed after
     version ``since`` are looked at when given) or repeats earlier in ``data``.
@@ -387,7 +443,7 @@ def drop_landed(lake: Lake, spec: TableSpec, dt: DeltaTable, data: pa.Table, *, 
 
 
 
-def write_data_files(lake: Lake, spec: TableSpec, data: pa.Table, *, data_change: bool = True) -> list:
+def write_data_files(lake: LakeRoot, spec: TableSpec, data: pa.Table, *, data_change: bool = True) -> list:
     """Write ``data`` as Parquet files (one per partition) under the table and
     return their add actions. pyarrow's writer with dictionary encoding and
     statistics off for token lists was ~2x faster than delta-rs's writer on
@@ -401,8 +457,7 @@ def write_data_files(lake: Lake, spec: TableSpec, data: pa.Table, *, data_change
     from deltalake.transaction import AddAction
 
     fs, _ = lake.filesystem()
-    base = lake.table_uri(spec.name)
-    base_path = base if lake.is_local else base.split("://", 1)[1]
+    base_path = lake.table_path(spec.name)
     parts = list(spec.partition_by)
     scalar = [c.name for c in spec.columns if not c.is_list and not pa.types.is_map(c.arrow_type)
               and c.name not in parts]
@@ -411,21 +466,21 @@ def write_data_files(lake: Lake, spec: TableSpec, data: pa.Table, *, data_change
     if parts:
         keys = data.select(parts).group_by(parts).aggregate([]).to_pylist()
         if len(keys) == 1:  # the common case; filtering would copy every token list
-            groups.append(({k: _partition_str(v) for k, v in keys[0].items()}, data.drop_columns(parts)))
+            groups.append(({k: partition_str(v) for k, v in keys[0].items()}, data.drop_columns(parts)))
             keys = []
         for key in keys:
             mask = None
             for col, val in key.items():
                 m = pc.is_null(data.column(col)) if val is None else pc.equal(data.column(col), val)
                 mask = m if mask is None else pc.and_(mask, m)
-            groups.append(({k: _partition_str(v) for k, v in key.items()}, data.filter(mask).drop_columns(parts)))
+            groups.append(({k: partition_str(v) for k, v in key.items()}, data.filter(mask).drop_columns(parts)))
     else:
         groups.append(({}, data))
     actions: list = []
     rel_path = ""
     try:
         for pvals, part in groups:
-            rel = "/".join(f"{k}={_path_safe(v)}" for k, v in pvals.items())
+            rel = "/".join(f"{k}={path_safe(v)}" for k, v in pvals.items())
             fname = f"part-00000-{uuid.uuid4()}-c000.zstd.parquet"
             rel_path = f"{rel}/{fname}" if rel else fname
             staging.declare(lake, [f"{spec.name}/{rel_path}"], rid=intent_id(spec.name, rel_path))
@@ -436,7 +491,7 @@ def write_data_files(lake: Lake, spec: TableSpec, data: pa.Table, *, data_change
                                write_statistics=scalar)
             size = fs.get_file_info(f"{base_path}/{rel_path}").size
             actions.append(AddAction(rel_path, size, pvals, int(time.time() * 1000), data_change,
-                                     _stats_json(part, scalar)))
+                                     stats_json(part, scalar)))
             rel_path = ""
     except BaseException:
         # nothing half-written stays behind (a full disk, an interrupt): this file and those before it
@@ -451,7 +506,7 @@ def write_data_files(lake: Lake, spec: TableSpec, data: pa.Table, *, data_change
     return actions
 
 
-def _path_safe(v: str | None) -> str:
+def path_safe(v: str | None) -> str:
     """A directory name for a partition value. Readers take partition values from
     the log, never from paths, so unusual values get a hashed name instead of
     escaping rules that differ between engines."""
@@ -468,7 +523,7 @@ def _path_safe(v: str | None) -> str:
 STATS_PREFIX = 64
 
 
-def _stats_json(t: pa.Table, columns: list[str]) -> str:
+def stats_json(t: pa.Table, columns: list[str]) -> str:
     """Delta file statistics (numRecords, nullCount; min/max for numbers, times and strings)."""
     import json
 
@@ -503,7 +558,7 @@ def _stats_json(t: pa.Table, columns: list[str]) -> str:
     return json.dumps({"numRecords": t.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls})
 
 
-def committed_version(lake: Lake, name: str, app_id: str, txn_version: int, read_version: int) -> int | None:
+def committed_version(lake: LakeRoot, name: str, app_id: str, txn_version: int, read_version: int) -> int | None:
     """The version of the commit that carried the application transaction ``(app_id, txn_version)``, looked
     for from the newest commit down to the one after ``read_version`` (the version the writer read: its commit
     lands after it, after any rebase onto commits that landed meanwhile). Each (app_id, version) is committed

@@ -44,7 +44,7 @@ _LAST_INT = re.compile(r"-?\d+")
 CHAT_SYSTEM = ('You are a helpful assistant with a calculator tool. To use it, reply with a JSON object: '
                '{"name": "calculator", "arguments": {"expression": "..."}}. '
                'After the tool result, reply with the final answer as a number.')
-_INT = re.compile(r"^-?\d{1,9}$")
+INT_ANSWER = re.compile(r"^-?\d{1,9}$")
 TOOL_COST = 0.05
 
 
@@ -101,7 +101,7 @@ class ArithmeticTool:
 
     def verify(self, task: Task, answer: str | None, num_tool_calls: int) -> Verification:
         cost = -TOOL_COST * num_tool_calls
-        if answer is None or not _INT.match(answer):
+        if answer is None or not INT_ANSWER.match(answer):
             return Verification("FAIL", 0.0, {"task_success": 0.0, "format": 0.0, "tool_cost": cost},
                                 format_ok=False)
         ok = int(answer) == task.answer
@@ -172,6 +172,45 @@ class ArithmeticPlus(ArithmeticTool):
 
     def reset(self, seed: int, split: str = "train") -> Task:
         return _affine_task(self, seed, split, "plus")
+
+
+@register_env
+class ArithmeticWords(ArithmeticPlus):
+    """``arithmetic-words``: ``arithmetic-plus`` told as a word problem (issue 39). In the chat
+    rendering the user asks "A shop has 37 boxes with 45 pens in each box, and 12 loose pens.
+    How many pens does the shop have?"; the worked example is the same story with 12, 34, 56
+    and the call ``{"name": "calculator", "arguments": {"expression": "12*34+56"}}``. Reading
+    the numbers into the expression is the task's skill: SmolLM2-135M-Instruct (version 0)
+    keeps the JSON format and calls the tool on nearly every task but often writes a number
+    of the example or repeats one of the task (``12*43+23`` for 90 boxes of 43), so its
+    held-out correctness is well below its format rate and can rise without the format
+    changing (benchmarks/bench_real_model.py). Tasks, calculator and reward as in
+    ``arithmetic-plus`` (held-out split by expression; the text rendering is ``a*b+c=``)."""
+
+    name = "arithmetic-words"
+    version = "1"
+    env_version = "arithmetic-words/1"
+    chat_template_rev = "calc-words-chat/1"
+    chat_example = ("12*34+56", "464")
+
+    def reset(self, seed: int, split: str = "train") -> Task:
+        return _affine_task(self, seed, split, "words")
+
+    @staticmethod
+    def question(a: int, b: int, c: int) -> str:
+        return (f"A shop has {a} boxes with {b} pens in each box, and {c} loose pens. "
+                "How many pens does the shop have?")
+
+    def chat_messages(self, task: Task) -> list[dict[str, str]]:
+        ex, result = self.chat_example
+        call = json.dumps({"name": "calculator", "arguments": {"expression": ex}})
+        m = task.meta
+        return [{"role": "system", "content": CHAT_SYSTEM},
+                {"role": "user", "content": self.question(12, 34, 56)},
+                {"role": "assistant", "content": call},
+                {"role": "tool", "content": result},
+                {"role": "assistant", "content": result},
+                {"role": "user", "content": self.question(m["a"], m["b"], m["c"])}]
 
 
 _ONE_OP = re.compile(r"^\d{1,6}[+\-*]\d{1,6}$")

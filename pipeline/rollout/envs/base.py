@@ -209,8 +209,6 @@ def component_tags(env: Any) -> dict[str, str]:
 def declared_component_tags() -> list[dict[str, str]]:
     """(env_version, component, tag) of every registered environment (built-ins
     included): the ``component_tags`` view of ``pipeline sql``."""
-    from pipeline.rollout import envs as _builtins  # noqa: F401  (registers the built-ins)
-
     rows = []
     for cls in _REGISTRY.values():
         for comp, tag in sorted(component_tags(cls).items()):
@@ -236,6 +234,9 @@ def split_of(text: str, eval_fraction: int = 10) -> Split:
     return "eval" if h % eval_fraction == 0 else "train"
 
 
+# name -> class. The built-ins register themselves as their modules load: the package
+# (pipeline/rollout/envs/__init__.py) imports each of them, and Python always runs the
+# package before any of its modules, so by the time a function below runs they are here.
 _REGISTRY: dict[str, type[Environment]] = {}
 _E = TypeVar("_E", bound=Environment)
 
@@ -254,8 +255,6 @@ def register_env(cls: type[_E]) -> type[_E]:
 def get_env(name: str, **kwargs: Any) -> Environment:
     """An instance of the environment registered as ``name``; ``module:Class`` also works
     (imports a user's environment without registering it first)."""
-    from pipeline.rollout import envs as _builtins  # noqa: F401  (registers the built-ins)
-
     if name not in _REGISTRY and ":" in name:
         import importlib
 
@@ -272,6 +271,12 @@ def get_env(name: str, **kwargs: Any) -> Environment:
 
 
 def list_envs() -> list[str]:
-    from pipeline.rollout import envs as _builtins  # noqa: F401
-
+    """The registered environment names (the built-ins and every ``register_env`` so far)."""
     return sorted(_REGISTRY)
+
+
+def env_class(name: str) -> type[Environment]:
+    """The class registered as ``name`` (``ConfigError`` when none is)."""
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown environment {name!r}", hint=f"built-in: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]

@@ -47,7 +47,7 @@ from __future__ import annotations
 import random
 
 from pipeline.errors import ConfigError
-from pipeline.rollout.envs.arithmetic import _INT, TOOL_COST, ArithmeticTool
+from pipeline.rollout.envs.arithmetic import INT_ANSWER, TOOL_COST, ArithmeticTool
 from pipeline.rollout.envs.base import Task, Verification, register_env, split_of
 
 TRAIN_TOOL_TIMEOUT_P = 0.5     # the training-time failure rate the benchmark and the sign test use
@@ -91,7 +91,7 @@ class FlakyTool(ArithmeticTool):
 
     def verify(self, task: Task, answer: str | None, num_tool_calls: int) -> Verification:
         cost = -TOOL_COST * num_tool_calls
-        if answer is None or not _INT.match(answer):
+        if answer is None or not INT_ANSWER.match(answer):
             return Verification("FAIL", 0.0, {"task_success": 0.0, "estimate": 0.0, "format": 0.0,
                                               "tool_cost": cost}, format_ok=False)
         value = int(answer)

@@ -87,6 +87,11 @@ class SqlAgent:
     component_tags = {"task_success": "fact", "format": "heuristic"}
     multi_turn = True
     idempotent = True          # a re-run follows a restore from the snapshot (module docstring)
+    databases: dict[str, int] = DATABASES       # name -> the seed its snapshot is built from
+
+    def build(self, path: Path, seed: int) -> None:
+        """Write database ``seed``'s file at ``path`` (deterministic: the same bytes every time)."""
+        build_database(path, seed)
 
     def __init__(self, store: str | os.PathLike[str] | None = None) -> None:
         root = store or os.environ.get("PIPELINE_SQL_STORE") or Path(tempfile.gettempdir()) / "pipeline-sql"
@@ -99,12 +104,12 @@ class SqlAgent:
     def snapshot(self, db: str) -> str:
         """The content hash of database ``db``'s snapshot (built and stored once)."""
         if db not in self._snapshots:
-            if db not in DATABASES:
-                raise ToolError(f"sql-agent: unknown database {db!r}")
+            if db not in self.databases:
+                raise ToolError(f"{self.name}: unknown database {db!r}")
             fd, tmp = tempfile.mkstemp(dir=self.store / "snapshots", suffix=".tmp")
             os.close(fd)
             os.unlink(tmp)
-            build_database(Path(tmp), DATABASES[db])
+            self.build(Path(tmp), self.databases[db])
             h = file_hash(Path(tmp))
             os.replace(tmp, self.snapshot_path(h))      # content-addressed: same name, same bytes
             self._snapshots[db] = h
@@ -183,3 +188,114 @@ class SqlAgent:
             return Verification("FAIL", 0.0, {"task_success": 0.0, "format": 0.0}, format_ok=False)
         ok = answer.strip() == task.answer
         return Verification("PASS" if ok else "FAIL", float(ok), {"task_success": float(ok), "format": 1.0})
+
+
+# -- sql-lookup: the SQL task the tiny demo policy can learn (issue 41's evidence) ------------------------------
+LOOKUP_KEYS = (100, 999)        # keys of table t, inclusive
+HOT_ROWS = 8                    # rows a hot key has in sql-lookup-hot
+
+
+def is_hot(k: int, fraction: float) -> bool:
+    """Whether key ``k`` is one of the hot keys (a fixed hash of the key, ``fraction`` of them)."""
+    return int.from_bytes(hashlib.sha256(f"hot-{k}".encode()).digest()[:4], "big") % 1000 < round(fraction * 1000)
+
+
+def build_lookup(path: Path, seed: int, hot_fraction: float = 0.0) -> None:
+    """Table ``t(k, v)``: one row per key ``k`` in ``LOOKUP_KEYS`` with ``v = 10 k + d``
+    (``d`` a digit drawn per key from ``seed``); a hot key (``is_hot``) has its row
+    ``HOT_ROWS`` times (a log that was never compacted). Same bytes for the same arguments."""
+    rng = random.Random(seed)
+    rows = []
+    for k in range(LOOKUP_KEYS[0], LOOKUP_KEYS[1] + 1):
+        v = 10 * k + rng.randint(0, 9)
+        rows += [(k, v)] * (HOT_ROWS if is_hot(k, hot_fraction) else 1)
+    con = sqlite3.connect(path)
+    try:
+        con.executescript("create table t(k integer, v integer); create index t_k on t(k);")
+        con.executemany("insert into t values (?, ?)", rows)
+        con.commit()
+    finally:
+        con.close()
+
+
+@register_env
+class SqlLookup(SqlAgent):
+    """``sql-lookup``: the value ``v`` of key ``k`` in table ``t(k, v)``, a task the
+    built-in tiny policy (128 positions, character vocabulary) can learn; the same
+    stateful lifecycle as ``sql-agent`` (a content-addressed snapshot per episode,
+    its own copy, replay on resume).
+
+    Prompt ``v of 370=``; the query ``select v from t where k=370`` returns
+    ``3704``; reward (like ``flaky-tool``'s): the exact value pays
+    ``1 - 0.05 x queries``; a wrong answer given without a query earns
+    ``estimate_credit x max(0, 1 - |answer - v| / 10)`` (``v = 10 k + d``: a
+    direct answer can be close, exact 1 time in 10); a wrong answer after a
+    query (a copying slip) and a broken format earn 0. So a query that comes
+    back (0.95) beats any direct answer (< 0.8 when wrong). Held-out split by key.
+    """
+
+    name = "sql-lookup"
+    version = "sql-lookup/1"
+    env_version = "sql-lookup/1"
+    verifier_version = "lookup-verifier/1"
+    prompt_template_rev = "v of {k}=/1"
+    component_tags = {"task_success": "fact", "estimate": "fact", "format": "heuristic", "tool_cost": "heuristic"}
+    db = "lookup"
+    databases = {"lookup": 21}
+    hot_fraction = 0.0              # share of keys with HOT_ROWS rows
+    estimate_credit = 0.8
+
+    def build(self, path: Path, seed: int) -> None:
+        build_lookup(path, seed, self.hot_fraction)
+
+    def reset(self, seed: int, split: str = "train") -> Task:
+        rng = random.Random(seed)
+        while True:
+            k = rng.randint(*LOOKUP_KEYS)
+            if split_of(f"lookup-{k}") == split:
+                break
+        state = self.snapshot(self.db)
+        sql = f"select v from t where k={k}"
+        con = sqlite3.connect(f"file:{self.snapshot_path(state)}?mode=ro", uri=True)
+        try:
+            answer = str(con.execute(sql).fetchone()[0])
+        finally:
+            con.close()
+        hot = is_hot(k, self.hot_fraction)
+        return Task(f"lookup-{k}", f"v of {k}=", answer=answer, difficulty="hot" if hot else "cold",
+                    meta={"db": self.db, "snapshot": state, "sql": sql, "k": k})
+
+    def demonstration(self, task: Task, rng: random.Random, tool_fraction: float = 0.5) -> list[tuple[str, bool]]:
+        ans = f"<ans>{task.answer}<eos>"
+        if rng.random() < tool_fraction:     # the query and its one-row result (a demonstration never sees a hot key's)
+            return [(f"<call>{task.meta['sql']}</call>", True), (f"<obs>{task.answer}</obs>", False), (ans, True)]
+        return [(ans, True)]
+
+    def verify(self, task: Task, answer: str | None, num_tool_calls: int) -> Verification:
+        text = (answer or "").strip()
+        if answer is None or not text.isdigit():
+            return Verification("FAIL", 0.0, {"task_success": 0.0, "estimate": 0.0, "format": 0.0,
+                                              "tool_cost": -0.05 * num_tool_calls}, format_ok=False)
+        v, got = int(task.answer), int(text)
+        cost = -0.05 * num_tool_calls
+        if got == v:
+            return Verification("PASS", max(0.0, 1.0 + cost), {"task_success": 1.0, "estimate": 0.0, "format": 1.0,
+                                                               "tool_cost": cost})
+        est = self.estimate_credit * max(0.0, 1 - abs(got - v) / 10) if num_tool_calls == 0 else 0.0
+        return Verification("FAIL", est, {"task_success": 0.0, "estimate": est, "format": 1.0, "tool_cost": cost})
+
+
+@register_env
+class SqlLookupHot(SqlLookup):
+    """``sql-lookup-hot``: ``sql-lookup`` over a table where half the keys are hot
+    (``HOT_ROWS`` rows each): the same query returns ``3704 : 3704 : ...`` (8 rows,
+    53 characters), a verbose result that an observation budget of 16 tokens
+    cannot hold (nor its truncation marker): the episode ends ``obs_budget``. The
+    training environment of the observation-budget ablation (benchmarks/bench_sql_obs.py)."""
+
+    name = "sql-lookup-hot"
+    version = "sql-lookup-hot/1"
+    env_version = "sql-lookup-hot/1"
+    db = "lookup-hot"
+    databases = {"lookup-hot": 21}        # the same values as sql-lookup's (the same seed), hot keys repeated
+    hot_fraction = 0.5
