@@ -66,7 +66,6 @@ LEGACY: dict[str, tuple[str, str]] = {
     "generation.json": ("6ccce1cd4d91f9f1dd4ae43196ce9a26eb8f83d4cbe64b7ee8038ba9484107de", _BEFORE),
     "history.json": ("85e76ea6f9fc94ca4e240928f4423a19ec16e11bb543f3a33c89207a40763359", _BEFORE),
     "ingest.json": ("8c8c45314a3e74b88dca9f360b5fe79cbc23f477170d6c3f248ef8d9db0ab4cb", _BEFORE),
-    "loop.json": ("65e077abfa023bbe220e03dd82b22708ea2fdae8676f6d30ecae802430846a43", _BY_HAND),
     "queries.json": ("f855eb4fda3b3323de8ec1fa5f0f82d263a0d120b91bd1e1a56f5b1f017b53de", _BEFORE),
     "step_order.json": ("8cc4956e18588a4df9ced01d63a1409e271291b404036f870f60bf5e16a6a63c", _BEFORE),
     "train.json": ("fbc5a55fe43905adb85479c0aa4166a168ebc5cc2ba8a51c9863e0781e791b35", _BEFORE),

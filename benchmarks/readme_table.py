@@ -38,6 +38,10 @@ HEADLINE_END = "<!-- headline:end -->"
 HEADLINES = (
     ("demo", "demo sync: held-out gain"),
     ("loop", "loop SmolLM2-135M-shape random Llama: overhead"),
+    ("loop", "delta SmolLM2-135M-shape random Llama, publish-only (lr 0.0003, bfloat16, 8 versions, anchor_every=8): "
+             "bytes"),
+    ("loop", "delta SmolLM2-135M-shape random Llama, publish-only (lr 0.0003, bfloat16, 8 versions, anchor_every=8): "
+             "a worker"),
     ("ingest", "ingest 100k traj, 0.84 GiB parquet: pipeline ingest / (pq"),
     ("queries", "16 health queries"),
     ("admission", "admission 100k: materialize"),

@@ -242,9 +242,7 @@ def test_a_benchmark_without_derive_makes_no_full_size_results_file(tiny_repo):
     assert not (tiny_repo / "benchmarks" / "results" / "noderive.json").exists()
 
 
-def test_loop_figures_count_every_version_and_show_the_prepass_apart():
-    """bench_loop.derive on hand-made raw measurements: version 1 (with the trainer's start-up in its
-    train wait) counts, the steady state is beside it, the pre-pass is neither useful nor overhead."""
+def _bench_loop():
     had = set(sys.modules)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
@@ -255,6 +253,13 @@ def test_loop_figures_count_every_version_and_show_the_prepass_apart():
         sys.path.remove(str(ROOT / "benchmarks"))
         for name in {"run", "provenance"} - had:   # benchmarks/run.py is no module of the project
             sys.modules.pop(name, None)
+    return loop
+
+
+def test_loop_figures_count_every_version_and_show_the_prepass_apart():
+    """bench_loop.derive on hand-made raw measurements: version 1 (with the trainer's start-up in its
+    train wait) counts, the steady state is beside it, the pre-pass is neither useful nor overhead."""
+    loop = _bench_loop()
 
     def version(rollout, admit, train, full=False):   # (wall, useful) pairs; train: (wall, steps, prepass)
         return {"load_1m": 2.0, "rollout": {"wall": rollout[0], "useful": rollout[1]},
@@ -277,6 +282,37 @@ def test_loop_figures_count_every_version_and_show_the_prepass_apart():
     assert "pre-pass counted as overhead: 56%" in overhead.measured          # (13 + 2) / 27
     assert prepass.ratio == pytest.approx(2 / 27)
     assert bytes_.ratio == pytest.approx((110 + 300) / 2 / 100)             # one weights-only, one full, every 2
+
+
+def test_loop_delta_figures_follow_from_each_versions_bytes_changes_and_switches():
+    """The weight-delta figures (issue 42): bytes over versions 2..K (every byte but the full state), the
+    same amortized with one anchor every anchor_every, the changed share, switch by delta / full load;
+    a changed share above 1 is no measurement."""
+    loop = _bench_loop()
+    prov = _provenance()
+
+    def version(k, kind, written, changed=None, state=0):
+        return {"version": k, "kind": kind, "why": None, "chain": k - 1, "delta_file_bytes": written - 10 if
+                kind == "delta" else None, "full_bytes": 1000, "dtype": "torch.bfloat16", "changed": changed,
+                "elements": 500 if changed is not None else None, "bytes": written, "state_bytes": state,
+                "files": 3}
+
+    versions = [version(1, "anchor", 1100), version(2, "delta", 50, 10), version(3, "delta", 70, 20),
+                version(4, "anchor", 1020, 400, state=6_000_000)]
+    switches = [{"version": 2, "delta_s": 0.1, "read_s": 0.02, "full_s": 0.5, "first": "delta"},
+                {"version": 3, "delta_s": 0.3, "read_s": 0.02, "full_s": 0.3, "first": "full"}]
+    publish = {"versions": versions, "switches": switches, "anchor_every": 4, "lr": 3e-4, "dtype": "bfloat16"}
+    per, amortized, share, switch = loop._publish_results("demo policy", "the resident loop's versions", publish)
+    assert per.ratio == pytest.approx((50 + 70 + 1020) / 3 / 1000) and per.target == 0.10 and per.ok is False
+    assert "2 deltas, 1 anchors" in per.measured and "full state apart: v4 6.0 MB" in per.measured
+    assert amortized.ratio == pytest.approx(((1100 + 1020) / 2 + 3 * 60) / 4 / 1000) and amortized.target is None
+    assert share.ratio == pytest.approx((10 / 500 + 20 / 500 + 400 / 500) / 3)
+    assert switch.ratio == pytest.approx(0.2 / 0.4) and switch.ok is True
+    fp32 = loop._publish_results("demo policy", "publish-only", publish | {"dtype": "float32", "switches": []})
+    assert len(fp32) == 3 and all(r.target is None for r in fp32)
+    versions[2]["changed"] = 2000                                       # 4x the elements: an artifact
+    _, _, bad, _ = loop._publish_results("demo policy", "x", publish)
+    assert prov.outside_possible(bad.name, bad.ratio, bad.possible)
 
 
 def _bench(name):
