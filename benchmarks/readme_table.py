@@ -42,10 +42,16 @@ HEADLINES = (
              "bytes"),
     ("loop", "delta SmolLM2-135M-shape random Llama, publish-only (lr 0.0003, bfloat16, 8 versions, anchor_every=8): "
              "a worker"),
+    ("real_model", "real model: held-out correctness gain / 10 points"),
+    ("real_model", "real model: held-out correctness gain, 95% CI lower end"),
+    ("rollout", "rollout engine-bound 4x8 streaming: trajectories/s with tool latency"),
+    ("rollout", "rollout engine-bound 4x8 streaming with tool latency: engine busy share"),
+    ("sql_obs", "sql obs budget (6 seeds): held-out success, over-budget scored 0 / excluded"),
     ("ingest", "ingest 100k traj, 0.84 GiB parquet: pipeline ingest / (pq"),
     ("queries", "16 health queries"),
     ("admission", "admission 100k: materialize"),
     ("writers", "8 writers x 5 x 100-row appends / 1 append, local"),
+    ("serve", "front door burst, 8 producers x 75 x 100-row batches back to back, local: rows/s committed"),
 )
 
 
