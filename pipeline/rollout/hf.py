@@ -200,7 +200,7 @@ class HFEngine:
         when the architecture or the dtype is not one this can apply to."""
         import json
 
-        from pipeline.policy_store.delta import changes
+        from pipeline.policy_store.delta import changes, write
 
         def arch(d: Path) -> dict:
             cfg = json.loads((Path(d) / "config.json").read_text())
@@ -233,7 +233,7 @@ class HFEngine:
             if full is not None:
                 p.copy_(full.to(p.dtype))
             else:       # the new values in the published dtype, written into the served (fp32) parameter
-                p.view(-1)[idx] = val.view(dtype).to(p.dtype)
+                write(p.view(-1), idx, val.view(dtype).to(p.dtype))
         self.hf_dir = hf_dir
         return True
 
