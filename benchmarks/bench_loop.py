@@ -416,11 +416,11 @@ def _publish_only(root: Path, spec: dict, k_versions: int, sets: list[str]) -> l
 def _bits_changed(old: dict, new: dict) -> tuple[int, int] | None:
     """(elements whose bits differ, elements) between two versions' published weights; None when a
     tensor's dtype or shape differs (the first bf16 version after the fp32 import)."""
-    from pipeline.policy_store.delta import _bits
+    from pipeline.policy_store.delta import bit_pattern
 
     if set(old) != set(new) or any(old[n].dtype != new[n].dtype or old[n].shape != new[n].shape for n in new):
         return None
-    changed = sum(int((_bits(old[n]) != _bits(new[n])).sum()) for n in new)
+    changed = sum(int((bit_pattern(old[n]) != bit_pattern(new[n])).sum()) for n in new)
     return changed, sum(t.numel() for t in new.values())
 
 

@@ -54,7 +54,7 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # -- pure tensor functions ---------------------------------------------------------------------------
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def bit_pattern(t: torch.Tensor) -> torch.Tensor:
     """The flat bit patterns of ``t`` as an integer tensor of the same element size."""
     return t.detach().contiguous().reshape(-1).view(_INT_OF_SIZE[t.element_size()])
 
@@ -81,15 +81,15 @@ def make_delta(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> t
         if b is None or b.shape != t.shape or b.dtype != t.dtype:
             out[f"{name}::full"] = t.detach().contiguous()
             continue
-        nb = _bits(t)
-        idx = torch.nonzero(_bits(b) != nb, as_tuple=True)[0]
+        nb = bit_pattern(t)
+        idx = torch.nonzero(bit_pattern(b) != nb, as_tuple=True)[0]
         if idx.numel() == 0:
             continue
         width = 4 if nb.numel() < 2**31 else 8
         if idx.numel() * width <= (nb.numel() + 7) // 8:
             out[f"{name}::idx"] = idx.to(torch.int32 if width == 4 else torch.int64)
         else:                                   # dense change: one bit per element is smaller than the indices
-            out[f"{name}::mask"] = _pack(_bits(b) != nb)
+            out[f"{name}::mask"] = _pack(bit_pattern(b) != nb)
         out[f"{name}::val"] = nb[idx].clone()
     return out, list(new)
 
@@ -158,7 +158,7 @@ def apply_delta(base: dict[str, torch.Tensor], delta: dict[str, torch.Tensor], n
             raise IntegrityError(f"weight delta of {name} has indices or values but not both")
         where = _where(name, idx, val, b.numel(), packed=mask is not None and idx is mask)
         t = b.detach().clone(memory_format=torch.contiguous_format)
-        flat = _bits(t)
+        flat = bit_pattern(t)
         if val.dtype != flat.dtype:
             raise IntegrityError(f"weight delta of {name} does not fit its base ({tuple(t.shape)}, {t.dtype})",
                                  hint="the delta does not belong to this base")
@@ -214,7 +214,7 @@ def apply_in_place(weights: dict[str, torch.Tensor], deltas: list[tuple[dict[str
     numel = {k: v.numel() for k, v in weights.items()}
     todo = [c for delta, _ in deltas for c in changes(delta, numel)]
     for name, _idx, val, full in todo:
-        if full is not None or val.dtype != _bits(weights[name]).dtype:
+        if full is not None or val.dtype != bit_pattern(weights[name]).dtype:
             raise IntegrityError(f"weight delta of {name} does not fit the served {weights[name].dtype} tensor",
                                  hint="the delta does not belong to this base")
     for name, idx, val, _full in todo:
