@@ -1,5 +1,5 @@
 """The one adapter over ``deltalake`` (delta-rs): nothing outside this package
-imports it. One-way, bottom to top (docs/architecture.md, "Storage"):
+imports it. One-way, bottom to top (docs/architecture.md, "Storage: one way up"):
 
 - :mod:`.common`: the write settings, test pause points, commit metadata;
 - :mod:`.root`: the table/log core (:class:`LakeRoot`): the lake root, its

@@ -1,6 +1,6 @@
 """What every module of the table store shares: the write settings, the test
 pause points, the commit metadata and :class:`FilesMissing`: the bottom of the
-store (docs/architecture.md, "Storage"). It imports nothing of the store.
+store (docs/architecture.md, "Storage: one way up"). It imports nothing of the store.
 """
 
 from __future__ import annotations

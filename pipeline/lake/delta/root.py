@@ -6,7 +6,7 @@ It imports nothing of the write modules: writes (:mod:`.writes`), the key
 index (:mod:`.keyindex`), compaction (:mod:`.compact`) and group commit
 (:mod:`.group`) are functions over a :class:`LakeRoot`, and the :class:`Lake`
 facade (:mod:`.store`) is a :class:`LakeRoot` whose write methods call them
-(docs/architecture.md, "Storage").
+(docs/architecture.md, "Storage: one way up").
 """
 
 from __future__ import annotations

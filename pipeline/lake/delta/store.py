@@ -4,7 +4,7 @@ time travel, the log, plain files) plus the write methods, each calling the
 module that implements it: :mod:`.writes` (appends, staged files),
 :mod:`.group` (group commit), :mod:`.keyindex` (the key index) and
 :mod:`.compact` (compaction and cleanup). Those modules take the core and never
-call back into this facade (docs/architecture.md, "Storage").
+call back into this facade (docs/architecture.md, "Storage: one way up").
 """
 
 from __future__ import annotations
