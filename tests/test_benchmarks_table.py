@@ -242,24 +242,25 @@ def test_a_benchmark_without_derive_makes_no_full_size_results_file(tiny_repo):
     assert not (tiny_repo / "benchmarks" / "results" / "noderive.json").exists()
 
 
-def _bench_loop():
+def _bench(name):
+    """benchmarks/bench_NAME.py as a module (benchmarks/run.py on the path only while it loads)."""
     had = set(sys.modules)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        spec = importlib.util.spec_from_file_location("bench_loop_t", ROOT / "benchmarks" / "bench_loop.py")
-        loop = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(loop)
+        spec = importlib.util.spec_from_file_location(f"bench_{name}_t", ROOT / "benchmarks" / f"bench_{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-        for name in {"run", "provenance"} - had:   # benchmarks/run.py is no module of the project
-            sys.modules.pop(name, None)
-    return loop
+        for n in {"run", "provenance"} - had:   # benchmarks/run.py is no module of the project
+            sys.modules.pop(n, None)
+    return mod
 
 
 def test_loop_figures_count_every_version_and_show_the_prepass_apart():
     """bench_loop.derive on hand-made raw measurements: version 1 (with the trainer's start-up in its
     train wait) counts, the steady state is beside it, the pre-pass is neither useful nor overhead."""
-    loop = _bench_loop()
+    loop = _bench("loop")
 
     def version(rollout, admit, train, full=False):   # (wall, useful) pairs; train: (wall, steps, prepass)
         return {"load_1m": 2.0, "rollout": {"wall": rollout[0], "useful": rollout[1]},
@@ -288,7 +289,7 @@ def test_loop_delta_figures_follow_from_each_versions_bytes_changes_and_switches
     """The weight-delta figures (issue 42): bytes over versions 2..K (every byte but the full state), the
     same amortized with one anchor every anchor_every, the changed share, switch by delta / full load;
     a changed share above 1 is no measurement."""
-    loop = _bench_loop()
+    loop = _bench("loop")
     prov = _provenance()
 
     def version(k, kind, written, changed=None, state=0):
@@ -313,21 +314,6 @@ def test_loop_delta_figures_follow_from_each_versions_bytes_changes_and_switches
     versions[2]["changed"] = 2000                                       # 4x the elements: an artifact
     _, _, bad, _ = loop._publish_results("demo policy", "x", publish)
     assert prov.outside_possible(bad.name, bad.ratio, bad.possible)
-
-
-def _bench(name):
-    """benchmarks/bench_NAME.py as a module (benchmarks/run.py on the path only while it loads)."""
-    had = set(sys.modules)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}_t", ROOT / "benchmarks" / f"bench_{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-        for n in {"run", "provenance"} - had:   # benchmarks/run.py is no module of the project
-            sys.modules.pop(n, None)
-    return mod
 
 
 def _rollout_raw(lat_s=12.0):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,3 +39,26 @@ def published(lake, policy_dir):
         return cid
 
     return _publish
+
+
+@pytest.fixture
+def killed_then_rerun(lake, policy_dir, tmp_path):
+    """Run a rollout script (argv: lake, policy, tool log, kill after N tool calls) in a fresh interpreter
+    killed -9 after its 3rd tool call, then again to the end; returns (the tool log, the rerun's stdout)."""
+    log = tmp_path / "tool-executions.log"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def _run(script: str) -> tuple[Path, str]:
+        def run(kill: int) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-c", script, lake.uri, str(policy_dir), str(log), str(kill)],
+                                  capture_output=True, text=True, timeout=600, env=env,
+                                  cwd=Path(__file__).resolve().parents[2])
+
+        crashed = run(3)
+        assert crashed.returncode == -9, crashed.stderr[-2000:]
+        assert len(log.read_text().split()) == 3
+        restarted = run(0)
+        assert restarted.returncode == 0, restarted.stderr[-2000:]
+        return log, restarted.stdout
+
+    return _run

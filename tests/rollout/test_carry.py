@@ -8,9 +8,6 @@ usual rules, and a kill -9 leaves every event exactly once."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -155,21 +152,9 @@ print("SUMMARY", s.trajectories, s.resumed, s.cancelled, s.carried, s.groups_com
 
 
 @pytest.mark.slow
-def test_carried_stragglers_are_exactly_once_under_a_kill(lake, policy_dir, tmp_path):
-    log = tmp_path / "tool-executions.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-
-    def run(kill: int):
-        return subprocess.run([sys.executable, "-c", SCRIPT, lake.uri, str(policy_dir), str(log), str(kill)],
-                              capture_output=True, text=True, timeout=600, env=env,
-                              cwd=Path(__file__).resolve().parents[2])
-
-    crashed = run(3)
-    assert crashed.returncode == -9, crashed.stderr[-2000:]
-    assert len(log.read_text().split()) == 3
-    restarted = run(0)
-    assert restarted.returncode == 0, restarted.stderr[-2000:]
-    _, resumed, cancelled, carried, complete, rounds = restarted.stdout.split("SUMMARY")[1].split()
+def test_carried_stragglers_are_exactly_once_under_a_kill(lake, killed_then_rerun):
+    log, out = killed_then_rerun(SCRIPT)
+    _, resumed, cancelled, carried, complete, rounds = out.split("SUMMARY")[1].split()
     # round 1 closes at 4 complete groups and carries its hung spares; the last round cancels what is left
     assert int(resumed) >= 1 and int(carried) >= 1 and int(cancelled) >= 1 and int(complete) >= 8
     assert int(rounds) == 2

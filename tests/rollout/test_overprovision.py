@@ -7,13 +7,9 @@ failure, their per-token versions kept, exactly once under a kill."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
@@ -183,21 +179,9 @@ print("SUMMARY", s.trajectories, s.resumed, s.cancelled, s.groups_complete)
 
 
 @pytest.mark.slow
-def test_over_provisioned_run_is_exactly_once_under_a_kill(lake, policy_dir, tmp_path):
-    log = tmp_path / "tool-executions.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-
-    def run(kill: int):
-        return subprocess.run([sys.executable, "-c", SCRIPT, lake.uri, str(policy_dir), str(log), str(kill)],
-                              capture_output=True, text=True, timeout=600, env=env,
-                              cwd=Path(__file__).resolve().parents[2])
-
-    crashed = run(3)
-    assert crashed.returncode == -9, crashed.stderr[-2000:]
-    assert len(log.read_text().split()) == 3
-    restarted = run(0)
-    assert restarted.returncode == 0, restarted.stderr[-2000:]
-    _, resumed, cancelled, complete = restarted.stdout.split("SUMMARY")[1].split()
+def test_over_provisioned_run_is_exactly_once_under_a_kill(lake, killed_then_rerun):
+    log, out = killed_then_rerun(SCRIPT)
+    _, resumed, cancelled, complete = out.split("SUMMARY")[1].split()
     assert int(resumed) >= 1 and int(cancelled) >= 1 and int(complete) == 4
     executed = log.read_text().split()
     assert len(executed) == len(set(executed))                   # no tool call ran twice
