@@ -26,7 +26,6 @@ execution parameters; the parent run when a scheduled job started the command
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import sys
@@ -40,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Literal, Sequence
 from pipeline import __version__
 from pipeline.lake.ref import as_lake
 from pipeline.lake.uri import split_uri
+from pipeline.resources import machine_cache
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
@@ -72,8 +72,7 @@ def _lake_cache_dir(lake: Lake) -> Path:
     """This machine's cache folder of an object-store lake: ``$PIPELINE_CACHE`` (default ~/.cache/pipeline)
     ``/checkpoints/<first 12 hex of sha256(lake URI)>``, the folder pipeline.policy_store.local_dir fetches the
     lake's checkpoints into (the lineage file of that lake sits beside them)."""
-    cache = Path(os.environ.get("PIPELINE_CACHE", Path.home() / ".cache" / "pipeline"))
-    return cache / "checkpoints" / hashlib.sha256(lake.uri.encode()).hexdigest()[:12]
+    return machine_cache("checkpoints", lake.uri)
 
 
 def _user_configured() -> bool:

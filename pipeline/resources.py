@@ -6,6 +6,8 @@ In a wheel they ship as ``pipeline/_resources/<name>``; in a source checkout
 
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -30,3 +32,10 @@ def sql_path(name: str) -> Path:
         known = sorted(p.stem for p in resource_dir("sql").glob("*.sql"))
         raise FileNotFoundError(f"no named query {stem!r}; known: {', '.join(known)}")
     return path
+
+
+def machine_cache(kind: str = "", lake_uri: str | None = None) -> Path:
+    """This machine's cache folder: ``$PIPELINE_CACHE`` (default ``~/.cache/pipeline``), then ``kind``, then,
+    for one lake, the first 12 hex digits of the sha256 of its URI (one folder per lake)."""
+    path = Path(os.environ.get("PIPELINE_CACHE", Path.home() / ".cache" / "pipeline")) / kind
+    return path / hashlib.sha256(lake_uri.encode()).hexdigest()[:12] if lake_uri is not None else path

@@ -33,6 +33,7 @@ import pyarrow as pa
 from pipeline import __version__
 from pipeline.errors import IntegrityError, NotFoundError
 from pipeline.lake.ref import as_lake
+from pipeline.resources import machine_cache
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
@@ -95,8 +96,7 @@ def local_dir(lake: Lake, rel: str) -> Path:
     filled by ``fetch_checkpoint``."""
     if lake.is_local:
         return Path(lake.uri) / rel
-    cache = Path(os.environ.get("PIPELINE_CACHE", Path.home() / ".cache" / "pipeline"))
-    return cache / "checkpoints" / hashlib.sha256(lake.uri.encode()).hexdigest()[:12] / rel.removeprefix("_checkpoints/")
+    return machine_cache("checkpoints", lake.uri) / rel.removeprefix("_checkpoints/")
 
 
 def local_checkpoint_dir(lake: Lake, checkpoint_id: str) -> Path:

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipeline.errors import IntegrityError, NotFoundError
+from pipeline.resources import machine_cache
 
 if TYPE_CHECKING:
     from pipeline.lake.delta import Lake
@@ -482,8 +483,7 @@ def weights_cache(lake_uri: str) -> Path:
     """This machine's directory of rebuilt weights of the lake ``lake_uri``
     (``$PIPELINE_CACHE/weights/<lake hash>``; every entry is checked against its row's
     digest before use, so deleting it, whole or in part, only costs a rebuild)."""
-    cache = Path(os.environ.get("PIPELINE_CACHE", Path.home() / ".cache" / "pipeline"))
-    return cache / "weights" / hashlib.sha256(lake_uri.encode()).hexdigest()[:12]
+    return machine_cache("weights", lake_uri)
 
 
 def _entry(lake_uri: str, checkpoint_id: str, digest: str) -> Path:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+from pipeline.resources import machine_cache
 
 if TYPE_CHECKING:  # deltalake is imported only where a lake is opened
     from pipeline.lake.delta import Lake
@@ -51,8 +52,7 @@ def run_spool_dir(lake: Lake, cfg: RolloutConfig) -> Path:
     ``$PIPELINE_CACHE``, default ``~/.cache/pipeline``)."""
     if cfg.spool_dir:
         return Path(cfg.spool_dir)
-    base = Path(lake.uri) if lake.is_local else Path(os.environ.get("PIPELINE_CACHE",
-                                                                    Path.home() / ".cache" / "pipeline"))
+    base = Path(lake.uri) if lake.is_local else machine_cache()
     return base / "_spool" / cfg.run_id
 
 
