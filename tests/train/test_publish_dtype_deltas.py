@@ -103,6 +103,7 @@ def test_bf16_restart_replays_delta_only_versions_on_a_machine_without_their_wei
     ids = [v["checkpoint_id"] for v in res.versions]
     rows = {r["checkpoint_id"]: r for r in lake.read("checkpoints").to_pylist()}
     assert [wd.weights_record(rows[c])["kind"] for c in ids] == ["anchor", "delta", "delta"]
+    _two_machines_rebuild_at_once(lake, ids[2], wd.weights_record(rows[ids[2]])["sha256"], tmp_path / "twins")
     ds = sorted(p for p in (published_dir(lake, ids[2]) / "ds").rglob("*") if p.is_file())
     ds[0].write_bytes(b"damaged")                              # v3's full state lost: repair retires it
     assert repair_checkpoints(lake)["repaired"]
@@ -112,6 +113,35 @@ def test_bf16_restart_replays_delta_only_versions_on_a_machine_without_their_wei
     _more(lake, 3)
     res2 = follow(lake, CFG, stop_after=1, progress=False)
     assert res2.replayed == ids and [v["policy_version"] for v in res2.versions] == [4]
+
+
+TWIN = """
+import sys
+from pipeline.policy_store import delta as wd, resolve_policy
+hf = resolve_policy(sys.argv[1], sys.argv[2]).hf_dir
+print("DIGEST", wd.weights_digest(wd.load_hf_weights(hf)), hf)
+"""
+
+
+def _two_machines_rebuild_at_once(lake, checkpoint_id: str, digest: str, cache) -> None:
+    """Two processes sharing one empty cache rebuild the same delta-only version at once: each gets the
+    recorded weights, one copy is installed (the other's renamed away), no temporary folder is left."""
+    import os
+    import subprocess
+    import sys
+    from unittest import mock
+
+    env = dict(os.environ, PIPELINE_CACHE=str(cache), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", TWIN, lake.uri, checkpoint_id], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    got = [o.split("DIGEST")[1].split() for o, _ in outs]
+    assert [g[0] for g in got] == [digest, digest] and got[0][1] == got[1][1]
+    with mock.patch.dict(os.environ, {"PIPELINE_CACHE": str(cache)}):
+        entries = [p.name for p in wd.weights_cache(lake.uri).iterdir()]
+    assert len([e for e in entries if e.startswith(checkpoint_id)]) == 1 and not [e for e in entries if ".tmp" in e]
+    assert str(cache) in got[0][1]                                   # rebuilt in the shared cache, not found elsewhere
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
