@@ -78,6 +78,7 @@ class VLLMEngine:
         self.hf_dir = Path(hf_dir)
         self._host: dict[str, Any] | None = None     # the served weights in the published dtype (deltas)
         cfg = json.loads((self.hf_dir / "config.json").read_text())
+        self.config = cfg          # the served policy's config, kept: its directory may be pruned while serving
         self._vllm = vllm
         self._running: dict[str, tuple[int, Sampling]] = {}     # continuous batching: request id -> (seed, sampling)
         self.llm = vllm.LLM(model=str(self.hf_dir), tokenizer=str(self.hf_dir), dtype=dtype, seed=0,
@@ -143,25 +144,31 @@ class VLLMEngine:
         """Reload the weights of ``hf_dir`` into the running engine (same architecture
         only: False, changing nothing, otherwise)."""
         hf_dir = Path(hf_dir)
-        if self._running or _arch(hf_dir) != _arch(self.hf_dir):
+        config = _config(hf_dir)
+        if self._running or _arch(config) != _arch(self.config):
             return False
         self._host = None
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(hf_dir)})
         self.llm.reset_prefix_cache()
-        self.hf_dir = hf_dir
+        self.hf_dir, self.config = hf_dir, config
         return True
 
     def apply_weight_deltas(self, hf_dir: Path, deltas: list[tuple[dict[str, Any], list[str]]]) -> bool:
         """Switch to the policy in ``hf_dir`` by its sparse weight deltas (oldest first,
         each checked against its row): applied to the host copy, the changed modules'
         tensors pushed in place. False, changing nothing, when this cannot apply them."""
+        from pipeline.errors import NotFoundError
         from pipeline.policy_store.delta import apply_in_place, has_full, load_hf_weights
 
         hf_dir = Path(hf_dir)
-        if self._running or has_full(deltas) or _arch(hf_dir, "dtype") != _arch(self.hf_dir, "dtype"):
+        config = _config(hf_dir)
+        if self._running or has_full(deltas) or _arch(config, "dtype") != _arch(self.config, "dtype"):
             return False
         if self._host is None:
-            self._host = {k: v.contiguous() for k, v in load_hf_weights(self.hf_dir).items()}
+            try:
+                self._host = {k: v.contiguous() for k, v in load_hf_weights(self.hf_dir).items()}
+            except NotFoundError:         # served from a version's own hf/ (no weights there): the full load decides
+                return False
         if any(n not in self._host for _, names in deltas for n in names):
             return False
         try:
@@ -172,7 +179,7 @@ class VLLMEngine:
             self._host = None            # it may no longer be what the engine serves: read again next time
             raise
         self.llm.reset_prefix_cache()
-        self.hf_dir = hf_dir
+        self.hf_dir, self.config = hf_dir, config
         return True
 
     def _reload(self, weights: list[tuple[str, Any]]) -> None:
@@ -207,10 +214,13 @@ class VLLMEngine:
         return out
 
 
-def _arch(d: Path, *ignore: str) -> dict:
-    """config.json less version stamps (and ``ignore``): what must match to switch weights in place."""
-    cfg = json.loads((Path(d) / "config.json").read_text())
-    return {k: v for k, v in cfg.items() if k not in ("transformers_version", "_name_or_path", *ignore)}
+def _config(d: Path) -> dict:
+    return json.loads((Path(d) / "config.json").read_text())
+
+
+def _arch(config: dict, *ignore: str) -> dict:
+    """A config less its version stamps (and ``ignore``): what must match to switch weights in place."""
+    return {k: v for k, v in config.items() if k not in ("transformers_version", "_name_or_path", *ignore)}
 
 
 def _module_key(name: str) -> str:

@@ -71,27 +71,35 @@ class PolicyHolder:
         self.switches: list[dict[str, Any]] = []
         self.env: Any = None    # the environment the codec renders (set by run_worker)
 
-    def _resolve(self) -> tuple[Path, str | None, int]:
+    def _resolve(self, spec: str | None = None, *, weights: bool = True) -> tuple[Path, str | None, int]:
+        """(hf dir, checkpoint id, version) of the policy served, or of checkpoint ``spec``.
+        ``weights=False``: a delta-only version's own ``hf/`` (config and tokenizer), its
+        full weights not rebuilt (resolve_policy's ``weights``)."""
         from pipeline.policy_store import resolve_policy
 
         local = Path(self.cfg.policy)
-        if not self.cfg.follow_latest and local.is_dir():
+        if spec is None and not self.cfg.follow_latest and local.is_dir():
             # a user's HF directory (not published; counts as version 0)
             return (local if (local / "config.json").exists() else local / "hf"), str(local), 0
-        ref = resolve_policy(self.lake, None if self.cfg.follow_latest or self.cfg.policy == "latest"
-                             else self.cfg.policy)
+        if spec is None and not self.cfg.follow_latest and self.cfg.policy != "latest":
+            spec = self.cfg.policy
+        ref = resolve_policy(self.lake, spec, weights=weights)
         return Path(ref.hf_dir), ref.checkpoint_id, max(0, ref.policy_version)
 
     def newer(self) -> bool:
         """A newer policy is published than the one served (following only; reads the lake, switches nothing)."""
-        return self.cfg.follow_latest and self.engine is not None and self._resolve()[1] != self.checkpoint_id
+        return (self.cfg.follow_latest and self.engine is not None
+                and self._resolve(weights=False)[1] != self.checkpoint_id)
 
     def __call__(self):
         from pipeline.rollout import codec
         from pipeline.rollout.backends import make_engine, switch_weights
 
         if self.engine is None or self.cfg.follow_latest:
-            hf_dir, ckpt, version = self._resolve()
+            # a running engine switching in place is given the new version's deltas: its full
+            # weights (rebuilt from the chain in the delta-only layout) are resolved only if they do not apply
+            lazy = self.engine is not None and self.cfg.weight_switch == "in_place"
+            hf_dir, ckpt, version = self._resolve(weights=not lazy)
             if ckpt != self.checkpoint_id:
                 if self.engine is None:
                     self.engine = make_engine(self.cfg.engine, hf_dir, threads=self.cfg.threads)
@@ -103,8 +111,9 @@ class PolicyHolder:
                         t0 = time.perf_counter()       # the deltas' reading counts in the switch's seconds
                         deltas = delta_path(self.lake, self.checkpoint_id, ckpt)
                         read_s = time.perf_counter() - t0
-                    self.engine, rec = switch_weights(self.engine, hf_dir, mode=self.cfg.weight_switch,
-                                                      threads=self.cfg.threads, deltas=deltas)
+                    self.engine, rec = switch_weights(
+                        self.engine, hf_dir, mode=self.cfg.weight_switch, threads=self.cfg.threads, deltas=deltas,
+                        full_dir=(lambda: self._resolve(ckpt)[0]) if lazy and ckpt is not None else None)
                     if rec["mode"] == "delta":
                         rec["seconds"] += read_s
                     self.switches.append(rec | {"version": version})
