@@ -49,7 +49,11 @@ Weight deltas (issue 42), per policy and per publishing run: the resident
 loop's own K versions (demo lr, bf16), publish-only resident runs of
 ``BENCH_LOOP_PUBLISH_K`` versions (a ``train --follow`` fed synthetic snapshots
 of the loop's size, one at a time, nothing else running) at the demo lr and of
-``BENCH_LOOP_LR10X_K`` at 10x it (bf16) and, beside them, one at the demo lr publishing fp32
+``BENCH_LOOP_LR10X_K`` at 10x it (bf16), of ``BENCH_LOOP_PUBLISH_K`` at each RL learning
+rate of ``BENCH_LOOP_RL_LRS`` (bf16; default 1e-5, the trainer's default lr, and 1e-6, TRL
+GRPOConfig's default, the setting of TRL's ~1% figure: the demo's 3e-4 trains a tiny policy
+from scratch, 30-300x the lrs RL fine-tuning uses, and under AdamW the share of bf16 elements
+that move grows with the lr) and, beside them, one at the demo lr publishing fp32
 (``BENCH_LOOP_FP32``, default: the demo policy only). Per version:
 
 - **bytes written**: every byte the trainer wrote to the lake while it made
@@ -85,6 +89,7 @@ version <= 10% of the full published weights (moonshot 3%); switch by delta
     BENCH_LOOP_K=4 BENCH_LOOP_MODELS=demo,smollm2 ...        # versions per loop, which policies
     BENCH_LOOP_PUBLISH_K=8 BENCH_LOOP_LR10X_K=8 BENCH_LOOP_FP32=demo ...  # publish-only versions (demo lr, 10x);
                                                                           # which policies also publish fp32
+    BENCH_LOOP_RL_LRS=1e-5,1e-6 ...                                       # the RL lrs of the publish-only runs
 """
 
 from __future__ import annotations
@@ -516,6 +521,16 @@ def _full_every_default() -> int:
     return TrainConfig().full_checkpoint_every
 
 
+RL_LRS = {1e-5: "the trainer's default lr (TrainConfig.lr)",
+          1e-6: "TRL GRPOConfig's default lr, the setting of TRL's ~1% delta figure"}
+
+
+def _rl_lrs() -> list[float]:
+    """The RL learning rates the deltas are also measured at (``BENCH_LOOP_RL_LRS``; default: RL_LRS)."""
+    env = os.environ.get("BENCH_LOOP_RL_LRS")
+    return [float(x) for x in env.split(",") if x.strip()] if env is not None else list(RL_LRS)
+
+
 def _fp32_for(kind: str) -> bool:
     return kind in [m.strip() for m in os.environ.get("BENCH_LOOP_FP32", "demo").split(",")]
 
@@ -553,6 +568,7 @@ def _one_model(kind: str, k_versions: int, tmp: Path, publish_k: int, lr10x_k: i
         {"run": "the resident loop's versions", "lr": lr, "dtype": BF16, "anchor_every": every})}
     print(f"   deltas of the resident loop measured in {time.perf_counter() - t0:.0f}s", flush=True)
     runs_ = [("lr1x", lr, BF16, publish_k), ("lr10x", 10 * lr, BF16, lr10x_k)]
+    runs_ += [(f"lr{x:g}", x, BF16, publish_k) for x in _rl_lrs()]
     for name, run_lr, dtype, n in runs_ + ([("fp32", lr, "float32", publish_k)] if _fp32_for(kind) else []):
         t0 = time.perf_counter()
         root = tmp / f"{kind}-{name}"
@@ -653,6 +669,7 @@ def _publish_results(name: str, label: str, p: dict) -> list[Result]:
     versions, switches, every = p["versions"], p["switches"], p["anchor_every"]
     bf16 = p["dtype"] == BF16
     what = f"delta {name}, {label} (lr {p['lr']:g}, {p['dtype']}, {len(versions)} versions, anchor_every={every})"
+    why_lr = RL_LRS.get(p["lr"], "")
     full = versions[-1]["full_bytes"]
     steady = versions[1:] or versions
     per = sum(v["bytes"] for v in steady) / len(steady)
@@ -675,7 +692,8 @@ def _publish_results(name: str, label: str, p: dict) -> list[Result]:
                + (f"full state apart: {', '.join(f'v{k} {b / 1e6:.1f} MB' for k, b in state)}" if state
                   else "no full state")
                + (f"; outside the lake, the machine's cache of rebuilt weights: {cache / 1e6:.2f} MB per version"
-                  if cache else ""), base, note="moonshot <= 0.03" if bf16 else "", possible=(0.0, None)),
+                  if cache else ""), base, note="; ".join(x for x in ("moonshot <= 0.03" if bf16 else "", why_lr) if x),
+               possible=(0.0, None)),
         Result(f"{what}: bytes written per version amortized with an anchor every {every} / full published weights",
                amortized / full, None, f"{amortized / 1e6:.2f} MB (anchor {a_mean / 1e6:.2f} MB, "
                + (f"delta version {d_mean / 1e6:.2f} MB)" if d_mean is not None else "no delta version)"), base,
@@ -693,7 +711,7 @@ def _publish_results(name: str, label: str, p: dict) -> list[Result]:
         out.append(Result(f"{what}: a worker's switch to the next version, by delta / full in-place load",
                           d_s / f_s, 0.5 if bf16 else None,
                           f"{d_s * 1e3:.0f} ms by delta (reading {read * 1e3:.0f} ms; {len(switches)} switches)",
-                          f"{f_s * 1e3:.0f} ms full load", possible=(0.0, None)))
+                          f"{f_s * 1e3:.0f} ms full load", note=why_lr, possible=(0.0, None)))
     return out
 
 
@@ -704,7 +722,7 @@ def derive(raw: dict) -> list[Result]:
         out.extend(_model_results(m))
         name = "demo policy" if m["spec"]["kind"] == "demo" else "SmolLM2-135M-shape random Llama"
         for run, p in m.get("publish", {}).items():
-            out.extend(_publish_results(name, _RUNS.get(run, run), p))
+            out.extend(_publish_results(name, _RUNS.get(run, p.get("run", run)), p))
     return out
 
 

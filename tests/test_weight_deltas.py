@@ -6,6 +6,7 @@ HF weights equal to the recorded digest."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import pytest
@@ -271,8 +272,64 @@ def test_a_following_rollout_worker_switches_by_delta(lake, tmp_path, monkeypatc
     w2 = _nudge(w1, 0.01, 2)
     rec = _publish(lake, "c2", "c1", w2, w1, rec1, anchor_every=8)
     assert rec["kind"] == "delta"
+    shutil.rmtree(wd.weights_cache(lake.uri))       # a worker on another machine: no rebuilt copy of c2 there
     engine2, v2 = holder()
     assert v2 == 2 and engine2 is engine and [s["mode"] for s in holder.switches] == ["delta"]
     sd = engine.model.state_dict()
     assert wd.weights_digest({k: sd[k] for k in w2}) == rec["sha256"]
+    # the delta was applied to the served weights: c2's full weights were never rebuilt on this machine
+    assert not wd.weights_cache(lake.uri).exists() or not any(wd.weights_cache(lake.uri).glob("c2-*"))
+    assert not holder.newer()
+
+    # an engine that cannot apply a delta falls back to the full weights, rebuilt only then
+    w3 = _nudge(w2, 0.01, 3)
+    rec3 = _publish(lake, "c3", "c2", w3, w2, rec, anchor_every=8)
+    shutil.rmtree(wd.weights_cache(lake.uri))
+    assert holder.newer()
+    monkeypatch.setattr(engine, "apply_weight_deltas", lambda hf_dir, deltas: False)
+    engine3, v3 = holder()
+    assert v3 == 3 and engine3 is engine and holder.switches[-1]["mode"] == "in_place"
+    sd = engine.model.state_dict()
+    assert wd.weights_digest({k: sd[k] for k in w3}) == rec3["sha256"]
+    assert any(wd.weights_cache(lake.uri).glob("c3-*"))
     holder.close()
+
+
+def test_moves_are_stored_narrow_and_compressed_and_first_format_deltas_are_still_read():
+    """A delta stores how the changed bit patterns moved (one byte for a few units in the last
+    place, the bf16 case under AdamW), zstd-compressed; a delta of the first format (the new
+    bit patterns, uncompressed) still applies; a part whose recorded size is wrong is refused."""
+    from safetensors.torch import save
+
+    g = torch.Generator().manual_seed(3)
+    base = {"w": torch.randn(4096, generator=g).to(torch.bfloat16), "x": torch.randn(64, generator=g)}
+    bits = base["w"].view(torch.int16).clone()
+    moved = torch.rand(4096, generator=g) < 0.2
+    bits[moved] += torch.randint(-3, 4, (4096,), generator=g, dtype=torch.int16)[moved]
+    new = {"w": bits.view(torch.bfloat16), "x": base["x"].clone()}
+    new["x"][5] = 1e30                                  # a far move: a wider integer, still exact
+    delta, names = wd.make_delta(base, new)
+    assert delta["w::dif"].dtype == torch.int8 and delta["x::dif"].dtype == torch.int64
+    assert "w::mask" in delta and not any(k.endswith("::val") for k in delta)
+    data = wd.encode(delta, names)
+    assert len(data) < wd.nbytes(new) * 0.2                     # ~20% of bf16 elements moved by <= 3 units
+    got = wd.apply_delta(base, *wd.decode(data, what="t"))
+    assert wd.weights_digest(got) == wd.weights_digest(new)
+    # the first format: indices and the new bit patterns, uncompressed
+    sparse = {"w": base["w"].clone(), "x": new["x"]}
+    sparse["w"].view(torch.int16)[7] += 1
+    d1, n1 = wd.make_delta(base, sparse)
+    v1 = {k: v for k, v in d1.items() if k.endswith("::idx")}
+    v1 |= {k[:-5] + "::val": wd.bit_pattern(sparse[k[:-5]])[d1[k[:-5] + "::idx"].long()] for k in d1 if k.endswith("::dif")}
+    old = save(v1, metadata={"format": wd.FORMAT_V1, "names": json.dumps(n1)})
+    assert wd.weights_digest(wd.apply_delta(base, *wd.decode(old, what="t"))) == wd.weights_digest(sparse)
+    # a part that does not inflate to its recorded size is damaged bytes, one line
+    n = int.from_bytes(data[:8], "little")
+    head = json.loads(data[8:8 + n])
+    parts = json.loads(head["__metadata__"]["parts"])
+    parts["w::dif"][2] += 1
+    head["__metadata__"]["parts"] = json.dumps(parts, sort_keys=True)
+    h = json.dumps(head).encode()
+    h += b" " * (-len(h) % 8)
+    with pytest.raises(IntegrityError, match="not a readable weight delta"):
+        wd.decode(len(h).to_bytes(8, "little") + h + data[8 + n:], what="t")

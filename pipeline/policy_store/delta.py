@@ -8,11 +8,15 @@ Every version a trainer publishes records how its weights are rebuilt, in its
   init/import, and any version whose delta would not be smaller than its weights);
 - ``{"kind": "delta", "file": "delta/<sha256>.safetensors", "base": PARENT_ID, "sha256": D,
   "chain": k, "bytes": n, "full_bytes": m, "changed": c, "elements": e}``: the elements
-  that differ from the parent's published weights, as flat indices and the new
-  bit patterns (``<name>::idx``, ``<name>::val`` per tensor; where one bit per
-  element is smaller than the indices, the indices as a bit mask ``<name>::mask``;
-  a tensor whose shape or dtype changed is stored whole as ``<name>::full``). The file is content-addressed
-  (its name is its sha256) and listed in the row's ``file_sha256``.
+  that differ from the parent's published weights, as flat indices (``<name>::idx``;
+  where one bit per element is smaller than the indices, a bit mask ``<name>::mask``)
+  and how their bit patterns moved (``<name>::dif``: new minus old, as integers, in
+  the narrowest signed type that holds them: under AdamW most moves are a few units
+  in the last place, one byte); a tensor whose shape or dtype changed is stored whole
+  as ``<name>::full``. Every part is stored zstd-compressed (``encode``; indices as
+  gaps), which is what makes a small move cost a few bits. The file is content-addressed
+  (its name is its sha256) and listed in the row's ``file_sha256``. Deltas of the
+  first format (``<name>::val``: the new bit patterns, uncompressed) are still read.
 
 ``D`` is ``weights_digest`` of the version's weights (names, dtypes, shapes, raw
 bytes): any version rebuilt from its anchor and the deltas after it
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -48,7 +53,9 @@ from pipeline.resources import machine_cache
 if TYPE_CHECKING:
     from pipeline.lake.delta import Lake
 
-FORMAT = "pipeline-weights-delta/1"
+FORMAT = "pipeline-weights-delta/2"
+FORMAT_V1 = "pipeline-weights-delta/1"        # uncompressed, new bit patterns (``::val``): still read
+ZSTD_LEVEL = 1      # 135M shape, bf16: level 1 is 5x faster than 9 and as small (benchmarks/bench_loop.py)
 DELTA_DIR = "delta"
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -73,8 +80,9 @@ def weights_digest(weights: dict[str, torch.Tensor]) -> str:
 def make_delta(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
     """(tensors, names): what turns ``base`` into ``new`` exactly. Per tensor of ``new``
     with the same shape and dtype in ``base``: the flat indices of the elements whose
-    bits differ (int32, or a packed bit mask where that is smaller) and their new
-    bits (nothing when none differ); else the whole tensor.
+    bits differ (int32, or a packed bit mask where that is smaller) and the difference
+    of their bit patterns as integers, new minus old (``::dif``, narrowed: ``new_bits``
+    inverts it); nothing when no bit differs. Else the whole tensor.
     ``names`` lists the tensors of ``new`` (a tensor of ``base`` not in it is dropped)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in new.items():
@@ -82,17 +90,48 @@ def make_delta(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> t
         if b is None or b.shape != t.shape or b.dtype != t.dtype:
             out[f"{name}::full"] = t.detach().contiguous()
             continue
-        nb = bit_pattern(t)
-        idx = torch.nonzero(bit_pattern(b) != nb, as_tuple=True)[0]
+        nb, ob = bit_pattern(t), bit_pattern(b)
+        changed = ob != nb
+        idx = torch.nonzero(changed, as_tuple=True)[0]
         if idx.numel() == 0:
             continue
         width = 4 if nb.numel() < 2**31 else 8
         if idx.numel() * width <= (nb.numel() + 7) // 8:
             out[f"{name}::idx"] = idx.to(torch.int32 if width == 4 else torch.int64)
         else:                                   # dense change: one bit per element is smaller than the indices
-            out[f"{name}::mask"] = _pack(bit_pattern(b) != nb)
-        out[f"{name}::val"] = nb[idx].clone()
+            out[f"{name}::mask"] = _pack(changed)
+        w = _wide(nb)
+        out[f"{name}::dif"] = _narrow(nb[idx].to(w) - ob[idx].to(w))
     return out, list(new)
+
+
+def _wide(bits: torch.Tensor) -> torch.dtype:
+    """An integer type that holds any difference of two bit patterns of ``bits``'s width."""
+    return torch.int32 if bits.element_size() <= 2 else torch.int64
+
+
+def _narrow(d: torch.Tensor) -> torch.Tensor:
+    """Integers in the narrowest signed type that holds them all."""
+    lo, hi = int(d.min()), int(d.max())
+    for dt in (torch.int8, torch.int16, torch.int32):
+        if torch.iinfo(dt).min <= lo and hi <= torch.iinfo(dt).max:
+            return d.to(dt)
+    return d
+
+
+def new_bits(old: torch.Tensor, val: torch.Tensor | None, dif: torch.Tensor | None) -> torch.Tensor:
+    """The new bit patterns of the changed elements: ``val`` (a first-format delta), or their
+    old bit patterns ``old`` moved by ``dif``. A move out of the bit patterns' range is an IntegrityError."""
+    if val is not None:
+        return val
+    assert dif is not None
+    w = _wide(old)
+    moved = old.to(w) + dif.to(w)
+    info = torch.iinfo(old.dtype)
+    if moved.numel() and (int(moved.min()) < info.min or int(moved.max()) > info.max):
+        raise IntegrityError("weight delta moves a bit pattern out of its range", hint="the delta does not belong "
+                                                                                        "to this base")
+    return moved.to(old.dtype)
 
 
 _SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
@@ -148,47 +187,52 @@ def apply_delta(base: dict[str, torch.Tensor], delta: dict[str, torch.Tensor], n
         if b is None:
             raise IntegrityError(f"weight delta names {name}, which its base weights lack",
                                  hint="the delta does not belong to this base")
-        idx, val = delta.get(f"{name}::idx"), delta.get(f"{name}::val")
+        idx, val, dif = delta.get(f"{name}::idx"), delta.get(f"{name}::val"), delta.get(f"{name}::dif")
         mask = delta.get(f"{name}::mask")
         if mask is not None and idx is None:
             idx = mask
-        if idx is None and val is None:
+        moves = val if val is not None else dif
+        if idx is None and moves is None:
             out[name] = b
             continue
-        if idx is None or val is None:
+        if idx is None or moves is None:
             raise IntegrityError(f"weight delta of {name} has indices or values but not both")
-        where = _where(name, idx, val, b.numel(), packed=mask is not None and idx is mask)
+        where = _where(name, idx, moves, b.numel(), packed=mask is not None and idx is mask)
         t = b.detach().clone(memory_format=torch.contiguous_format)
         flat = bit_pattern(t)
-        if val.dtype != flat.dtype:
+        if val is not None and val.dtype != flat.dtype:
             raise IntegrityError(f"weight delta of {name} does not fit its base ({tuple(t.shape)}, {t.dtype})",
                                  hint="the delta does not belong to this base")
-        write(flat, where, val)
+        write(flat, where, new_bits(flat[where], val, dif))
         out[name] = t
     return out
 
 
 def changes(delta: dict[str, torch.Tensor], numel: dict[str, int]):
-    """Per tensor a delta touches: (name, where, new bit patterns, None) or
-    (name, None, None, whole tensor), for a reader that writes them into weights it
-    holds (``numel``: its tensors' sizes; ``where``: int64 flat indices, or for a dense change
-    a bool mask of the tensor's size, both for ``write``). A delta that does not fit is an IntegrityError."""
+    """Per tensor a delta touches: (name, where, new bit patterns, None, None), (name,
+    where, None, moves, None) or (name, None, None, None, whole tensor), for a reader
+    that writes them into weights it holds (``numel``: its tensors' sizes; ``where``: int64
+    flat indices, or for a dense change a bool mask of the tensor's size, both for
+    ``write``; ``moves``: ``new_bits``'s ``dif``, applied to the bit patterns it holds at
+    ``where``). A delta that does not fit is an IntegrityError."""
     for name in sorted({k.rsplit("::", 1)[0] for k in delta}):
         full = delta.get(f"{name}::full")
         if full is not None:
-            yield name, None, None, full
+            yield name, None, None, None, full
             continue
         if name not in numel:
             raise IntegrityError(f"weight delta names {name}, which the served weights lack",
                                  hint="the delta does not belong to this base")
         idx, val, mask = delta.get(f"{name}::idx"), delta.get(f"{name}::val"), delta.get(f"{name}::mask")
+        dif = delta.get(f"{name}::dif")
         packed = idx is None and mask is not None
         if packed:
             idx = mask
-        if idx is None or val is None:
+        moves = val if val is not None else dif
+        if idx is None or moves is None:
             raise IntegrityError(f"weight delta of {name} does not fit its base ({numel[name]} elements)",
                                  hint="the delta does not belong to this base")
-        yield name, _where(name, idx, val, numel[name], packed=packed), val, None
+        yield name, _where(name, idx, moves, numel[name], packed=packed), val, (dif if val is None else None), None
 
 
 def _where(name: str, idx: torch.Tensor, val: torch.Tensor, n: int, *, packed: bool) -> torch.Tensor:
@@ -214,13 +258,14 @@ def apply_in_place(weights: dict[str, torch.Tensor], deltas: list[tuple[dict[str
     is refused the same way: its reader loads the full weights instead."""
     numel = {k: v.numel() for k, v in weights.items()}
     todo = [c for delta, _ in deltas for c in changes(delta, numel)]
-    for name, _idx, val, full in todo:
-        if full is not None or val.dtype != bit_pattern(weights[name]).dtype:
+    for name, _idx, val, _dif, full in todo:
+        if full is not None or (val is not None and val.dtype != bit_pattern(weights[name]).dtype):
             raise IntegrityError(f"weight delta of {name} does not fit the served {weights[name].dtype} tensor",
                                  hint="the delta does not belong to this base")
-    for name, idx, val, _full in todo:
+    for name, where, val, dif, _full in todo:
         t = weights[name]
-        write(t.view(-1).view(_INT_OF_SIZE[t.element_size()]), idx, val)
+        flat = t.view(-1).view(_INT_OF_SIZE[t.element_size()])
+        write(flat, where, new_bits(flat[where], val, dif))
     return {c[0] for c in todo}
 
 
@@ -233,13 +278,34 @@ def nbytes(weights: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in weights.values())
 
 
+def _codec():
+    import pyarrow as pa
+
+    return pa.Codec("zstd", compression_level=ZSTD_LEVEL)
+
+
 def encode(delta: dict[str, torch.Tensor], names: list[str]) -> bytes:
-    """The delta as safetensors bytes (``names`` in its metadata), the same bytes for the
-    same delta: safetensors writes the metadata keys in a per-process hash order, so the
-    header is rewritten with sorted keys (a valid safetensors header: JSON, space-padded to 8)."""
+    """The delta as safetensors bytes, the same bytes for the same delta. Each part is a
+    uint8 tensor of its zstd-compressed bytes (``::idx`` as gaps: the first index, then
+    each index minus the one before); the metadata holds ``format``, ``names`` (the
+    tensors of the new weights) and ``parts`` (per part: dtype, shape and uncompressed
+    byte size). safetensors writes the metadata keys in a per-process hash order, so
+    the header is rewritten with sorted keys (a valid safetensors header: JSON,
+    space-padded to 8)."""
     from safetensors.torch import save
 
-    data = save(delta, metadata={"format": FORMAT, "names": json.dumps(names)})
+    codec = _codec()
+    blobs: dict[str, torch.Tensor] = {}
+    parts: dict[str, list] = {}
+    for key in sorted(delta):
+        t = delta[key].detach().contiguous()
+        if key.endswith("::idx") and t.numel():
+            t = torch.diff(t, prepend=t.new_zeros(1))
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        blobs[key] = torch.frombuffer(bytearray(codec.compress(raw, asbytes=True)), dtype=torch.uint8)
+        parts[key] = [str(t.dtype).removeprefix("torch."), list(t.shape), len(raw)]
+    data = save(blobs, metadata={"format": FORMAT, "names": json.dumps(names), "codec": "zstd",
+                                 "parts": json.dumps(parts, sort_keys=True)})
     (n,) = struct.unpack("<Q", data[:8])
     header = json.dumps(json.loads(data[8:8 + n]), sort_keys=True, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)
@@ -253,13 +319,34 @@ def decode(data: bytes, *, what: str) -> tuple[dict[str, torch.Tensor], list[str
     try:
         (n,) = struct.unpack("<Q", data[:8])
         meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
-        if meta.get("format") != FORMAT:
+        if meta.get("format") not in (FORMAT, FORMAT_V1):
             raise ValueError(f"format {meta.get('format')!r}")
-        names = json.loads(meta["names"])
-        return load(data), [str(x) for x in names]
+        names = [str(x) for x in json.loads(meta["names"])]
+        if meta["format"] == FORMAT_V1:
+            return load(data), names
+        return _inflate(load(data), json.loads(meta["parts"])), names
     except Exception as exc:  # noqa: BLE001 - any parse failure is damaged bytes
         raise IntegrityError(f"{what}: not a readable weight delta ({type(exc).__name__}: {str(exc)[:120]})",
                              hint="the file was modified after publication") from None
+
+
+def _inflate(blobs: dict[str, torch.Tensor], parts: dict[str, list]) -> dict[str, torch.Tensor]:
+    """``encode``'s parts back: each blob decompressed to its recorded dtype and shape (gaps summed)."""
+    if set(blobs) != set(parts):
+        raise ValueError("parts and tensors differ")
+    codec = _codec()
+    out: dict[str, torch.Tensor] = {}
+    for key, (dtype, shape, size) in parts.items():
+        dt = getattr(torch, dtype)
+        if not isinstance(dt, torch.dtype) or math.prod(shape) * torch.empty(0, dtype=dt).element_size() != size:
+            raise ValueError(f"part {key}: {dtype} {shape} is not {size} bytes")
+        raw = codec.decompress(blobs[key].numpy(), decompressed_size=size, asbytes=True)
+        t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape) if size else \
+            torch.empty(shape, dtype=dt)
+        if key.endswith("::idx") and t.numel():
+            t = torch.cumsum(t, 0, dtype=torch.int64).to(dt)
+        out[key] = t
+    return out
 
 
 # -- versions on the lake ----------------------------------------------------------------------------
@@ -304,6 +391,8 @@ def write_version_weights(root: Path, weights: dict[str, torch.Tensor], *, paren
     if parent_id is None or parent_weights is None or chain >= anchor_every:
         return anchor
     delta, names = make_delta(parent_weights, weights)
+    if delta and all(k.endswith("::full") for k in delta):
+        return anchor | {"why": "every tensor new, reshaped or retyped"}      # e.g. bf16 after an fp32 parent
     data = encode(delta, names)
     if len(data) >= full:
         return anchor | {"why": "delta not smaller"}
@@ -311,7 +400,7 @@ def write_version_weights(root: Path, weights: dict[str, torch.Tensor], *, paren
     rel = f"{DELTA_DIR}/{sha}.safetensors"
     (root / DELTA_DIR).mkdir(parents=True, exist_ok=True)
     (root / rel).write_bytes(data)
-    changed = sum(v.numel() for k, v in delta.items() if k.endswith(("::val", "::full")))
+    changed = sum(v.numel() for k, v in delta.items() if k.endswith(("::dif", "::full")))
     return {"kind": "delta", "file": rel, "base": parent_id, "sha256": digest, "chain": chain, "bytes": len(data),
             "full_bytes": full, "changed": int(changed), "elements": int(sum(t.numel() for t in weights.values()))}
 

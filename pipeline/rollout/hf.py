@@ -134,6 +134,34 @@ class _GumbelSampler(LogitsProcessor):
         return z + self.noise[:, t, : z.shape[1]].to(z.device)
 
 
+def _config(hf_dir: Path) -> dict:
+    import json
+
+    return json.loads((Path(hf_dir) / "config.json").read_text())
+
+
+def _arch(config: dict, *ignore: str) -> dict:
+    """A config less its version stamps (and ``ignore``): what must match to switch weights in place."""
+    return {k: v for k, v in config.items() if k not in ("transformers_version", "_name_or_path", *ignore)}
+
+
+def _move(bits: torch.Tensor, where: torch.Tensor, dif: torch.Tensor, *, shift: int) -> None:
+    """Add a delta's moves (``dif``, in units of the published dtype's last place) to the
+    fp32 bit patterns ``bits`` at ``where``, in place: an fp32 value that holds a bf16
+    value exactly has the bf16 bits in its upper half, so a bf16 move of ``d`` is an int32
+    add of ``d << 16`` (``shift``; 0 when fp32 is published). The sum is the new pattern:
+    the int32 add wraps exactly where the published pattern's sign bit flips. One pass
+    over the tensor for a dense change (no gather of the old values), the changed
+    elements only for indices."""
+    moves = (dif.to(torch.int64) << shift).to(torch.int32) if dif.element_size() > 2 else dif.to(torch.int32) << shift
+    if where.dtype == torch.bool:
+        dense = torch.zeros_like(bits)
+        dense.masked_scatter_(where, moves)
+        bits.add_(dense)
+    else:
+        bits.index_add_(0, where, moves)
+
+
 class HFEngine:
     """transformers ``generate`` on CPU (or a GPU when ``device`` says so)."""
 
@@ -145,6 +173,8 @@ class HFEngine:
         self.hf_dir = Path(hf_dir)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model = load_model(self.hf_dir, self.device)
+        # the served policy's config.json, kept: its directory may be a cache entry pruned while serving
+        self.config = _config(self.hf_dir)
         self.max_batch = max_batch
 
     def close(self) -> None:
@@ -154,16 +184,11 @@ class HFEngine:
         """Switch to the policy in ``hf_dir`` in place (``load_state_dict(assign=True)``
         into the running model, no new engine). False, changing nothing, when its
         architecture (config.json, version stamps aside) differs from the served one."""
-        import json
-
         from safetensors.torch import load_file
 
-        def arch(d: Path) -> dict:
-            cfg = json.loads((Path(d) / "config.json").read_text())
-            return {k: v for k, v in cfg.items() if k not in ("transformers_version", "_name_or_path")}
-
         hf_dir = Path(hf_dir)
-        if arch(hf_dir) != arch(self.hf_dir):
+        config = _config(hf_dir)
+        if _arch(config) != _arch(self.config):
             return False
         state: dict[str, torch.Tensor] = {}
         for f in sorted(hf_dir.glob("*.safetensors")):
@@ -187,7 +212,7 @@ class HFEngine:
         if getattr(self.model.config, "tie_word_embeddings", False):
             self.model.tie_weights()         # assign replaced the tied tensors: tie them again
         self.model.eval()
-        self.hf_dir = hf_dir
+        self.hf_dir, self.config = hf_dir, config
         return True
 
     @torch.no_grad()
@@ -198,18 +223,12 @@ class HFEngine:
         The deltas are in the published dtype (``hf_dir``'s config.json ``dtype``); the
         served fp32 parameters hold those values exactly. False, changing nothing,
         when the architecture or the dtype is not one this can apply to."""
-        import json
-
-        from pipeline.policy_store.delta import changes, write
-
-        def arch(d: Path) -> dict:
-            cfg = json.loads((Path(d) / "config.json").read_text())
-            return {k: v for k, v in cfg.items() if k not in ("transformers_version", "_name_or_path", "dtype")}
+        from pipeline.policy_store.delta import bit_pattern, changes, new_bits, write
 
         hf_dir = Path(hf_dir)
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
-            json.loads((hf_dir / "config.json").read_text()).get("dtype") or "float32")
-        if dtype is None or arch(hf_dir) != arch(self.hf_dir):
+        config = _config(hf_dir)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(config.get("dtype") or "float32")
+        if dtype is None or _arch(config, "dtype") != _arch(self.config, "dtype"):
             return False
         served = self.model.state_dict()
         numel = {k: v.numel() for k, v in served.items()}
@@ -220,21 +239,27 @@ class HFEngine:
         # every change checked (indices in range, values of the published width) before one is written:
         # a delta that does not fit raises with the served weights untouched
         todo = [c for delta, _ in deltas for c in changes(delta, numel)]
-        for name, _idx, val, full in todo:
-            if full is None and val.element_size() != width:
+        for name, _idx, val, _dif, full in todo:
+            if val is not None and val.element_size() != width:
                 from pipeline.errors import IntegrityError
 
                 raise IntegrityError(f"weight delta of {name} has {val.element_size()}-byte values, the "
                                      f"published dtype {dtype} {width}", hint="the delta does not belong here")
             if full is not None and full.shape != served[name].shape:
                 return self.load_weights(hf_dir)           # a reshaped tensor: the full load decides
-        for name, idx, val, full in todo:
+        for name, where, val, dif, full in todo:
             p = served[name]
             if full is not None:
                 p.copy_(full.to(p.dtype))
-            else:       # the new values in the published dtype, written into the served (fp32) parameter
-                write(p.view(-1), idx, val.view(dtype).to(p.dtype))
-        self.hf_dir = hf_dir
+                continue
+            flat = p.view(-1)
+            if val is None and p.dtype == torch.float32 and dtype in (torch.float32, torch.bfloat16):
+                _move(flat.view(torch.int32), where, dif, shift=16 if dtype == torch.bfloat16 else 0)
+                continue
+            if val is None:     # the served values hold the previous version's published bits exactly
+                val = new_bits(bit_pattern(flat[where].to(dtype)), None, dif)
+            write(flat, where, val.view(dtype).to(p.dtype))   # in the published dtype, into the served (fp32) one
+        self.hf_dir, self.config = hf_dir, config
         return True
 
     @torch.no_grad()

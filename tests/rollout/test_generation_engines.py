@@ -127,7 +127,7 @@ def _vllm_switches_by_delta_and_falls_back(eng, policy_dir, other, lake, reqs, m
                                                                           "lm_head.weight"))
     w_sparse = wd.load_hf_weights(sparse)
     delta = wd.make_delta(w_other, w_sparse)
-    assert sorted(k.rsplit("::", 1)[0] for k in delta[0] if k.endswith("::val")) == [
+    assert sorted(k.rsplit("::", 1)[0] for k in delta[0] if k.endswith("::dif")) == [
         "lm_head.weight", "model.layers.0.self_attn.k_proj.weight"]
     eng2, rec = switch_weights(eng, sparse, deltas=[delta])
     assert rec["mode"] == "delta" and eng2 is eng and eng.llm is llm and eng.hf_dir == sparse

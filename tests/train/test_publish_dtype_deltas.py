@@ -52,7 +52,7 @@ def test_bf16_follow_equals_the_chain_and_every_version_rebuilds_from_its_deltas
     rows = {r["checkpoint_id"]: r for r in lake.read("checkpoints").to_pylist()}
     recs = [wd.weights_record(rows[v["checkpoint_id"]]) for v in res.versions]
     # v1 against the fp32 initial policy: every tensor changed dtype, so no delta is smaller: an anchor
-    assert [r["kind"] for r in recs] == ["anchor", "delta", "delta"] and recs[0]["why"] == "delta not smaller"
+    assert [r["kind"] for r in recs] == ["anchor", "delta", "delta"] and recs[0]["why"] == "every tensor new, reshaped or retyped"
     assert [r["chain"] for r in recs] == [0, 1, 2]
     for v, rec in zip(res.versions, recs):
         own = published_dir(lake, v["checkpoint_id"]) / "hf"      # delta-only: full weights only at the anchor
