@@ -452,7 +452,8 @@ def _measure_deltas(root: Path, k_versions: int, written: list[dict], info: dict
     rows = {r["policy_version"]: r for r in lake.read("checkpoints").to_pylist()}
     versions: list[dict] = []
     switches: list[dict] = []
-    prev: dict | None = None
+    # version 1's parent: the imported policy (an anchor: its own weights), the base of version 1's delta if it has one
+    prev: dict | None = load_hf_weights(published_dir(lake, rows[0]["checkpoint_id"]) / "hf") if 0 in rows else None
     engine = None
     for k in range(1, k_versions + 1):
         row = rows[k]

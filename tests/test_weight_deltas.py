@@ -34,7 +34,7 @@ def _nudge(w: dict[str, torch.Tensor], frac: float, seed: int) -> dict[str, torc
     return out
 
 
-@pytest.mark.parametrize("frac,index_form", [(0.005, "::idx"), (0.05, "::mask")])
+@pytest.mark.parametrize("frac,index_form", [(0.005, "::idx"), (0.05, "::idx")])
 def test_make_and_apply_delta_are_bitwise_exact_and_sparse(frac, index_form):
     base = _weights()
     new = _nudge(base, frac, 1)
@@ -44,7 +44,7 @@ def test_make_and_apply_delta_are_bitwise_exact_and_sparse(frac, index_form):
     del new["d.int"]
     delta, names = wd.make_delta(base, new)
     assert "e.added::full" in delta and not any(k.startswith("d.int") for k in delta)
-    assert f"a.weight{index_form}" in delta           # indices when sparse, a bit mask when that is smaller
+    assert f"a.weight{index_form}" in delta           # indices, sparse or dense (stored as narrow gaps)
     data = wd.encode(delta, names)
     n = int.from_bytes(data[:8], "little")         # content-addressed: the same delta is the same bytes in any
     head = data[8:8 + n].rstrip(b" ")              # process (safetensors orders metadata keys by a random hash)
@@ -299,6 +299,7 @@ def test_moves_are_stored_narrow_and_compressed_and_first_format_deltas_are_stil
     """A delta stores how the changed bit patterns moved (one byte for a few units in the last
     place, the bf16 case under AdamW), zstd-compressed; a delta of the first format (the new
     bit patterns, uncompressed) still applies; a part whose recorded size is wrong is refused."""
+    import numpy as np
     from safetensors.torch import save
 
     g = torch.Generator().manual_seed(3)
@@ -310,19 +311,22 @@ def test_moves_are_stored_narrow_and_compressed_and_first_format_deltas_are_stil
     new["x"][5] = 1e30                                  # a far move: a wider integer, still exact
     delta, names = wd.make_delta(base, new)
     assert delta["w::dif"].dtype == torch.int8 and delta["x::dif"].dtype == torch.int64
-    assert "w::mask" in delta and not any(k.endswith("::val") for k in delta)
+    assert "w::idx" in delta and not any(k.endswith(("::val", "::mask")) for k in delta)
     data = wd.encode(delta, names)
     assert len(data) < wd.nbytes(new) * 0.2                     # ~20% of bf16 elements moved by <= 3 units
     got = wd.apply_delta(base, *wd.decode(data, what="t"))
     assert wd.weights_digest(got) == wd.weights_digest(new)
-    # the first format: indices and the new bit patterns, uncompressed
+    # the first format, uncompressed: indices (or, dense, a packed bit mask) and the new bit patterns
     sparse = {"w": base["w"].clone(), "x": new["x"]}
     sparse["w"].view(torch.int16)[7] += 1
     d1, n1 = wd.make_delta(base, sparse)
     v1 = {k: v for k, v in d1.items() if k.endswith("::idx")}
     v1 |= {k[:-5] + "::val": wd.bit_pattern(sparse[k[:-5]])[d1[k[:-5] + "::idx"].long()] for k in d1 if k.endswith("::dif")}
+    v1["w::mask"] = torch.from_numpy(np.packbits(wd.bit_pattern(base["w"]) != wd.bit_pattern(new["w"])))
+    v1["w::val"] = wd.bit_pattern(new["w"])[delta["w::idx"].long()]
+    del v1["w::idx"]
     old = save(v1, metadata={"format": wd.FORMAT_V1, "names": json.dumps(n1)})
-    assert wd.weights_digest(wd.apply_delta(base, *wd.decode(old, what="t"))) == wd.weights_digest(sparse)
+    assert wd.weights_digest(wd.apply_delta(base, *wd.decode(old, what="t"))) == wd.weights_digest(new)
     # a part that does not inflate to its recorded size is damaged bytes, one line
     n = int.from_bytes(data[:8], "little")
     head = json.loads(data[8:8 + n])

@@ -8,15 +8,17 @@ Every version a trainer publishes records how its weights are rebuilt, in its
   init/import, and any version whose delta would not be smaller than its weights);
 - ``{"kind": "delta", "file": "delta/<sha256>.safetensors", "base": PARENT_ID, "sha256": D,
   "chain": k, "bytes": n, "full_bytes": m, "changed": c, "elements": e}``: the elements
-  that differ from the parent's published weights, as flat indices (``<name>::idx``;
-  where one bit per element is smaller than the indices, a bit mask ``<name>::mask``)
-  and how their bit patterns moved (``<name>::dif``: new minus old, as integers, in
-  the narrowest signed type that holds them: under AdamW most moves are a few units
-  in the last place, one byte); a tensor whose shape or dtype changed is stored whole
-  as ``<name>::full``. Every part is stored zstd-compressed (``encode``; indices as
-  gaps), which is what makes a small move cost a few bits. The file is content-addressed
-  (its name is its sha256) and listed in the row's ``file_sha256``. Deltas of the
-  first format (``<name>::val``: the new bit patterns, uncompressed) are still read.
+  that differ from the parent's published weights, as flat indices (``<name>::idx``,
+  ascending) and how their bit patterns moved (``<name>::dif``: new minus old, as
+  integers, in the narrowest signed type that holds them: under AdamW most moves are a
+  few units in the last place, one byte); a tensor whose shape or dtype changed is
+  stored whole as ``<name>::full``. Every part is stored zstd-compressed (``encode``;
+  indices as gaps in the narrowest type, one byte where changes are dense: as small as
+  a bit mask, and applied in time proportional to the change), which is what makes a
+  small move cost a few bits. The file is content-addressed (its name is its sha256)
+  and listed in the row's ``file_sha256``. Deltas of the first format
+  (``pipeline-weights-delta/1``: uncompressed; ``<name>::val``, the new bit patterns;
+  dense changes as a packed bit mask ``<name>::mask``) are still read.
 
 ``D`` is ``weights_digest`` of the version's weights (names, dtypes, shapes, raw
 bytes): any version rebuilt from its anchor and the deltas after it
@@ -80,7 +82,7 @@ def weights_digest(weights: dict[str, torch.Tensor]) -> str:
 def make_delta(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
     """(tensors, names): what turns ``base`` into ``new`` exactly. Per tensor of ``new``
     with the same shape and dtype in ``base``: the flat indices of the elements whose
-    bits differ (int32, or a packed bit mask where that is smaller) and the difference
+    bits differ (``::idx``, ascending) and the difference
     of their bit patterns as integers, new minus old (``::dif``, narrowed: ``new_bits``
     inverts it); nothing when no bit differs. Else the whole tensor.
     ``names`` lists the tensors of ``new`` (a tensor of ``base`` not in it is dropped)."""
@@ -95,11 +97,7 @@ def make_delta(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> t
         idx = torch.nonzero(changed, as_tuple=True)[0]
         if idx.numel() == 0:
             continue
-        width = 4 if nb.numel() < 2**31 else 8
-        if idx.numel() * width <= (nb.numel() + 7) // 8:
-            out[f"{name}::idx"] = idx.to(torch.int32 if width == 4 else torch.int64)
-        else:                                   # dense change: one bit per element is smaller than the indices
-            out[f"{name}::mask"] = _pack(changed)
+        out[f"{name}::idx"] = idx.to(torch.int32 if nb.numel() < 2**31 else torch.int64)
         w = _wide(nb)
         out[f"{name}::dif"] = _narrow(nb[idx].to(w) - ob[idx].to(w))
     return out, list(new)
@@ -110,10 +108,10 @@ def _wide(bits: torch.Tensor) -> torch.dtype:
     return torch.int32 if bits.element_size() <= 2 else torch.int64
 
 
-def _narrow(d: torch.Tensor) -> torch.Tensor:
-    """Integers in the narrowest signed type that holds them all."""
+def _narrow(d: torch.Tensor, *, unsigned: bool = False) -> torch.Tensor:
+    """Integers in the narrowest signed type that holds them all (``unsigned``: uint8 first)."""
     lo, hi = int(d.min()), int(d.max())
-    for dt in (torch.int8, torch.int16, torch.int32):
+    for dt in ((torch.uint8,) if unsigned else ()) + (torch.int8, torch.int16, torch.int32):
         if torch.iinfo(dt).min <= lo and hi <= torch.iinfo(dt).max:
             return d.to(dt)
     return d
@@ -134,34 +132,17 @@ def new_bits(old: torch.Tensor, val: torch.Tensor | None, dif: torch.Tensor | No
     return moved.to(old.dtype)
 
 
-_SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
-
-
-def _pack(mask: torch.Tensor) -> torch.Tensor:
-    """A flat bool tensor as bits, 8 to a byte, most significant first (numpy.packbits's order)."""
-    pad = (-mask.numel()) % 8
-    m = torch.cat([mask, mask.new_zeros(pad)]).view(-1, 8).to(torch.uint8)
-    return (m << _SHIFTS).sum(dim=1, dtype=torch.uint8)
-
-
-_BITS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
-_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)
-
-
 def _unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """``_pack``'s inverse: the flat bool mask of the first ``n`` bits (one vectorized op; no
-    indices built: a dense delta is written by ``masked_scatter_``, not an index per element)."""
-    packed = packed.to(torch.uint8).reshape(-1)
-    bits = (packed.unsqueeze(1) & _BITS).ne(0).reshape(-1)
-    if bits.numel() < n or bool(bits[n:].any()):
-        raise IntegrityError(f"weight delta mask of {packed.numel()} bytes does not fit its base ({n} elements)",
+    """The flat bool mask of the first ``n`` bits of a first-format ``::mask`` (8 to a byte, most
+    significant first: numpy.packbits's order; a dense change written by ``masked_scatter_``)."""
+    import numpy as np
+
+    raw = packed.to(torch.uint8).reshape(-1).numpy()
+    bits = np.unpackbits(raw)
+    if bits.size < n or bits[n:].any():
+        raise IntegrityError(f"weight delta mask of {raw.size} bytes does not fit its base ({n} elements)",
                              hint="the delta does not belong to this base")
-    return bits[:n]
-
-
-def _count(packed: torch.Tensor) -> int:
-    """How many bits a packed mask sets (a table per byte: summing the unpacked bools is ~4x slower)."""
-    return int(_POPCOUNT[packed.to(torch.uint8).reshape(-1).long()].sum())
+    return torch.from_numpy(bits[:n].view(np.bool_))
 
 
 def write(flat: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> None:
@@ -239,10 +220,11 @@ def _where(name: str, idx: torch.Tensor, val: torch.Tensor, n: int, *, packed: b
     """Where a tensor's delta writes, checked against a base of ``n`` elements: a bool mask
     (a packed ``::mask``, unpacked; as many bits set as values) or int64 indices in range."""
     if packed:
-        if val.dim() != 1 or _count(idx) != val.numel():
+        mask = _unpack(idx, n)
+        if val.dim() != 1 or int(mask.sum()) != val.numel():
             raise IntegrityError(f"weight delta of {name} does not fit its base ({n} elements)",
                                  hint="the delta does not belong to this base")
-        return _unpack(idx, n)
+        return mask
     if idx.dim() != 1 or val.dim() != 1 or idx.numel() != val.numel() or (
             idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n)):
         raise IntegrityError(f"weight delta of {name} does not fit its base ({n} elements)",
@@ -287,11 +269,13 @@ def _codec():
 def encode(delta: dict[str, torch.Tensor], names: list[str]) -> bytes:
     """The delta as safetensors bytes, the same bytes for the same delta. Each part is a
     uint8 tensor of its zstd-compressed bytes (``::idx`` as gaps: the first index, then
-    each index minus the one before); the metadata holds ``format``, ``names`` (the
+    each index minus the one before, in the narrowest type that holds them: as small as
+    a bit mask of the tensor, and applied in time proportional to the change); the metadata holds ``format``, ``names`` (the
     tensors of the new weights) and ``parts`` (per part: dtype, shape and uncompressed
     byte size). safetensors writes the metadata keys in a per-process hash order, so
     the header is rewritten with sorted keys (a valid safetensors header: JSON,
     space-padded to 8)."""
+    import numpy as np
     from safetensors.torch import save
 
     codec = _codec()
@@ -299,8 +283,8 @@ def encode(delta: dict[str, torch.Tensor], names: list[str]) -> bytes:
     parts: dict[str, list] = {}
     for key in sorted(delta):
         t = delta[key].detach().contiguous()
-        if key.endswith("::idx") and t.numel():
-            t = torch.diff(t, prepend=t.new_zeros(1))
+        if key.endswith("::idx") and t.numel():       # ascending: numpy's diff is ~6x torch's here
+            t = _narrow(torch.from_numpy(np.diff(t.numpy(), prepend=t.numpy().dtype.type(0))), unsigned=True)
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
         blobs[key] = torch.frombuffer(bytearray(codec.compress(raw, asbytes=True)), dtype=torch.uint8)
         parts[key] = [str(t.dtype).removeprefix("torch."), list(t.shape), len(raw)]
@@ -343,8 +327,8 @@ def _inflate(blobs: dict[str, torch.Tensor], parts: dict[str, list]) -> dict[str
         raw = codec.decompress(blobs[key].numpy(), decompressed_size=size, asbytes=True)
         t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape) if size else \
             torch.empty(shape, dtype=dt)
-        if key.endswith("::idx") and t.numel():
-            t = torch.cumsum(t, 0, dtype=torch.int64).to(dt)
+        if key.endswith("::idx"):
+            t = torch.cumsum(t, 0, dtype=torch.int64)       # the gaps summed: the indices, ascending
         out[key] = t
     return out
 
