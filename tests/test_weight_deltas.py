@@ -74,7 +74,7 @@ def _publish(lake, cid: str, parent: str | None, weights, parent_weights, parent
     save_file(weights, str(root / "hf" / "model.safetensors"), metadata={"format": "pt"})
     rec = wd.write_version_weights(root, weights, parent_id=parent, parent_weights=parent_weights,
                                    parent_record=parent_record, anchor_every=anchor_every)
-    wd.keep_exported(lake.uri, cid, root, rec)           # delta-only: the full weights leave a delta version
+    wd.keep_exported(lake.uri, cid, root, rec, parent_id=parent)   # delta-only: the full weights leave a delta version
     (root / "ds" / "final").mkdir(parents=True)
     (root / "ds" / "final" / "state.pt").write_bytes(cid.encode() * 64)   # what retention may remove
     publish_checkpoint(lake, checkpoint_id=cid, policy_version=None, parent_checkpoint_id=parent, snapshot_ids=[],
@@ -141,6 +141,17 @@ def test_tampered_or_missing_delta_is_a_one_line_integrity_error(chain):
     with pytest.raises(IntegrityError) as exc:
         wd.reconstruct(lake, "c2")
     assert "is missing" in _one_line(exc)
+
+
+def test_the_writer_keeps_one_rebuilt_copy_per_line_not_one_per_version(chain):
+    """Each version the writer publishes drops its parent's rebuilt copy from the machine's cache:
+    after v1..v6 (v3, v6 anchors) none is left; an older version read again is rebuilt from its anchor."""
+    lake, ws, recs = chain
+    cache = wd.weights_cache(lake.uri)
+    assert not cache.exists() or not [p.name for p in cache.iterdir() if p.name.startswith("c")]
+    assert wd.weights_digest(wd.load_hf_weights(wd_hf(lake, "c5"))) == recs[4]["sha256"]   # rebuilt on demand
+    assert [p.name.rpartition("-")[0] for p in cache.iterdir()] == ["c5"]
+    assert wd.drop_cached(lake.uri, "c5") == 1 and wd.drop_cached(lake.uri, "c5") == 0
 
 
 def test_retention_keeps_every_version_rebuildable(chain):

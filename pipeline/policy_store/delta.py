@@ -622,17 +622,42 @@ def _install(entry: Path, published_hf: Path, digest: str, weights: dict[str, to
     return hf
 
 
-def keep_exported(lake_uri: str, checkpoint_id: str, root: Path, record: dict[str, Any]) -> Path | None:
+def keep_exported(lake_uri: str, checkpoint_id: str, root: Path, record: dict[str, Any], *,
+                  parent_id: str | None = None) -> Path | None:
     """The writer's side of the delta-only layout: a version whose record is a delta keeps
     only its delta in ``root``; its exported full weights (``root/hf/*.safetensors``) move to
     this machine's cache as its rebuilt weights (the next version's parent, a local reader).
-    Returns the cached ``hf/`` (None for an anchor: its weights stay)."""
-    if record.get("kind") != "delta":
-        return None
-    hf = root / "hf"
-    files = sorted(p for p in hf.iterdir() if p.name.endswith((".safetensors", ".bin"))
-                   or p.name == "model.safetensors.index.json")
-    return _install(_entry(lake_uri, checkpoint_id, record["sha256"]), hf, record["sha256"], weight_files=files)
+    The parent's rebuilt copy (``parent_id``), which the writer needed only as this
+    version's base, is dropped (``drop_cached``): a writer leaves one copy per line, not
+    one per version (269 MB a version at 135M bf16). Returns the cached ``hf/`` (None for
+    an anchor: its weights stay)."""
+    hf = None
+    if record.get("kind") == "delta":
+        src = root / "hf"
+        files = sorted(p for p in src.iterdir() if p.name.endswith((".safetensors", ".bin"))
+                       or p.name == "model.safetensors.index.json")
+        hf = _install(_entry(lake_uri, checkpoint_id, record["sha256"]), src, record["sha256"], weight_files=files)
+    if parent_id and parent_id != checkpoint_id:
+        drop_cached(lake_uri, parent_id)
+    return hf
+
+
+def drop_cached(lake_uri: str, checkpoint_id: str) -> int:
+    """Remove this machine's rebuilt copies of a version (it is rebuilt from its anchor if
+    read again); how many were removed. A process serving from a removed copy keeps its
+    mapped weights (POSIX keeps an open file's data until it is closed); an engine reads
+    only its kept config afterwards, and a later reader rebuilds."""
+    cache = weights_cache(lake_uri)
+    if not cache.is_dir():
+        return 0
+    n = 0
+    for p in cache.iterdir():
+        head, _, digest = p.name.rpartition("-")
+        if head == checkpoint_id and len(digest) == 16:
+            shutil.rmtree(p, ignore_errors=True)
+            _VERIFIED.pop(str(p / "hf"), None)
+            n += 1
+    return n
 
 
 def _meta_ok(hf: Path, row: dict[str, Any]) -> bool:

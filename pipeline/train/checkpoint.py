@@ -228,7 +228,8 @@ def write_final(strategy: DeepSpeedStrategy, root: Path, *, client_state: dict[s
             if delta_base.get("lake_uri"):      # delta-only layout: the full weights leave the version's directory
                 from pipeline.policy_store.delta import keep_exported
 
-                keep_exported(delta_base["lake_uri"], str(client_state["checkpoint_id"]), root, record)
+                keep_exported(delta_base["lake_uri"], str(client_state["checkpoint_id"]), root, record,
+                              parent_id=delta_base.get("parent_id"))
         pause_point(f"{pause_prefix}checkpoint:final:hf-written")   # kill tests: every file but `latest`, no row
         atomic_write(root / LATEST, FINAL_TAG)
     strategy.barrier()
