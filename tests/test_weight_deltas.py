@@ -342,7 +342,7 @@ def test_moves_are_stored_narrow_and_compressed_and_first_format_deltas_are_stil
     n = int.from_bytes(data[:8], "little")
     head = json.loads(data[8:8 + n])
     parts = json.loads(head["__metadata__"]["parts"])
-    parts["w::dif"][2] += 1
+    parts["w::dif"][3] += 1
     head["__metadata__"]["parts"] = json.dumps(parts, sort_keys=True)
     h = json.dumps(head).encode()
     h += b" " * (-len(h) % 8)

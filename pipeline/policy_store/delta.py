@@ -267,29 +267,35 @@ def _codec():
 
 
 def encode(delta: dict[str, torch.Tensor], names: list[str]) -> bytes:
-    """The delta as safetensors bytes, the same bytes for the same delta. Each part is a
-    uint8 tensor of its zstd-compressed bytes (``::idx`` as gaps: the first index, then
-    each index minus the one before, in the narrowest type that holds them: as small as
-    a bit mask of the tensor, and applied in time proportional to the change); the metadata holds ``format``, ``names`` (the
-    tensors of the new weights) and ``parts`` (per part: dtype, shape and uncompressed
-    byte size). safetensors writes the metadata keys in a per-process hash order, so
-    the header is rewritten with sorted keys (a valid safetensors header: JSON,
-    space-padded to 8)."""
+    """The delta as safetensors bytes, the same bytes for the same delta: one uint8 tensor,
+    ``zstd``, holding one zstd frame of every part's bytes concatenated (sorted by key,
+    each padded with zeros to a multiple of 8 bytes; ``::idx`` as gaps: the first index,
+    then each index minus the one before, in the narrowest type that holds them: as small
+    as a bit mask of the tensor once compressed, and applied in time proportional to the
+    change). The metadata holds ``format``, ``names`` (the tensors of the new weights),
+    ``codec``, ``size`` (the uncompressed bytes) and ``parts`` (per part: dtype, shape,
+    offset, bytes). One frame, not one per part: a 135M model's delta has ~420 parts,
+    and decoding them one by one cost more than the bytes. safetensors writes the
+    metadata keys in a per-process hash order, so the header is rewritten with sorted
+    keys (a valid safetensors header: JSON, space-padded to 8)."""
     import numpy as np
     from safetensors.torch import save
 
-    codec = _codec()
-    blobs: dict[str, torch.Tensor] = {}
     parts: dict[str, list] = {}
+    chunks: list[bytes] = []
+    off = 0
     for key in sorted(delta):
         t = delta[key].detach().contiguous()
         if key.endswith("::idx") and t.numel():       # ascending: numpy's diff is ~6x torch's here
             t = _narrow(torch.from_numpy(np.diff(t.numpy(), prepend=t.numpy().dtype.type(0))), unsigned=True)
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
-        blobs[key] = torch.frombuffer(bytearray(codec.compress(raw, asbytes=True)), dtype=torch.uint8)
-        parts[key] = [str(t.dtype).removeprefix("torch."), list(t.shape), len(raw)]
-    data = save(blobs, metadata={"format": FORMAT, "names": json.dumps(names), "codec": "zstd",
-                                 "parts": json.dumps(parts, sort_keys=True)})
+        parts[key] = [str(t.dtype).removeprefix("torch."), list(t.shape), off, len(raw)]
+        chunks += [raw, bytes(-len(raw) % 8)]
+        off += len(raw) + (-len(raw) % 8)
+    blob = _codec().compress(b"".join(chunks), asbytes=True)
+    data = save({"zstd": torch.frombuffer(bytearray(blob), dtype=torch.uint8)},
+                metadata={"format": FORMAT, "names": json.dumps(names), "codec": "zstd", "size": str(off),
+                          "parts": json.dumps(parts, sort_keys=True)})
     (n,) = struct.unpack("<Q", data[:8])
     header = json.dumps(json.loads(data[8:8 + n]), sort_keys=True, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)
@@ -308,25 +314,29 @@ def decode(data: bytes, *, what: str) -> tuple[dict[str, torch.Tensor], list[str
         names = [str(x) for x in json.loads(meta["names"])]
         if meta["format"] == FORMAT_V1:
             return load(data), names
-        return _inflate(load(data), json.loads(meta["parts"])), names
+        blobs = load(data)
+        if set(blobs) != {"zstd"} or meta.get("codec") != "zstd":
+            raise ValueError("not one zstd frame")
+        return _inflate(blobs["zstd"], int(meta["size"]), json.loads(meta["parts"])), names
     except Exception as exc:  # noqa: BLE001 - any parse failure is damaged bytes
         raise IntegrityError(f"{what}: not a readable weight delta ({type(exc).__name__}: {str(exc)[:120]})",
                              hint="the file was modified after publication") from None
 
 
-def _inflate(blobs: dict[str, torch.Tensor], parts: dict[str, list]) -> dict[str, torch.Tensor]:
-    """``encode``'s parts back: each blob decompressed to its recorded dtype and shape (gaps summed)."""
-    if set(blobs) != set(parts):
-        raise ValueError("parts and tensors differ")
-    codec = _codec()
+def _inflate(blob: torch.Tensor, size: int, parts: dict[str, list]) -> dict[str, torch.Tensor]:
+    """``encode``'s parts back: the frame decompressed once, each part a view of its bytes
+    as its recorded dtype and shape (``::idx``: the gaps summed to int64 indices)."""
+    buf = torch.frombuffer(bytearray(_codec().decompress(blob.numpy(), decompressed_size=size, asbytes=True)),
+                           dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+    if buf.numel() != size:
+        raise ValueError(f"{buf.numel()} bytes inflated, {size} recorded")
     out: dict[str, torch.Tensor] = {}
-    for key, (dtype, shape, size) in parts.items():
+    for key, (dtype, shape, off, nbytes) in parts.items():
         dt = getattr(torch, dtype)
-        if not isinstance(dt, torch.dtype) or math.prod(shape) * torch.empty(0, dtype=dt).element_size() != size:
-            raise ValueError(f"part {key}: {dtype} {shape} is not {size} bytes")
-        raw = codec.decompress(blobs[key].numpy(), decompressed_size=size, asbytes=True)
-        t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape) if size else \
-            torch.empty(shape, dtype=dt)
+        if not isinstance(dt, torch.dtype) or math.prod(shape) * torch.empty(0, dtype=dt).element_size() != nbytes \
+                or off % 8 or off < 0 or off + nbytes > size:
+            raise ValueError(f"part {key}: {dtype} {shape} at {off} is not {nbytes} bytes of {size}")
+        t = buf[off:off + nbytes].view(dt).reshape(shape)
         if key.endswith("::idx"):
             t = torch.cumsum(t, 0, dtype=torch.int64)       # the gaps summed: the indices, ascending
         out[key] = t
