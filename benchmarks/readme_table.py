@@ -42,6 +42,12 @@ HEADLINES = (
              "bytes"),
     ("loop", "delta SmolLM2-135M-shape random Llama, publish-only (lr 0.0003, bfloat16, 8 versions, anchor_every=8): "
              "a worker"),
+    ("loop", "delta SmolLM2-135M-shape random Llama, publish-only (lr 1e-05, bfloat16, 8 versions, anchor_every=8): "
+             "bytes"),
+    ("loop", "delta SmolLM2-135M-shape random Llama, publish-only (lr 1e-06, bfloat16, 8 versions, anchor_every=8): "
+             "bytes"),
+    ("loop", "delta SmolLM2-135M-shape random Llama, publish-only (lr 1e-06, bfloat16, 8 versions, anchor_every=8): "
+             "a worker"),
     ("real_model", "real model: held-out correctness gain / 10 points"),
     ("real_model", "real model: held-out correctness gain, 95% CI lower end"),
     ("rollout", "rollout engine-bound 4x8 streaming: trajectories/s with tool latency"),

@@ -348,3 +348,73 @@ def test_moves_are_stored_narrow_and_compressed_and_first_format_deltas_are_stil
     h += b" " * (-len(h) % 8)
     with pytest.raises(IntegrityError, match="not a readable weight delta"):
         wd.decode(len(h).to_bytes(8, "little") + h + data[8 + n:], what="t")
+
+
+def test_a_dense_change_is_a_move_for_every_element_applied_in_one_pass():
+    """Where more than half the elements moved, the delta holds a move for every element (no indices);
+    it rebuilds the weights exactly through every reader: apply_delta (the chain), apply_in_place (vLLM's
+    host copy) and the hf engine's fp32 add (the published bf16 bits are the upper half of its fp32 bits)."""
+    from pipeline.rollout.hf import add_moves
+
+    g = torch.Generator().manual_seed(5)
+    base = {"w": torch.randn(5000, generator=g).to(torch.bfloat16)}
+    bits = base["w"].view(torch.int16).clone()
+    bits += torch.randint(-5, 6, (5000,), generator=g, dtype=torch.int16)
+    bits[:3] = torch.tensor([-1, 0x7F7F, -32768], dtype=torch.int16)    # sign flips and extremes: exact too
+    new = {"w": bits.view(torch.bfloat16)}
+    delta, names = wd.make_delta(base, new)
+    assert set(delta) == {"w::dif", "w::fix", "w::fixbits"} and delta["w::dif"].numel() == 5000
+    assert delta["w::dif"].dtype == torch.int8 and delta["w::fix"].tolist() == [0, 1, 2]   # far moves: new bits apart
+    assert wd.changed_elements(delta) == int((wd.bit_pattern(base["w"]) != bits).sum())
+    got = wd.apply_delta(base, *wd.decode(wd.encode(delta, names), what="t"))
+    assert torch.equal(wd.bit_pattern(got["w"]), bits)
+    held = {"w": base["w"].clone()}
+    assert wd.apply_in_place(held, [(delta, names)]) == {"w"} and torch.equal(wd.bit_pattern(held["w"]), bits)
+    served = base["w"].float()
+    todo = list(wd.changes(delta, {"w": 5000}))
+    assert [(c[2] is None, c[3] is None) for c in todo] == [(True, False), (False, True)]   # moves, then fixed bits
+    (_, where, _, dif, _), (_, fix, fixbits, _, _) = todo
+    add_moves(served.view(torch.int32), where, dif, shift=16)
+    wd.write(served, fix, fixbits.view(torch.bfloat16).float())
+    assert torch.equal(served.view(torch.int32), new["w"].float().view(torch.int32))     # bits: a NaN is among them
+
+
+def test_the_hf_engine_serving_bf16_applies_dense_moves_and_far_fixes_bitwise(lake, tmp_path, monkeypatch):
+    """The hf engine serves bf16-published weights in fp32 and applies a bf16 delta by int32 adds to
+    the fp32 bits: a dense delta (every element moved) with far moves (sign flips) stored apart lands
+    bit for bit (a NaN among them)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from pipeline.rollout.hf import HFEngine
+    from pipeline.testing.train_fixtures import publish_tiny_policy
+
+    monkeypatch.setenv("PIPELINE_CACHE", str(tmp_path / "cache"))
+    publish_tiny_policy(lake, checkpoint_id="tiny-v0")
+    src = wd_hf(lake, "tiny-v0")
+    dirs = []
+    w = {k: v.to(torch.bfloat16) for k, v in wd.load_hf_weights(src).items()}
+    g = torch.Generator().manual_seed(9)
+    versions = [w]
+    nxt = {}
+    for k, t in w.items():
+        bits = t.view(torch.int16).clone().reshape(-1)
+        bits += torch.randint(-4, 5, bits.shape, generator=g, dtype=torch.int16)
+        bits[:2] = torch.tensor([-1, -32767], dtype=torch.int16)        # a NaN, a sign flip near zero
+        nxt[k] = bits.view(torch.bfloat16).reshape(t.shape)
+    versions.append(nxt)
+    for i, ws in enumerate(versions):
+        d = tmp_path / f"v{i}"
+        shutil.copytree(src, d, ignore=shutil.ignore_patterns("*.safetensors"))
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps(cfg | {"dtype": "bfloat16"}))
+        save_file(ws, str(d / "model.safetensors"))
+        dirs.append(d)
+    delta = wd.make_delta(versions[0], versions[1])
+    assert any(k.endswith("::fix") for k in delta[0]) and not any(k.endswith("::idx") for k in delta[0])
+    engine = HFEngine(dirs[0])
+    assert engine.apply_weight_deltas(dirs[1], [wd.decode(wd.encode(*delta), what="t")])
+    sd = engine.model.state_dict()
+    for k, t in versions[1].items():
+        assert torch.equal(sd[k].view(torch.int32), t.float().view(torch.int32)), k

@@ -145,7 +145,7 @@ def _arch(config: dict, *ignore: str) -> dict:
     return {k: v for k, v in config.items() if k not in ("transformers_version", "_name_or_path", *ignore)}
 
 
-def _move(bits: torch.Tensor, where: torch.Tensor, dif: torch.Tensor, *, shift: int) -> None:
+def add_moves(bits: torch.Tensor, where: torch.Tensor | slice, dif: torch.Tensor, *, shift: int) -> None:
     """Add a delta's moves (``dif``, in units of the published dtype's last place) to the
     fp32 bit patterns ``bits`` at ``where``, in place: an fp32 value that holds a bf16
     value exactly has the bf16 bits in its upper half, so a bf16 move of ``d`` is an int32
@@ -154,7 +154,9 @@ def _move(bits: torch.Tensor, where: torch.Tensor, dif: torch.Tensor, *, shift: 
     over the tensor for a dense change (no gather of the old values), the changed
     elements only for indices."""
     moves = (dif.to(torch.int64) << shift).to(torch.int32) if dif.element_size() > 2 else dif.to(torch.int32) << shift
-    if where.dtype == torch.bool:
+    if isinstance(where, slice):        # a dense delta: a move for every element, one pass
+        bits.add_(moves)
+    elif where.dtype == torch.bool:
         dense = torch.zeros_like(bits)
         dense.masked_scatter_(where, moves)
         bits.add_(dense)
@@ -254,7 +256,7 @@ class HFEngine:
                 continue
             flat = p.view(-1)
             if val is None and p.dtype == torch.float32 and dtype in (torch.float32, torch.bfloat16):
-                _move(flat.view(torch.int32), where, dif, shift=16 if dtype == torch.bfloat16 else 0)
+                add_moves(flat.view(torch.int32), where, dif, shift=16 if dtype == torch.bfloat16 else 0)
                 continue
             if val is None:     # the served values hold the previous version's published bits exactly
                 val = new_bits(bit_pattern(flat[where].to(dtype)), None, dif)
