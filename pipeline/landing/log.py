@@ -144,10 +144,30 @@ async def ensure_stream(js: Any, s: Any) -> None:
         return
     except NotFoundError:
         pass
-    await js.add_stream(api.StreamConfig(
-        name=s.stream, subjects=[f"{s.stream}.>"], retention=api.RetentionPolicy.WORK_QUEUE,
-        max_bytes=s.max_bytes, max_msgs=s.max_msgs, discard=api.DiscardPolicy.NEW,
-        duplicate_window=s.duplicate_window_s, storage=api.StorageType.FILE, num_replicas=s.replicas))
+    from nats.js.errors import APIError
+
+    try:
+        await js.add_stream(api.StreamConfig(
+            name=s.stream, subjects=[f"{s.stream}.>"], retention=api.RetentionPolicy.WORK_QUEUE,
+            max_bytes=s.max_bytes, max_msgs=s.max_msgs, discard=api.DiscardPolicy.NEW,
+            duplicate_window=s.duplicate_window_s, storage=api.StorageType.FILE, num_replicas=s.replicas))
+    except APIError as e:
+        raise _stream_refused(s, e) from None
+
+
+def _stream_refused(s: Any, e: Any) -> PipelineError:
+    """The server would not create the stream: what it said, and what to change."""
+    said = f"{e.description} (NATS error {e.err_code})"
+    if e.err_code == 10047:
+        # JetStream reserves a stream's max_bytes up front against its file store limit
+        # (by default 75% of the free disk under its store directory when the server started)
+        return PipelineError(
+            f"the NATS server cannot create stream {s.stream!r}: it cannot reserve max_bytes={s.max_bytes} bytes "
+            f"of its file store: {said}",
+            hint="pass a smaller --max-bytes, free disk under the server's store directory, raise its "
+                 "jetstream max_file_store, or delete streams that are no longer used (nats stream rm NAME)")
+    return PipelineError(f"the NATS server refused to create stream {s.stream!r}: {said}",
+                         hint="check the server's JetStream limits and the stream settings (--replicas, --max-bytes)")
 
 
 async def fresh_consumer(js: Any, s: Any, table: str) -> Any:

@@ -36,11 +36,15 @@ def free_port() -> int:
 
 class NatsServer:
     def __init__(self, store_dir: str | os.PathLike[str] | None = None, *, port: int | None = None,
-                 max_payload: int | None = None, user: str | None = None, password: str | None = None) -> None:
+                 max_payload: int | None = None, max_file_store: int | None = None, user: str | None = None,
+                 password: str | None = None) -> None:
         self.store_dir = str(store_dir or tempfile.mkdtemp(prefix="nats-js-"))
         Path(self.store_dir).mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.max_payload = max_payload
+        # JetStream reserves every stream's max_bytes against this limit (default: 75% of the
+        # disk free at start), so a long-lived test server fixes it rather than depend on the disk
+        self.max_file_store = max_file_store
         self.auth = ["--user", user, "--pass", password or ""] if user else []
         self.proc: subprocess.Popen | None = None
 
@@ -50,9 +54,12 @@ class NatsServer:
 
     def start(self) -> NatsServer:
         args = [binary(), "-js", "-sd", self.store_dir, "-a", "127.0.0.1", "-p", str(self.port), *self.auth]
-        if self.max_payload:
+        lines = [f"max_payload: {self.max_payload}"] if self.max_payload else []
+        if self.max_file_store:
+            lines.append(f"jetstream {{ max_file_store: {self.max_file_store} }}")
+        if lines:
             conf = Path(self.store_dir) / "server.conf"
-            conf.write_text(f"max_payload: {self.max_payload}\n")
+            conf.write_text("\n".join(lines) + "\n")
             args += ["-c", str(conf)]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20

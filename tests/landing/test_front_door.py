@@ -125,6 +125,29 @@ def test_full_stream_is_retriable_backpressure(nats_server, stream):
     assert stream_messages(nats_server.url, stream) >= 1      # what was acked stays stored
 
 
+def test_a_stream_the_server_cannot_reserve_is_one_error_with_a_hint(tmp_path, stream):
+    """JetStream reserves max_bytes up front: a server with less file store than --max-bytes
+    refuses the stream, and serve says so in one error, no traceback, and lands nothing."""
+    from pipeline.testing.nats_server import NatsServer
+
+    srv = NatsServer(tmp_path / "js", max_file_store=32 << 20).start()
+    try:
+        proc = start_serve(str(tmp_path / "lake"), srv.url, stream)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2 and "Traceback" not in err, err
+        errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1 and "cannot reserve max_bytes=1073741824" in errors[0], err
+        assert "--max-bytes" in err.split("hint:")[1], err
+        smaller = start_serve(str(tmp_path / "lake"), srv.url, stream, extra=["--max-bytes", str(8 << 20)])
+        try:
+            wait_for(lambda: _has_stream(srv.url, stream), what="the stream", proc=smaller)
+        finally:
+            code, err = stop_serve(smaller)
+        assert code == 0, err
+    finally:
+        srv.stop()
+
+
 def test_second_serve_refuses_with_one_line(tmp_path, nats_server, stream):
     lake_uri = str(tmp_path / "lake")
     first = start_serve(lake_uri, nats_server.url, stream)
