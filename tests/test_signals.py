@@ -40,7 +40,14 @@ def _env(**extra: str) -> dict[str, str]:
 def _start(tmp_path: Path, name: str, args: list[str], **env: str) -> subprocess.Popen:
     """``pipeline ARGS`` with stdout / stderr in files (a full pipe never blocks it)."""
     out, err = open(tmp_path / f"{name}.out", "w"), open(tmp_path / f"{name}.err", "w")
-    return subprocess.Popen([sys.executable, "-m", "pipeline", *args], stdout=out, stderr=err, env=_env(**env))
+    # SIGINT at its default, as a shell's foreground command gets it: a test run started as a background
+    # job of a script inherits SIGINT ignored, and a command started so rightly ignores it (docs/signals.md)
+    return subprocess.Popen([sys.executable, "-m", "pipeline", *args], stdout=out, stderr=err, env=_env(**env),
+                            preexec_fn=_sigint_default)
+
+
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
