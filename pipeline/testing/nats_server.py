@@ -36,14 +36,15 @@ def free_port() -> int:
 
 class NatsServer:
     def __init__(self, store_dir: str | os.PathLike[str] | None = None, *, port: int | None = None,
-                 max_payload: int | None = None, max_file_store: int | None = None, user: str | None = None,
+                 max_payload: int | None = None, max_file_store: int | None = 1 << 40, user: str | None = None,
                  password: str | None = None) -> None:
         self.store_dir = str(store_dir or tempfile.mkdtemp(prefix="nats-js-"))
         Path(self.store_dir).mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.max_payload = max_payload
-        # JetStream reserves every stream's max_bytes against this limit (default: 75% of the
-        # disk free at start), so a long-lived test server fixes it rather than depend on the disk
+        # JetStream reserves every stream's max_bytes against this limit (nats-server's default: 75% of
+        # the disk free at start); a test server fixes it (1 TiB; None: the server's default) so that
+        # whether its Nth stream is refused does not depend on the machine's free disk
         self.max_file_store = max_file_store
         self.auth = ["--user", user, "--pass", password or ""] if user else []
         self.proc: subprocess.Popen | None = None

@@ -13,9 +13,7 @@ import pytest
 def nats_server():
     from pipeline.testing.nats_server import NatsServer
 
-    # every test makes a stream reserving 1 GiB (the default max_bytes): a fixed file-store limit keeps
-    # the session's server from refusing the Nth stream on a machine with little free disk
-    srv = NatsServer(max_file_store=1 << 40).start()
+    srv = NatsServer().start()      # every test makes a stream reserving 1 GiB (NatsServer fixes the store limit)
     yield srv
     srv.stop()
 
