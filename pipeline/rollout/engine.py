@@ -87,3 +87,19 @@ def truncate_at_stop(ids: list[int], logprobs: list[float], stop_ids: tuple[int,
         if t in stop_ids:
             return Completion(list(ids[:k + 1]), list(logprobs[:k + 1]), "stop")
     return Completion(list(ids[:max_new_tokens]), list(logprobs[:max_new_tokens]), "length")
+
+
+def served_config(hf_dir: Path) -> dict:
+    """``hf_dir``'s config.json, as an engine keeps it while it serves those weights."""
+    import json
+
+    return json.loads((Path(hf_dir) / "config.json").read_text())
+
+
+def same_arch(a: dict, b: dict, *ignore: str) -> bool:
+    """Whether two configs match but for their version stamps (and ``ignore``): what must
+    match to switch weights in place."""
+    def arch(c: dict) -> dict:
+        return {k: v for k, v in c.items() if k not in ("transformers_version", "_name_or_path", *ignore)}
+    return arch(a) == arch(b)
+

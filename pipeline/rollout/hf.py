@@ -30,7 +30,7 @@ from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, L
                           LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerFast)
 
 from pipeline import vocab
-from pipeline.rollout.engine import Completion, Request, Sampling, derive_seed, truncate_at_stop
+from pipeline.rollout.engine import Completion, Request, Sampling, derive_seed, same_arch, served_config, truncate_at_stop
 
 
 # -- tokenizer + model ----------------------------------------------------------------------
@@ -134,17 +134,6 @@ class _GumbelSampler(LogitsProcessor):
         return z + self.noise[:, t, : z.shape[1]].to(z.device)
 
 
-def _config(hf_dir: Path) -> dict:
-    import json
-
-    return json.loads((Path(hf_dir) / "config.json").read_text())
-
-
-def _arch(config: dict, *ignore: str) -> dict:
-    """A config less its version stamps (and ``ignore``): what must match to switch weights in place."""
-    return {k: v for k, v in config.items() if k not in ("transformers_version", "_name_or_path", *ignore)}
-
-
 def add_moves(bits: torch.Tensor, where: torch.Tensor | slice, dif: torch.Tensor, *, shift: int) -> None:
     """Add a delta's moves (``dif``, in units of the published dtype's last place) to the
     fp32 bit patterns ``bits`` at ``where``, in place: an fp32 value that holds a bf16
@@ -176,7 +165,7 @@ class HFEngine:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model = load_model(self.hf_dir, self.device)
         # the served policy's config.json, kept: its directory may be a cache entry pruned while serving
-        self.config = _config(self.hf_dir)
+        self.config = served_config(self.hf_dir)
         self.max_batch = max_batch
 
     def close(self) -> None:
@@ -189,8 +178,8 @@ class HFEngine:
         from safetensors.torch import load_file
 
         hf_dir = Path(hf_dir)
-        config = _config(hf_dir)
-        if _arch(config) != _arch(self.config):
+        config = served_config(hf_dir)
+        if not same_arch(config, self.config):
             return False
         state: dict[str, torch.Tensor] = {}
         for f in sorted(hf_dir.glob("*.safetensors")):
@@ -228,9 +217,9 @@ class HFEngine:
         from pipeline.policy_store.delta import bit_pattern, changes, new_bits, write
 
         hf_dir = Path(hf_dir)
-        config = _config(hf_dir)
+        config = served_config(hf_dir)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(config.get("dtype") or "float32")
-        if dtype is None or _arch(config, "dtype") != _arch(self.config, "dtype"):
+        if dtype is None or not same_arch(config, self.config, "dtype"):
             return False
         served = self.model.state_dict()
         numel = {k: v.numel() for k, v in served.items()}

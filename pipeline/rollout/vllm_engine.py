@@ -34,12 +34,11 @@ offline ``LLM`` engine loads the same HF directory the trainer writes.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
-from pipeline.rollout.engine import Completion, Request, Sampling, derive_seed, truncate_at_stop
+from pipeline.rollout.engine import Completion, Request, Sampling, derive_seed, same_arch, served_config, truncate_at_stop
 
 
 def _import_vllm():
@@ -77,7 +76,7 @@ class VLLMEngine:
             torch.set_num_threads(threads)
         self.hf_dir = Path(hf_dir)
         self._host: dict[str, Any] | None = None     # the served weights in the published dtype (deltas)
-        cfg = json.loads((self.hf_dir / "config.json").read_text())
+        cfg = served_config(self.hf_dir)
         self.config = cfg          # the served policy's config, kept: its directory may be pruned while serving
         self._vllm = vllm
         self._running: dict[str, tuple[int, Sampling]] = {}     # continuous batching: request id -> (seed, sampling)
@@ -144,8 +143,8 @@ class VLLMEngine:
         """Reload the weights of ``hf_dir`` into the running engine (same architecture
         only: False, changing nothing, otherwise)."""
         hf_dir = Path(hf_dir)
-        config = _config(hf_dir)
-        if self._running or _arch(config) != _arch(self.config):
+        config = served_config(hf_dir)
+        if self._running or not same_arch(config, self.config):
             return False
         self._host = None
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(hf_dir)})
@@ -161,8 +160,8 @@ class VLLMEngine:
         from pipeline.policy_store.delta import apply_in_place, has_full, load_hf_weights
 
         hf_dir = Path(hf_dir)
-        config = _config(hf_dir)
-        if self._running or has_full(deltas) or _arch(config, "dtype") != _arch(self.config, "dtype"):
+        config = served_config(hf_dir)
+        if self._running or has_full(deltas) or not same_arch(config, self.config, "dtype"):
             return False
         if self._host is None:
             try:
@@ -212,15 +211,6 @@ class VLLMEngine:
             out.append(flat[pos:pos + r.n])
             pos += r.n
         return out
-
-
-def _config(d: Path) -> dict:
-    return json.loads((Path(d) / "config.json").read_text())
-
-
-def _arch(config: dict, *ignore: str) -> dict:
-    """A config less its version stamps (and ``ignore``): what must match to switch weights in place."""
-    return {k: v for k, v in config.items() if k not in ("transformers_version", "_name_or_path", *ignore)}
 
 
 def _module_key(name: str) -> str:
