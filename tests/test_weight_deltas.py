@@ -154,6 +154,62 @@ def test_the_writer_keeps_one_rebuilt_copy_per_line_not_one_per_version(chain):
     assert wd.drop_cached(lake.uri, "c5") == 1 and wd.drop_cached(lake.uri, "c5") == 0
 
 
+def _cached(lake) -> list[str]:
+    cache = wd.weights_cache(lake.uri)
+    return sorted(p.name.rpartition("-")[0] for p in cache.iterdir()) if cache.exists() else []
+
+
+def test_copies_readers_rebuild_are_bounded_least_recently_used_first(chain, monkeypatch):
+    """A reader's rebuilt copies (eval, a worker's fallback) no longer pile up: past
+    $PIPELINE_WEIGHTS_CACHE_KEEP the least recently used go, never one used within the grace
+    period, and one removed is rebuilt exactly when read again."""
+    import os
+    import time
+
+    from pipeline.errors import ConfigError
+    from pipeline.policy_store import resolve_policy
+
+    lake, ws, recs = chain
+    shutil.rmtree(wd.weights_cache(lake.uri), ignore_errors=True)
+    wd._VERIFIED.clear()
+    monkeypatch.setenv(wd.CACHE_KEEP_ENV, "2")
+    monkeypatch.setattr(wd, "CACHE_GRACE_S", 3600.0)
+    for c in ("c1", "c2", "c4", "c5"):                       # the delta versions; c3, c6 are anchors (no copy)
+        resolve_policy(lake, c)
+    assert _cached(lake) == ["c1", "c2", "c4", "c5"]         # all used within the grace period: kept
+    monkeypatch.setattr(wd, "CACHE_GRACE_S", 0.0)
+    leftover = wd.weights_cache(lake.uri) / ".c9-0123456789abcdef.tmp4242"   # a crashed rebuild's temporary
+    leftover.mkdir()
+    old = time.time() - 10
+    os.utime(leftover, (old, old))
+    time.sleep(0.01)
+    resolve_policy(lake, "c2")                               # used again: now the most recent, then c5
+    assert sorted(n.rpartition("-")[0] for n in wd.prune_cache(lake.uri)) == ["c1", "c4"]
+    assert _cached(lake) == ["c2", "c5"] and not leftover.exists()
+    hf = resolve_policy(lake, "c1").hf_dir                   # a removed copy is rebuilt on demand, exactly,
+    assert wd.weights_digest(wd.load_hf_weights(hf)) == recs[0]["sha256"]
+    assert _cached(lake) == ["c1", "c2"]                     # and its install pruned the least recently used
+    monkeypatch.setenv(wd.CACHE_KEEP_ENV, "many")
+    with pytest.raises(ConfigError) as exc:
+        wd.prune_cache(lake.uri)
+    assert "PIPELINE_WEIGHTS_CACHE_KEEP='many'" in _one_line(exc)
+
+
+def test_a_long_held_parent_copy_removed_from_the_cache_is_rebuilt_when_used(chain):
+    """A trainer holds its parent's rebuilt copy for a whole version; if the cache removed it
+    meanwhile (prune_cache in another process, a user), ensure_rebuilt rebuilds it exactly."""
+    from pipeline.policy_store import resolve_policy
+
+    lake, ws, recs = chain
+    ref = resolve_policy(lake, "c5")
+    assert wd.ensure_rebuilt(lake, ref) == ref.hf_dir
+    shutil.rmtree(ref.hf_dir.parent)
+    hf = wd.ensure_rebuilt(lake, ref)
+    assert wd.weights_digest(wd.load_hf_weights(hf)) == recs[4]["sha256"] and (hf / "tokenizer.json").is_file()
+    anchor = resolve_policy(lake, "c3")                        # an anchor's own published files: used as they are
+    assert wd.ensure_rebuilt(lake, anchor) == anchor.hf_dir
+
+
 def test_retention_keeps_every_version_rebuildable(chain):
     from pipeline.maintain import maintain
 

@@ -35,12 +35,13 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipeline.errors import IntegrityError, NotFoundError
+from pipeline.errors import ConfigError, IntegrityError, NotFoundError
 from pipeline.policy_store.delta_codec import (  # noqa: F401 - re-exported: the public names of the format
     EVERY,
     FORMAT,
@@ -324,7 +325,88 @@ def _cached_hf(lake: Lake, row: dict[str, Any]) -> Path | None:
     hf = _cache_entry(lake, row) / "hf"
     st = _stat(hf / "model.safetensors")
     got = _VERIFIED.get(str(hf))
-    return hf if st is not None and got == ((weights_record(row) or {}).get("sha256"), st) else None
+    if st is not None and got == ((weights_record(row) or {}).get("sha256"), st):
+        _used(hf.parent)
+        return hf
+    return None
+
+
+CACHE_KEEP_ENV = "PIPELINE_WEIGHTS_CACHE_KEEP"
+CACHE_KEEP = 3              # rebuilt copies kept per lake on a machine (most recently used first)
+CACHE_GRACE_S = 600.0       # a copy used this recently is never removed (a reader between resolve and load)
+
+
+def _used(entry: Path) -> None:
+    """Mark a cache entry used now (its directory's mtime: what ``prune_cache`` orders by)."""
+    try:
+        os.utime(entry)
+    except OSError:
+        pass
+
+
+def cache_keep() -> int:
+    """How many rebuilt copies a machine keeps per lake (``$PIPELINE_WEIGHTS_CACHE_KEEP``, default 3)."""
+    raw = os.environ.get(CACHE_KEEP_ENV)
+    try:
+        keep = CACHE_KEEP if raw is None else int(raw)
+    except ValueError:
+        raise ConfigError(f"{CACHE_KEEP_ENV}={raw!r} is not a whole number",
+                          hint=f"set it to how many rebuilt weight copies to keep per lake (default {CACHE_KEEP})") from None
+    if keep < 1:
+        raise ConfigError(f"{CACHE_KEEP_ENV}={keep}: at least 1 copy is kept", hint=f"default {CACHE_KEEP}")
+    return keep
+
+
+def prune_cache(lake_uri: str, *, keep: int | None = None, grace_s: float | None = None,
+                now: float | None = None) -> list[str]:
+    """Bound this machine's cache of a lake's rebuilt weights: remove the least recently
+    used copies beyond ``keep`` (``cache_keep()``), never one used in the last ``grace_s``
+    seconds, and temporary directories a crashed writer left (older than ``grace_s``);
+    the names removed. Every copy can be rebuilt from the lake, a process serving from a
+    removed copy keeps its weights, and a trainer whose parent's copy was removed rebuilds
+    it when it publishes (``ensure_rebuilt``)."""
+    keep = cache_keep() if keep is None else keep
+    grace_s = CACHE_GRACE_S if grace_s is None else grace_s
+    cache = weights_cache(lake_uri)
+    now = time.time() if now is None else now
+    entries: list[tuple[float, Path]] = []
+    try:
+        listed = list(cache.iterdir())
+    except OSError:
+        return []
+    for p in listed:
+        try:
+            mtime = p.stat().st_mtime
+        except OSError:
+            continue
+        if p.name.startswith("."):
+            if ".tmp" in p.name and now - mtime > grace_s:
+                shutil.rmtree(p, ignore_errors=True)
+            continue
+        entries.append((mtime, p))
+    removed = []
+    for mtime, p in sorted(entries, reverse=True)[keep:]:
+        if now - mtime > grace_s:
+            shutil.rmtree(p, ignore_errors=True)
+            _VERIFIED.pop(str(p / "hf"), None)
+            removed.append(p.name)
+    return removed
+
+
+def ensure_rebuilt(lake: Lake, ref: Any) -> Path:
+    """``ref.hf_dir``, rebuilt again (``resolve_policy``) if this machine's cache removed it
+    since ``ref`` was resolved: a long-held path (a trainer's parent) survives ``prune_cache``."""
+    hf = Path(ref.hf_dir)
+    if ref.policy_version < 0:
+        return hf
+    if (hf / "config.json").is_file() and any((hf / n).is_file() for n in ("model.safetensors",
+                                                                           "model.safetensors.index.json")):
+        if hf.parent.parent == weights_cache(lake.uri):     # a rebuilt copy: used now (prune_cache spares it)
+            _used(hf.parent)
+        return hf
+    from pipeline.policy_store import resolve_policy
+
+    return resolve_policy(lake, ref.checkpoint_id).hf_dir
 
 
 def _install(entry: Path, published_hf: Path, digest: str, weights: dict[str, torch.Tensor] | None = None,
@@ -349,7 +431,9 @@ def _install(entry: Path, published_hf: Path, digest: str, weights: dict[str, to
         tmp.rename(entry)
     except OSError:       # another process installed it first (its own rebuild, checked): never replaced under a reader
         shutil.rmtree(tmp, ignore_errors=True)
+        _used(entry)
         return hf
+    _used(entry)
     st = _stat(hf / "model.safetensors")
     if st is not None:
         _VERIFIED[str(hf)] = (digest, st)
@@ -373,6 +457,7 @@ def keep_exported(lake_uri: str, checkpoint_id: str, root: Path, record: dict[st
         hf = _install(_entry(lake_uri, checkpoint_id, record["sha256"]), src, record["sha256"], weight_files=files)
     if parent_id and parent_id != checkpoint_id:
         drop_cached(lake_uri, parent_id)
+    prune_cache(lake_uri)
     return hf
 
 
@@ -419,7 +504,10 @@ def materialize(lake: Lake, row: dict[str, Any], published_hf: Path, rows: list[
             ok = False
         if ok:
             _VERIFIED[str(hf)] = (digest, st)
+            _used(entry)
             return hf
     shutil.rmtree(entry, ignore_errors=True)          # a damaged or partial copy: rebuilt below
     weights, _ = reconstruct(lake, row["checkpoint_id"], cached=True, rows=rows)
-    return _install(entry, published_hf, digest, weights=weights)
+    hf = _install(entry, published_hf, digest, weights=weights)
+    prune_cache(lake.uri)
+    return hf

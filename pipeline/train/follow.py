@@ -218,6 +218,7 @@ class _Follower:
         """Re-train a published version from the in-memory state; its checkpoint id
         and weight hashes must be the published ones."""
         from pipeline.policy_store import hash_dir, resolve_policy
+        from pipeline.policy_store.delta import ensure_rebuilt
         from pipeline.train import checkpoint as ck
         from pipeline.train.checkpoint import weight_hashes
         from pipeline.train.identity import new_run
@@ -241,7 +242,8 @@ class _Follower:
             out = Path(tmp) / "v"
             state_dict = self.strategy.consolidated_state_dict(self.lm)
             if self.rank == 0:
-                ck.export_hf(self.lm, self.head.hf_dir, out / "hf", state_dict, dtype=self.cfg.publish_dtype)
+                ck.export_hf(self.lm, ensure_rebuilt(self.lake, self.head), out / "hf", state_dict,
+                             dtype=self.cfg.publish_dtype)
                 got = weight_hashes({f"hf/{k}": v for k, v in hash_dir(out / "hf").items()})
                 want = weight_hashes(published.file_sha256)
                 if any(k.startswith("delta/") for k in want):    # delta-only: the digest of the rebuilt weights

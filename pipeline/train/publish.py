@@ -48,6 +48,7 @@ def checkpoint_and_publish(run: Run, strategy: DeepSpeedStrategy, data: Data, pl
     ``exclusive`` (the resident trainer, whose in-memory state must be what it
     published): losing the publication to another run is a ConflictError."""
     from pipeline import lineage
+    from pipeline.policy_store.delta import ensure_rebuilt
     from pipeline.train import checkpoint as ck
 
     lake, cfg, steps = run.lake, run.cfg, plan.steps
@@ -58,8 +59,10 @@ def checkpoint_and_publish(run: Run, strategy: DeepSpeedStrategy, data: Data, pl
                                        "optimizer_from": plan.optimizer_from}
     if crash_at == "publish":
         crash_while_publishing(strategy, run.final, client_state, train_config, data.lm, run.parent)
+    # the parent's weights may be a rebuilt copy this machine's cache removed while the version trained
+    parent_hf = ensure_rebuilt(lake, run.parent) if run.rank == 0 else run.parent.hf_dir
     record = ck.write_final(strategy, run.final, client_state=client_state, train_config=train_config, lm=data.lm,
-                            parent_hf=run.parent.hf_dir, full=full, pause_prefix=pause_prefix,
+                            parent_hf=parent_hf, full=full, pause_prefix=pause_prefix,
                             delta_base=delta_base(lake, run.parent, cfg.anchor_every) if run.rank == 0 else None)
     if run.rank != 0:
         return None

@@ -87,6 +87,37 @@ def test_bf16_follow_equals_the_chain_and_every_version_rebuilds_from_its_deltas
     assert _line(lake2) == _line(lake)                              # and the same rebuilt weights
 
 
+def test_follow_rebuilds_a_parent_copy_the_cache_removed_while_it_trained(tlake, tmp_path, monkeypatch):
+    """The resident trainer holds its last version's rebuilt copy as the next version's parent;
+    another process's prune_cache (or a user) may remove it while a version trains. The trainer
+    rebuilds it when it publishes, and every version still rebuilds to its recorded digest."""
+    import shutil
+
+    from pipeline.train import steps
+
+    lake, _ = tlake
+    monkeypatch.setenv("PIPELINE_CACHE", str(tmp_path / "cache"))
+    _more(lake, 2)
+    real, wiped = steps.prepare_data, []
+
+    def prune_then_prepare(run, lm=None):
+        cache = wd.weights_cache(lake.uri)
+        if cache.exists() and any(cache.iterdir()):
+            wiped.append(sorted(p.name for p in cache.iterdir()))
+            shutil.rmtree(cache)
+            wd._VERIFIED.clear()
+        return real(run, lm=lm)
+
+    monkeypatch.setattr(steps, "prepare_data", prune_then_prepare)
+    res = follow(lake, CFG, stop_after=3, progress=False)
+    assert [v["policy_version"] for v in res.versions] == [1, 2, 3] and wiped    # v3's parent copy was removed
+    rows = {r["checkpoint_id"]: r for r in lake.read("checkpoints").to_pylist()}
+    recs = [wd.weights_record(rows[v["checkpoint_id"]]) for v in res.versions]
+    assert [r["kind"] for r in recs] == ["anchor", "delta", "delta"]
+    for v, rec in zip(res.versions, recs):
+        assert wd.weights_digest(wd.reconstruct(lake, v["checkpoint_id"])[0]) == rec["sha256"]
+
+
 @pytest.mark.slow
 def test_bf16_restart_replays_delta_only_versions_on_a_machine_without_their_weights(tlake, tmp_path, monkeypatch):
     """A restart that must replay delta-only versions (their DeepSpeed state lost) on a machine with
