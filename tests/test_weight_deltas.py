@@ -156,7 +156,7 @@ def test_the_writer_keeps_one_rebuilt_copy_per_line_not_one_per_version(chain):
 
 def _cached(lake) -> list[str]:
     cache = wd.weights_cache(lake.uri)
-    return sorted(p.name.rpartition("-")[0] for p in cache.iterdir()) if cache.exists() else []
+    return sorted(p.name.rpartition("-")[0] for p in cache.iterdir() if not p.name.startswith(".")) if cache.exists() else []
 
 
 def test_copies_readers_rebuild_are_bounded_least_recently_used_first(chain, monkeypatch):
@@ -178,14 +178,19 @@ def test_copies_readers_rebuild_are_bounded_least_recently_used_first(chain, mon
         resolve_policy(lake, c)
     assert _cached(lake) == ["c1", "c2", "c4", "c5"]         # all used within the grace period: kept
     monkeypatch.setattr(wd, "CACHE_GRACE_S", 0.0)
-    leftover = wd.weights_cache(lake.uri) / ".c9-0123456789abcdef.tmp4242"   # a crashed rebuild's temporary
-    leftover.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    leftover = wd.weights_cache(lake.uri) / f".c9-0123456789abcdef.tmp{dead.pid}"   # a killed rebuild's temporary
+    running = wd.weights_cache(lake.uri) / f".c8-0123456789abcdef.tmp{os.getpid()}"  # a long rebuild, still going
     old = time.time() - 10
-    os.utime(leftover, (old, old))
+    for d in (leftover, running):
+        d.mkdir()
+        os.utime(d, (old, old))
     time.sleep(0.01)
     resolve_policy(lake, "c2")                               # used again: now the most recent, then c5
     assert sorted(n.rpartition("-")[0] for n in wd.prune_cache(lake.uri)) == ["c1", "c4"]
-    assert _cached(lake) == ["c2", "c5"] and not leftover.exists()
+    assert _cached(lake) == ["c2", "c5"] and not leftover.exists() and running.exists()
+    running.rmdir()
     hf = resolve_policy(lake, "c1").hf_dir                   # a removed copy is rebuilt on demand, exactly,
     assert wd.weights_digest(wd.load_hf_weights(hf)) == recs[0]["sha256"]
     assert _cached(lake) == ["c1", "c2"]                     # and its install pruned the least recently used

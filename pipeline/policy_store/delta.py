@@ -361,7 +361,7 @@ def prune_cache(lake_uri: str, *, keep: int | None = None, grace_s: float | None
                 now: float | None = None) -> list[str]:
     """Bound this machine's cache of a lake's rebuilt weights: remove the least recently
     used copies beyond ``keep`` (``cache_keep()``), never one used in the last ``grace_s``
-    seconds, and temporary directories a crashed writer left (older than ``grace_s``);
+    seconds, and temporary directories a crashed rebuild left (its process gone);
     the names removed. Every copy can be rebuilt from the lake, a process serving from a
     removed copy keeps its weights, and a trainer whose parent's copy was removed rebuilds
     it when it publishes (``ensure_rebuilt``)."""
@@ -380,7 +380,7 @@ def prune_cache(lake_uri: str, *, keep: int | None = None, grace_s: float | None
         except OSError:
             continue
         if p.name.startswith("."):
-            if ".tmp" in p.name and now - mtime > grace_s:
+            if now - mtime > grace_s and _writer_gone(p.name):
                 shutil.rmtree(p, ignore_errors=True)
             continue
         entries.append((mtime, p))
@@ -391,6 +391,22 @@ def prune_cache(lake_uri: str, *, keep: int | None = None, grace_s: float | None
             _VERIFIED.pop(str(p / "hf"), None)
             removed.append(p.name)
     return removed
+
+
+def _writer_gone(name: str) -> bool:
+    """Whether the process that named a temporary cache directory ``.<entry>.tmp<pid>``
+    (``_install``) is gone: a rebuild still running (longer than the grace period: a large
+    model) is never removed under its writer. The cache is this machine's, so is the pid."""
+    head, sep, pid = name.rpartition(".tmp")
+    if not sep or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:          # alive, another user's
+        return False
+    return False
 
 
 def ensure_rebuilt(lake: Lake, ref: Any) -> Path:
