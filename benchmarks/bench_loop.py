@@ -141,9 +141,14 @@ def _cli(*args: str) -> tuple[float, dict]:
 # -- the policies ----------------------------------------------------------------------------
 
 
+def _model_dir() -> Path:
+    """Where the 135M-shape policy is kept between runs: this machine's cache, not the run's."""
+    return Path(os.environ.get("PIPELINE_CACHE", Path.home() / ".cache" / "pipeline")) / "bench-smollm2-135m-random"
+
+
 def _smol_dir() -> Path:
     """A random Llama of SmolLM2-135M's shape with SmolLM2's tokenizer, cached between runs."""
-    cache = Path(os.environ.get("PIPELINE_CACHE", Path.home() / ".cache" / "pipeline")) / "bench-smollm2-135m-random"
+    cache = Path(os.environ.get("BENCH_LOOP_MODEL_DIR") or _model_dir())
     if (cache / "model.safetensors").is_file() and (cache / "tokenizer.json").is_file():
         return cache
     import importlib.util
@@ -743,7 +748,9 @@ def run(quick: bool) -> dict:
             (Path(tmp) / kind).mkdir()
             env = _env() | {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent)]
                                                          + [p for p in os.environ.get("PYTHONPATH", "").split(
-                                                             os.pathsep) if p])}
+                                                             os.pathsep) if p]),
+                            # the rebuilt weights of the run's lakes go with them (not into ~/.cache)
+                            "PIPELINE_CACHE": str(Path(tmp) / "cache"), "BENCH_LOOP_MODEL_DIR": str(_model_dir())}
             p = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(Path(__file__).resolve().parent))
             if p.returncode != 0 or not res_file.is_file():
                 raise RuntimeError(f"bench_loop {kind} failed (exit code {p.returncode})")

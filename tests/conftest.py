@@ -17,6 +17,15 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/pipel
 
 import pytest  # noqa: E402
 
+# This machine's cache (rebuilt weights, fetched checkpoints) goes to a directory of the test run,
+# removed when it ends: tests never fill or read the user's ~/.cache/pipeline.
+if "PIPELINE_CACHE" not in os.environ:
+    import atexit
+    import tempfile
+
+    os.environ["PIPELINE_CACHE"] = _RUN_CACHE = tempfile.mkdtemp(prefix="pipeline-test-cache-")
+    atexit.register(shutil.rmtree, _RUN_CACHE, ignore_errors=True)
+
 
 # -- optional heavy dependencies: skipped with a reason locally, a failure in CI ------------------
 # CI (CI=true, set by every CI system; .ci/run runs `setup-env.sh --test`, which installs both and
