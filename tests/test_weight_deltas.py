@@ -196,7 +196,7 @@ def test_copies_readers_rebuild_are_bounded_least_recently_used_first(chain, mon
     assert _cached(lake) == ["c1", "c2"]                     # and its install pruned the least recently used
     monkeypatch.setenv(wd.CACHE_KEEP_ENV, "many")
     with pytest.raises(ConfigError) as exc:
-        wd.prune_cache(lake.uri)
+        resolve_policy(lake, "c3")                           # what every command does first: before its work
     assert "PIPELINE_WEIGHTS_CACHE_KEEP='many'" in _one_line(exc)
 
 

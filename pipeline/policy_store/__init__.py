@@ -179,7 +179,10 @@ def resolve_policy(lake: Lake | str | os.PathLike[str], spec: str | int | None =
     HF directory path (not verified: a user's own model). A delta-only version's
     ``hf_dir`` is its rebuilt weights (``delta.materialize``); ``weights=False``: its
     own ``hf/`` (config and tokenizer only), for a caller that needs no weights."""
+    from pipeline.policy_store.delta import cache_keep, delta_only, materialize
+
     lake = as_lake(lake)
+    cache_keep()        # a bad $PIPELINE_WEIGHTS_CACHE_KEEP fails here, before a command's work, not at its publish
     if isinstance(spec, str) and spec not in ("latest",) and not spec.isdigit():
         p = Path(spec)
         if p.is_dir():
@@ -213,8 +216,6 @@ def resolve_policy(lake: Lake | str | os.PathLike[str], spec: str | int | None =
         # rollout workers following the newest policy resolve it every wave
         verify_dir(local, files, what=f"checkpoint {row['checkpoint_id']}")
         _CHECKED[key] = (files, _stats(local, files))
-    from pipeline.policy_store.delta import delta_only, materialize
-
     rebuilt = materialize(lake, row, local / HF_SUBDIR, rows) if weights and delta_only(row) else None
     return PolicyRef(row["checkpoint_id"], int(row["policy_version"]), local, files, hf_path=rebuilt, rel=rel)
 
