@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 import subprocess
 import sys
 import pytest
@@ -198,6 +199,45 @@ def test_copies_readers_rebuild_are_bounded_least_recently_used_first(chain, mon
     with pytest.raises(ConfigError) as exc:
         resolve_policy(lake, "c3")                           # what every command does first: before its work
     assert "PIPELINE_WEIGHTS_CACHE_KEEP='many'" in _one_line(exc)
+
+
+PRUNER = """
+import sys
+from pipeline.policy_store import delta as wd
+for _ in range(int(sys.argv[2])):
+    wd.prune_cache(sys.argv[1], keep=1, grace_s=0)
+"""
+
+
+def test_two_pruners_at_once_leave_every_visible_copy_whole(tmp_path, monkeypatch):
+    """prune_cache in two processes at once (a concurrent twin) while a reader watches: a copy
+    under its own name is always complete (removal renames it away first), and what is left is
+    the newest copy, no temporary names."""
+    import os
+
+    monkeypatch.setenv("PIPELINE_CACHE", str(tmp_path / "cache"))
+    uri = str(tmp_path / "lake")
+    cache = wd.weights_cache(uri)
+    files = ("config.json", "tokenizer.json", "model.safetensors")
+    for i in range(60):
+        hf = cache / f"v{i:02d}-{i:016x}" / "hf"
+        hf.mkdir(parents=True)
+        for f in files:
+            (hf / f).write_bytes(b"x" * 4096)
+        os.utime(hf.parent, (1000 + i, 1000 + i))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    twins = [subprocess.Popen([sys.executable, "-c", PRUNER, uri, "3"], env=env) for _ in range(2)]
+    torn = []
+    while any(t.poll() is None for t in twins):
+        for entry in list(cache.iterdir()):
+            if entry.name.startswith("."):
+                continue
+            missing = [f for f in files if not (entry / "hf" / f).is_file()]
+            if missing and entry.exists():
+                torn.append((entry.name, missing))
+    assert [t.wait() for t in twins] == [0, 0]
+    assert not torn, torn
+    assert [p.name for p in cache.iterdir()] == [f"v59-{59:016x}"]
 
 
 def test_a_long_held_parent_copy_removed_from_the_cache_is_rebuilt_when_used(chain):

@@ -386,11 +386,23 @@ def prune_cache(lake_uri: str, *, keep: int | None = None, grace_s: float | None
         entries.append((mtime, p))
     removed = []
     for mtime, p in sorted(entries, reverse=True)[keep:]:
-        if now - mtime > grace_s:
-            shutil.rmtree(p, ignore_errors=True)
-            _VERIFIED.pop(str(p / "hf"), None)
+        if now - mtime > grace_s and _remove_entry(p):
             removed.append(p.name)
     return removed
+
+
+def _remove_entry(entry: Path) -> bool:
+    """Remove a cache entry whole or not at all, as readers see it: renamed away first (one
+    atomic step: a reader finds the copy complete or finds none), then deleted; a kill -9
+    while deleting leaves a temporary name ``prune_cache`` removes later. False if already gone."""
+    _VERIFIED.pop(str(entry / "hf"), None)
+    gone = entry.with_name(f".{entry.name}.gone.tmp{os.getpid()}")
+    try:
+        entry.rename(gone)
+    except OSError:
+        return False
+    shutil.rmtree(gone, ignore_errors=True)
+    return True
 
 
 def _writer_gone(name: str) -> bool:
@@ -415,8 +427,11 @@ def ensure_rebuilt(lake: Lake, ref: Any) -> Path:
     hf = Path(ref.hf_dir)
     if ref.policy_version < 0:
         return hf
-    if (hf / "config.json").is_file() and any((hf / n).is_file() for n in ("model.safetensors",
-                                                                           "model.safetensors.index.json")):
+    # every file the version published in hf/ (a rebuilt copy: all but the weights) and weights
+    want = [k[3:] for k in ref.file_sha256 if k.startswith("hf/") and "/" not in k[3:]
+            and not (k.endswith((".safetensors", ".bin")) or k.endswith(".index.json"))]
+    if all((hf / n).is_file() for n in ["config.json", *want]) and any(
+            (hf / n).is_file() for n in ("model.safetensors", "model.safetensors.index.json")):
         if hf.parent.parent == weights_cache(lake.uri):     # a rebuilt copy: used now (prune_cache spares it)
             _used(hf.parent)
         return hf
@@ -488,9 +503,7 @@ def drop_cached(lake_uri: str, checkpoint_id: str) -> int:
     n = 0
     for p in cache.iterdir():
         head, _, digest = p.name.rpartition("-")
-        if head == checkpoint_id and len(digest) == 16:
-            shutil.rmtree(p, ignore_errors=True)
-            _VERIFIED.pop(str(p / "hf"), None)
+        if head == checkpoint_id and len(digest) == 16 and _remove_entry(p):
             n += 1
     return n
 
@@ -522,7 +535,7 @@ def materialize(lake: Lake, row: dict[str, Any], published_hf: Path, rows: list[
             _VERIFIED[str(hf)] = (digest, st)
             _used(entry)
             return hf
-    shutil.rmtree(entry, ignore_errors=True)          # a damaged or partial copy: rebuilt below
+    _remove_entry(entry)                              # a damaged or partial copy: rebuilt below
     weights, _ = reconstruct(lake, row["checkpoint_id"], cached=True, rows=rows)
     hf = _install(entry, published_hf, digest, weights=weights)
     prune_cache(lake.uri)
