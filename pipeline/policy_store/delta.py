@@ -409,7 +409,7 @@ def _writer_gone(name: str) -> bool:
     """Whether the process that named a temporary cache directory ``.<entry>.tmp<pid>``
     (``_install``) is gone: a rebuild still running (longer than the grace period: a large
     model) is never removed under its writer. The cache is this machine's, so is the pid."""
-    head, sep, pid = name.rpartition(".tmp")
+    _, sep, pid = name.rpartition(".tmp")
     if not sep or not pid.isdigit():
         return False
     try:
@@ -427,11 +427,7 @@ def ensure_rebuilt(lake: Lake, ref: Any) -> Path:
     hf = Path(ref.hf_dir)
     if ref.policy_version < 0:
         return hf
-    # every file the version published in hf/ (a rebuilt copy: all but the weights) and weights
-    want = [k[3:] for k in ref.file_sha256 if k.startswith("hf/") and "/" not in k[3:]
-            and not (k.endswith((".safetensors", ".bin")) or k.endswith(".index.json"))]
-    if all((hf / n).is_file() for n in ["config.json", *want]) and any(
-            (hf / n).is_file() for n in ("model.safetensors", "model.safetensors.index.json")):
+    if (hf / "config.json").is_file():     # copies are installed and removed by one rename: present is whole
         if hf.parent.parent == weights_cache(lake.uri):     # a rebuilt copy: used now (prune_cache spares it)
             _used(hf.parent)
         return hf

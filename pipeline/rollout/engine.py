@@ -102,4 +102,3 @@ def same_arch(a: dict, b: dict, *ignore: str) -> bool:
     def arch(c: dict) -> dict:
         return {k: v for k, v in c.items() if k not in ("transformers_version", "_name_or_path", *ignore)}
     return arch(a) == arch(b)
-

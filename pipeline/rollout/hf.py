@@ -145,10 +145,6 @@ def add_moves(bits: torch.Tensor, where: torch.Tensor | slice, dif: torch.Tensor
     moves = (dif.to(torch.int64) << shift).to(torch.int32) if dif.element_size() > 2 else dif.to(torch.int32) << shift
     if isinstance(where, slice):        # a dense delta: a move for every element, one pass
         bits.add_(moves)
-    elif where.dtype == torch.bool:
-        dense = torch.zeros_like(bits)
-        dense.masked_scatter_(where, moves)
-        bits.add_(dense)
     else:       # distinct indices (a delta's are ascending): scatter_add_ is ~3x index_add_ on one thread
         bits.scatter_add_(0, where, moves)
 
